@@ -1,0 +1,113 @@
+"""Reducing a per-token loss matrix to the scalar a backward pass needs, the same way however the batch is split.
+
+Why the `global_*` arguments exist. An optimizer step consumes one mini-batch, but the engine sees it in
+pieces: M micro-batches (gradient accumulation) on each of D data-parallel ranks. The gradient we want is
+the gradient of the loss of the *whole* mini-batch. Two mechanisms combine the pieces:
+
+* gradient accumulation **sums** the micro-batch gradients on a rank;
+* data-parallel reduction (DDP / FSDP all-reduce) **averages** gradients over the D ranks.
+
+So if every micro-batch divides its local sum by the mini-batch total (tokens or sequences, counted over
+all micro-batches and all ranks) and multiplies by D, then sum over micro-batches followed by the mean over
+ranks is exactly sum(all terms) / total: the whole mini-batch loss. Dividing each micro-batch by its own
+local count instead (what a naive mean does) weights tokens of short micro-batches more and makes the
+gradient depend on how the batch was split. When `global_*` is None the local totals are used, which is
+only correct for a single piece, hence `dp_size` must then be 1.
+
+Counting convention (use `global_totals` to compute it the same way): tokens are `response_mask.sum()`,
+sequences are rows with at least one valid response token (as verl; padding rows add nothing).
+
+Pure: tensors in, tensors out; no distributed code (the caller all-reduces the counts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.errors import ConfigError
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` where `mask` is 1; 0 (not NaN) when the mask is empty."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def global_totals(response_mask: torch.Tensor) -> tuple[int, int]:
+    """(valid tokens, non-empty sequences) of a (B, R) mask, counted as `aggregate_loss` expects.
+
+    The caller sums these over every micro-batch and data-parallel rank of a mini-batch and passes the
+    sums as `global_tokens` / `global_seqs`.
+    """
+    valid = response_mask > 0
+    return int(valid.sum().item()), int(valid.any(dim=-1).sum().item())
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: int | float | torch.Tensor | None = None,
+    global_seqs: int | float | torch.Tensor | None = None,
+    dp_size: int = 1,
+) -> torch.Tensor:
+    """Reduce a (B, R) per-token loss to a scalar under `mode`, normalised by mini-batch totals.
+
+    With m the mask, N = global_tokens, S = global_seqs, n_i = sum_t m_it, D = dp_size, W = R (width):
+
+    * "token-mean":              D * sum_it l_it m_it / N        (DAPO's token-level loss, Yu et al. 2025)
+    * "token-sum":               D * sum_it l_it m_it
+    * "seq-mean-token-sum":      D * sum_i (sum_t l_it m_it) / S
+    * "seq-mean-token-mean":     D * sum_i (sum_t l_it m_it / n_i) / S   (original GRPO, Shao et al. 2024)
+    * "seq-mean-token-sum-norm": D * sum_it l_it m_it / W / S    (Dr. GRPO, Liu et al. 2025)
+
+    The last mode divides by the response width W = mask.shape[-1] as a constant standing for the maximum
+    response length, as verl does; it is split-invariant only when every micro-batch is padded to the same
+    width. See the module docstring for why the totals and D appear. A zero total (an all-padding batch)
+    is treated as 1 so the loss is 0, not NaN.
+
+    Raises ConfigError for an unknown mode, or for `dp_size != 1` without global totals.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ConfigError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    if dp_size < 1:
+        raise ConfigError(f"dp_size must be >= 1, got {dp_size}")
+    mask = mask.to(loss_mat.dtype)
+    masked = loss_mat * mask
+    needs_tokens = mode == "token-mean"
+    needs_seqs = mode.startswith("seq-mean")
+    if dp_size != 1 and ((needs_tokens and global_tokens is None) or (needs_seqs and global_seqs is None)):
+        raise ConfigError(
+            f"loss_agg_mode {mode!r} with dp_size={dp_size} needs the mini-batch totals "
+            "(global_tokens / global_seqs); local totals are only correct on a single rank"
+        )
+
+    if mode == "token-sum":
+        return masked.sum() * dp_size
+    if mode == "token-mean":
+        total = mask.sum() if global_tokens is None else global_tokens
+        return masked.sum() / _at_least_one(total, loss_mat) * dp_size
+
+    seqs = (mask > 0).any(dim=-1).sum() if global_seqs is None else global_seqs
+    seqs = _at_least_one(seqs, loss_mat)
+    seq_sums = masked.sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        return seq_sums.sum() / seqs * dp_size
+    if mode == "seq-mean-token-mean":
+        seq_means = seq_sums / mask.sum(dim=-1).clamp(min=1.0)
+        return seq_means.sum() / seqs * dp_size
+    # "seq-mean-token-sum-norm"
+    return seq_sums.sum() / mask.shape[-1] / seqs * dp_size
+
+
+def _at_least_one(total: int | float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`total` as a tensor on `like`'s device, clamped to >= 1 (a zero total only occurs with a zero sum)."""
+    return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1.0)

@@ -1,0 +1,150 @@
+"""Frozen dataclass schemas: the single source of truth for every configuration key.
+
+YAML files under `config/yaml/` hold the same defaults (a test keeps them equal) and presets; `load.py`
+turns Hydra's composed config into these dataclasses, rejecting unknown keys by name.
+Counting convention: every batch size counts samples (prompt x response pairs) unless its name says
+`prompts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # a local Hugging Face directory (config.json, weights, tokenizer)
+    dtype: str = "float32"  # float32 | bfloat16 (bfloat16 only where the device supports it)
+    attn_implementation: str = "sdpa"  # sdpa | eager
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+    max_prompt_length: int = 64  # tokens, after the chat template
+    max_response_length: int = 16  # tokens generated per sample
+    train_batch_prompts: int = 32  # prompts per RL step (each sampled rollout.n times)
+    val_max_prompts: int = 256  # prompts of the validation split used per validation (0 = all)
+    overlong_prompts: str = "filter"  # filter | error
+    shuffle: bool = True
+    response_key: str = "extra_info.answer"  # SFT only: dotted path of the target response in a row
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = "native"  # native (built-in KV-cache sampler)
+    n: int = 8  # samples per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop: tuple[str, ...] = ()  # stop strings, besides the tokenizer's eos
+    val_temperature: float = 0.0  # 0 = greedy, as validation accuracy is defined
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    mini_batch_size: int = 0  # samples per optimizer step (over all workers); 0 = the whole step's batch
+    micro_batch_size: int = 64  # samples per forward/backward on one worker
+    ppo_epochs: int = 1
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    entropy_coeff: float = 0.0
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    custom_function_path: str = ""  # a Python file; empty = the built-in scorers by data_source
+    custom_function_name: str = "compute_score"
+    gsm8k_method: str = "strict"  # strict | flexible
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = ""  # empty = start a local, loopback-only Ray instance
+    num_cpus: int = 0  # local instance only; 0 = all cores
+    tmpdir: str = ""  # local instance only; empty = <system temp>/posttrain-ray-<uid>
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    run_dir: str = "runs/default"
+    total_steps: int = 20
+    n_workers: int = 1  # data-parallel SPMD workers (torch.distributed ranks)
+    backend: str = "ray"  # ray | local (in-process, world size 1)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    val_every: int = 5  # steps; 0 = never
+    val_before_train: bool = True
+    save_every: int = 10  # steps; 0 = only at the end
+    max_checkpoints_to_keep: int = 2
+    resume: bool = True  # resume from <run_dir>/latest when present
+    loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / n_workers
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The whole RL job as one value."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass(frozen=True)
+class SFTOptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    warmup_steps: int = 10
+    batch_size: int = 64  # samples per optimizer step (over all workers)
+    micro_batch_size: int = 64  # samples per forward/backward on one worker
+
+
+@dataclass(frozen=True)
+class SFTTrainerConfig:
+    run_dir: str = "runs/sft"
+    total_steps: int = 200
+    n_workers: int = 1
+    backend: str = "local"  # local | ray
+    device: str = "auto"
+    seed: int = 0
+    val_every: int = 0  # steps; 0 = only at the end
+    loggers: tuple[str, ...] = ("console", "jsonl")
+    threads_per_worker: int = 0
+    save_hf_dir: str = ""  # where the trained model is written as a HF directory; empty = <run_dir>/hf
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning: the same engine, cross-entropy on response tokens."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_response_length=32))
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

@@ -1,0 +1,71 @@
+"""Start or join Ray. The local mode (no address) is loopback-only: nothing listens beyond 127.0.0.1."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from posttrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def loopback_env(tmpdir: str | Path) -> dict[str, str]:
+    """Environment that makes a local Ray head and its nodes bind to 127.0.0.1 and keep files in `tmpdir`."""
+    return {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_TMPDIR": str(tmpdir),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
+
+
+def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> None:
+    """Join `address` (e.g. "auto" for a cluster started with `ray start`) or start a loopback-only local Ray.
+
+    Calling it again in the same process reuses the running instance (tests start Ray once per session).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    tmp = Path(tmpdir or Path(tempfile.gettempdir()) / f"posttrain-ray-{os.getuid()}").resolve()
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Unix socket paths are limited to ~107 bytes; Ray puts its sockets under RAY_TMPDIR.
+    if len(str(tmp)) > 60:
+        raise ConfigError(
+            f"ray.tmpdir '{tmp}' is too long for Ray's socket paths (keep it under 60 characters)"
+        )
+    os.environ.update(loopback_env(tmp))
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=True,
+        _temp_dir=str(tmp),
+    )
+    nodes = [n["NodeManagerAddress"] for n in ray.nodes()]
+    log.info("started local Ray (loopback) with nodes %s", nodes)
+
+
+def node_addresses() -> list[str]:
+    import ray
+
+    return [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+
+
+def cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

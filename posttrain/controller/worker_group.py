@@ -1,0 +1,178 @@
+"""WorkerGroups: N SPMD workers behind one object; a Batch argument is split across ranks, results gathered.
+
+`RayWorkerGroup` runs each rank as a Ray actor; `LocalWorkerGroup` runs one rank in this process with the
+same interface, for tests and the degenerate single-process case. A worker error reaches the driver as a
+`WorkerError` naming the role and rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from posttrain.data.batch import Batch
+from posttrain.engine.distributed import DistInfo, free_port
+from posttrain.errors import WorkerError
+
+
+def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) -> list[tuple[list, dict]]:
+    """Per-rank (args, kwargs): each Batch is chunked into `world_size` equal parts, everything else copied."""
+    per_rank: list[tuple[list, dict]] = [([], {}) for _ in range(world_size)]
+    for value in args:
+        parts = value.chunk(world_size) if isinstance(value, Batch) else [value] * world_size
+        for rank in range(world_size):
+            per_rank[rank][0].append(parts[rank])
+    for key, value in kwargs.items():
+        parts = value.chunk(world_size) if isinstance(value, Batch) else [value] * world_size
+        for rank in range(world_size):
+            per_rank[rank][1][key] = parts[rank]
+    return per_rank
+
+
+def gather(results: list[Any]) -> Any:
+    """Concatenate Batches in rank order; average metric dicts over ranks; otherwise return the list."""
+    if results and all(isinstance(r, Batch) for r in results):
+        return Batch.concat(results)
+    if results and all(isinstance(r, dict) for r in results):
+        merged: dict[str, float] = {}
+        for key in results[0]:
+            values = [r[key] for r in results if key in r]
+            if all(isinstance(v, int | float) for v in values):
+                merged[key] = sum(values) / len(values)
+            else:
+                merged[key] = values[0]
+        return merged
+    if all(r is None for r in results):
+        return None
+    return results
+
+
+class LocalWorkerGroup:
+    """One rank, in this process (world size 1): the same verbs as RayWorkerGroup, no Ray."""
+
+    def __init__(
+        self, worker_cls: Callable[..., Any], spec: Any, role: str = "worker", device: str = "auto"
+    ) -> None:
+        self.role = role
+        self.world_size = 1
+        try:
+            self.worker = worker_cls(spec, DistInfo(rank=0, world_size=1, device=device))
+        except Exception as exc:
+            raise WorkerError(f"{role} rank 0 failed to start: {type(exc).__name__}: {exc}") from exc
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return gather([getattr(self.worker, method)(*args, **kwargs)])
+        except Exception as exc:
+            raise WorkerError(f"{self.role} rank 0 raised in {method}: {type(exc).__name__}: {exc}") from exc
+
+    def placement(self) -> list[dict[str, Any]]:
+        return [{"rank": 0, "node_ip": "127.0.0.1"}]
+
+    def shutdown(self) -> None:
+        self.worker = None
+
+
+class RayWorkerGroup:
+    """`world_size` Ray actors, each one torch.distributed rank of the same SPMD program."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        spec: Any,
+        world_size: int,
+        role: str = "worker",
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        device: str = "auto",
+        env_vars: dict[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        import ray
+
+        self.role = role
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._check_resources(num_cpus_per_worker * world_size, num_gpus_per_worker * world_size)
+        remote_cls = ray.remote(worker_cls).options(
+            num_cpus=num_cpus_per_worker,
+            num_gpus=num_gpus_per_worker,
+            max_restarts=0,
+            runtime_env={"env_vars": env_vars or {}},
+        )
+        master_port = free_port("127.0.0.1")
+        self.workers = [
+            remote_cls.remote(
+                spec,
+                DistInfo(
+                    rank=rank,
+                    world_size=world_size,
+                    master_port=master_port,
+                    device=device,
+                    timeout_s=timeout_s,
+                ),
+            )
+            for rank in range(world_size)
+        ]
+        self._get([w.ping.remote() for w in self.workers], "start")
+
+    def _check_resources(self, cpus: float, gpus: float) -> None:
+        import ray
+
+        available = ray.cluster_resources()
+        if cpus > available.get("CPU", 0) or gpus > available.get("GPU", 0):
+            raise WorkerError(
+                f"{self.role}: asked for {self.world_size} workers needing {cpus:g} CPUs and {gpus:g} GPUs, "
+                f"but the Ray cluster has {available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs"
+            )
+
+    def _get(self, refs: list[Any], method: str) -> list[Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        results: list[Any] = [None] * len(refs)
+        for rank, ref in enumerate(refs):
+            try:
+                results[rank] = ray.get(ref, timeout=self.timeout_s)
+            except RayTaskError as exc:
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                message = str(cause).strip().splitlines()[-1] if str(cause).strip() else repr(cause)
+                raise WorkerError(
+                    f"{self.role} rank {rank} raised in {method}: {type(cause).__name__}: {message}"
+                ) from None
+            except RayActorError as exc:
+                raise WorkerError(
+                    f"{self.role} rank {rank} died during {method}: {exc.__class__.__name__}"
+                ) from None
+            except GetTimeoutError:
+                raise WorkerError(
+                    f"{self.role} rank {rank}: {method} timed out after {self.timeout_s:g}s"
+                ) from None
+        return results
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on every rank (Batch arguments split across ranks) and gather the results."""
+        per_rank = _split_args(args, kwargs, self.world_size)
+        refs = [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank, strict=True)]
+        return gather(self._get(refs, method))
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Which node each rank runs on (node id and IP), for placement checks."""
+
+        def where(_self: Any) -> dict[str, Any]:
+            import ray as _ray
+
+            return {
+                "node_id": _ray.get_runtime_context().get_node_id(),
+                "node_ip": _ray.util.get_node_ip_address(),
+            }
+
+        infos = self._get([w.__ray_call__.remote(where) for w in self.workers], "placement")
+        return [{"rank": rank, **info} for rank, info in enumerate(infos)]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []

@@ -1,0 +1,37 @@
+"""The column names that flow through a `Batch`, documented in one place.
+
+Shapes: B = rows (samples), P = prompt width, R = response width, T = P + R.
+Sequences are laid out as [left-padded prompt | right-padded response].
+"""
+
+# Tensors
+INPUT_IDS = "input_ids"  # (B, T) long: prompt then response; (B, P) before generation
+ATTENTION_MASK = "attention_mask"  # (B, T) long: 1 on real tokens
+POSITION_IDS = "position_ids"  # (B, T) long: cumsum(attention_mask) - 1, clamped at 0
+PROMPTS = "prompts"  # (B, P) long: the left-padded prompt
+RESPONSES = "responses"  # (B, R) long: generated tokens, right-padded
+RESPONSE_MASK = "response_mask"  # (B, R) float: 1 on tokens the model generated
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float: log-probs the rollout engine sampled with
+OLD_LOG_PROBS = "old_log_probs"  # (B, R) float: log-probs of the policy before the update
+REF_LOG_PROB = "ref_log_prob"  # (B, R) float: log-probs of the frozen reference policy
+VALUES = "values"  # (B, R) float: critic values
+TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) float: score on the last response token
+TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float: scores minus in-reward KL
+ADVANTAGES = "advantages"  # (B, R) float
+RETURNS = "returns"  # (B, R) float
+LOSS_MASK = "loss_mask"  # (B, T) float: 1 on tokens the SFT loss is taken on (response and eos)
+
+# Non-tensor columns (numpy object arrays of length B)
+UID = "uid"  # str: one id per prompt, shared by its n samples (GRPO groups)
+DATA_SOURCE = "data_source"  # str: selects the scorer
+GROUND_TRUTH = "ground_truth"  # str
+EXTRA_INFO = "extra_info"  # dict
+RAW_PROMPT = "raw_prompt"  # str: the prompt text after the chat template
+RESPONSE_TEXT = "response_text"  # str: decoded response
+INDEX = "index"  # int: the row's position in its dataset
+STOP_REASON = "stop_reason"  # str: "stop" (eos / stop token / stop string) or "length"
+
+# Meta
+GLOBAL_TOKENS = "global_tokens"  # int: valid response tokens in the whole mini-batch (loss normaliser)
+GLOBAL_SEQS = "global_seqs"  # int: sequences in the whole mini-batch
+TEMPERATURE = "temperature"  # float: sampling temperature the log-probs are computed at

@@ -1,0 +1,70 @@
+"""torch.distributed set-up for one SPMD rank: gloo on CPU, nccl on CUDA; world size 1 is the same path."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from posttrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this rank sits in its group and how to reach the group's rendezvous (loopback by default)."""
+
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port (world size 1 only)
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 600.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is cuda when available, else cpu; asking for cuda without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available; use cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device '{device}'; valid: auto, cpu, cuda")
+    return torch.device(device)
+
+
+def init_distributed(info: DistInfo) -> tuple[DeviceMesh, torch.device]:
+    """Join (or reuse) the default process group and return a 1-D data-parallel mesh and this rank's device."""
+    device = resolve_device(info.device)
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized():
+        port = info.master_port or free_port(info.master_addr)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{info.master_addr}:{port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(seconds=info.timeout_s),
+        )
+    elif dist.get_world_size() != info.world_size:
+        raise ConfigError(
+            f"a process group of world size {dist.get_world_size()} already exists in this process; "
+            f"cannot join one of world size {info.world_size}"
+        )
+    mesh = init_device_mesh(device.type, (info.world_size,), mesh_dim_names=("dp",))
+    return mesh, device

@@ -1,0 +1,91 @@
+"""Log-probabilities (and entropy) of given tokens under a causal LM, skipping all-padding columns.
+
+Pure tensor code around one model call: no optimizer, no distributed logic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position, computed in fp32 for exactness."""
+    logits = logits.float()
+    return torch.gather(F.log_softmax(logits, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position: logsumexp(z) - sum(p * z)."""
+    logits = logits.float()
+    probs = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def _used_columns(attention_mask: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the columns where any row has a real token."""
+    used = (attention_mask.sum(0) > 0).nonzero().flatten()
+    if used.numel() == 0:
+        return 0, attention_mask.shape[1]
+    return int(used[0]), int(used[-1]) + 1
+
+
+def response_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the last `response_width` tokens of [prompt | response] rows, at `temperature`.
+
+    Columns that are padding in every row are cut off before the model call and the result is padded
+    back to `response_width` with zeros, so callers always get (B, R).
+    """
+    batch, total = input_ids.shape
+    prompt_width = total - response_width
+    start, end = _used_columns(attention_mask)
+    start = min(start, prompt_width - 1)
+    end = max(end, prompt_width + 1)
+    logits = model(
+        input_ids=input_ids[:, start:end],
+        attention_mask=attention_mask[:, start:end],
+        position_ids=position_ids[:, start:end],
+        use_cache=False,
+    ).logits
+    used_response = end - prompt_width
+    # logits at column c predict the token at column c + 1
+    first = prompt_width - 1 - start
+    logits = logits[:, first : first + used_response, :]
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_width:end]
+    log_probs = token_log_probs(logits, targets)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    if used_response < response_width:
+        pad = (0, response_width - used_response)
+        log_probs = F.pad(log_probs, pad)
+        entropy = F.pad(entropy, pad) if entropy is not None else None
+    assert log_probs.shape == (batch, response_width)
+    return log_probs, entropy
+
+
+def next_token_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """(B, T) log-prob of each token given the ones before it; column 0 is 0 (nothing predicts it)."""
+    start, end = _used_columns(attention_mask)
+    logits = model(
+        input_ids=input_ids[:, start:end],
+        attention_mask=attention_mask[:, start:end],
+        position_ids=position_ids[:, start:end],
+        use_cache=False,
+    ).logits
+    log_probs = token_log_probs(logits[:, :-1], input_ids[:, start + 1 : end])
+    return F.pad(log_probs, (start + 1, input_ids.shape[1] - end))

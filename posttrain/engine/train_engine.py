@@ -1,0 +1,220 @@
+"""The training engine: an HF causal LM under FSDP2 with AdamW, micro-batching and sharded checkpoints.
+
+It knows nothing of RL or Ray: a loss function arrives from the caller, batches arrive already split
+for this rank. Every public method is SPMD: all ranks call it together with equally sized batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.engine.distributed import DistInfo, init_distributed
+from posttrain.engine.fsdp import apply_fsdp, full_named_tensors
+from posttrain.engine.log_probs import next_token_log_probs, response_log_probs
+from posttrain.errors import ConfigError
+from posttrain.models import load_causal_lm
+
+# loss_fn(log_probs, entropy_or_None, micro_batch) -> (scalar loss, metrics). The loss is already
+# normalised over the global mini-batch (see algorithms.aggregation), so micro-batch losses are summed.
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trainable: bool = True  # False: a frozen model (reference policy), no optimizer
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 64  # rows per forward/backward on this rank
+
+
+class TrainEngine:
+    """Model + optimizer under FSDP2. `forward_backward` accumulates, `optim_step` applies."""
+
+    def __init__(self, config: EngineConfig, dist_info: DistInfo | None = None) -> None:
+        dist_info = dist_info or DistInfo()
+        if config.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype '{config.dtype}' unknown; valid: {', '.join(DTYPES)}")
+        self.config = config
+        self.mesh, self.device = init_distributed(dist_info)
+        self.dp_size = self.mesh.size()
+        self.rank = dist.get_rank()
+        model = load_causal_lm(
+            config.model_path, dtype=DTYPES[config.dtype], attn_implementation=config.attn_implementation
+        )
+        model.to(self.device)
+        if not config.trainable:
+            model.requires_grad_(False)
+            model.eval()
+        else:
+            model.train()
+            # dropout would make the recomputed log-probs differ from the sampled ones
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        self.model = apply_fsdp(model, self.mesh)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if config.trainable:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=config.lr,
+                betas=config.betas,
+                weight_decay=config.weight_decay,
+                foreach=False,
+            )
+            warmup = config.warmup_steps
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+            )
+
+    # ---- compute -------------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        return batch.split(self.config.micro_batch_size) if len(batch) else []
+
+    def _log_probs(
+        self, mb: Batch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if keys.RESPONSES in mb:
+            return response_log_probs(
+                self.model,
+                mb[keys.INPUT_IDS],
+                mb[keys.ATTENTION_MASK],
+                mb[keys.POSITION_IDS],
+                response_width=mb[keys.RESPONSES].shape[1],
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+        return next_token_log_probs(
+            self.model, mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
+        ), None
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs of the response tokens (or of every next token when there is no `responses`)."""
+        was_training = self.model.training
+        self.model.eval()
+        outs = [
+            self._log_probs(mb.to(self.device), temperature, False)[0] for mb in self._micro_batches(batch)
+        ]
+        self.model.train(was_training)
+        return torch.cat(outs).cpu()
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, with_entropy: bool = False
+    ) -> dict[str, float]:
+        """Run `loss_fn` on each micro-batch and accumulate gradients; returns averaged metrics."""
+        if self.optimizer is None:
+            raise ConfigError("forward_backward called on a frozen engine (trainable=False)")
+        micro_batches = self._micro_batches(batch)
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        for i, mb in enumerate(micro_batches):
+            mb = mb.to(self.device)
+            # reduce-scatter gradients only once, after the last micro-batch
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
+            loss, metrics = loss_fn(log_probs, entropy, mb)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+        totals["loss"] = loss_sum
+        return totals
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip gradients, step AdamW and the LR schedule, zero gradients."""
+        assert self.optimizer is not None and self.scheduler is not None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm_value = float(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(grad_norm_value):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "grad_norm": grad_norm_value,
+            "lr": lr,
+            "skipped_nonfinite": float(not math.isfinite(grad_norm_value)),
+        }
+
+    # ---- weights out ---------------------------------------------------------------------------
+    def named_tensors_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors one at a time for the rollout engine (a collective: all ranks iterate)."""
+        return full_named_tensors(self.model)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Sharded model + optimizer state with torch.distributed.checkpoint (every rank writes its shard)."""
+        path = Path(path)
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.save(state, checkpoint_id=str(path))
+        if self.rank == 0 and self.scheduler is not None:
+            torch.save({"scheduler": self.scheduler.state_dict()}, path / "scheduler.pt")
+        dist.barrier()
+
+    def load(self, path: str | Path) -> None:
+        """Load what `save` wrote (same world size, or any other that DCP can reshard to)."""
+        path = Path(path)
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+            extra = torch.load(path / "scheduler.pt", weights_only=False)
+            self.scheduler.load_state_dict(extra["scheduler"])  # type: ignore[union-attr]
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
+
+    def export_hf(self, out_dir: str | Path) -> None:
+        """Write a Hugging Face directory (config, safetensors weights, tokenizer) from rank 0."""
+        from posttrain.models import load_config, load_tokenizer
+
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            config = load_config(self.config.model_path)
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[self.config.dtype])
+            model.load_state_dict(full, strict=False)
+            model.tie_weights()
+            model.save_pretrained(out_dir)
+            load_tokenizer(self.config.model_path).save_pretrained(out_dir)
+            gen_config = Path(self.config.model_path) / "generation_config.json"
+            if gen_config.exists() and not (Path(out_dir) / "generation_config.json").exists():
+                (Path(out_dir) / "generation_config.json").write_text(gen_config.read_text())
+        dist.barrier()

@@ -1,0 +1,122 @@
+"""The one way models, tokenizers and configs are loaded: from a local Hugging Face directory.
+
+Works the same for a tiny model from `make_tiny_model` and a real checkpoint (e.g. Qwen2.5-0.5B);
+nothing here knows about tiny models, and nothing is ever fetched from a hub.
+Must not import posttrain.data or anything above models/.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from posttrain.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+# Any one of these is enough for AutoTokenizer to build a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _require_dir(path: str | Path) -> Path:
+    """Return `path` as a Path if it is an existing directory, else raise ModelError."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelError(
+            f"model directory not found: {path} (only local directories are loaded; download the model first)"
+        )
+    return p
+
+
+def _require_config(p: Path) -> None:
+    """Raise ModelError unless `p` holds a config.json."""
+    if not (p / "config.json").is_file():
+        raise ModelError(f"no config.json in {p}")
+
+
+def _require_tokenizer(p: Path) -> None:
+    """Raise ModelError unless `p` holds at least one file a tokenizer can be built from."""
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelError(f"no tokenizer files in {p}: expected one of {', '.join(_TOKENIZER_FILES)}")
+
+
+def _require_weights(p: Path) -> None:
+    """Raise ModelError unless `p` holds model weights (single file or sharded index)."""
+    if not any((p / name).is_file() for name in _WEIGHT_FILES):
+        raise ModelError(f"no model weights in {p}: expected one of {', '.join(_WEIGHT_FILES)}")
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Check, without loading anything, that `path` is a complete model directory; return it as a Path.
+
+    Meant for config validation at start, so a wrong path fails in a second instead of after Ray starts.
+    """
+    p = _require_dir(path)
+    _require_config(p)
+    _require_tokenizer(p)
+    _require_weights(p)
+    return p
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    """Load the model config (config.json) of a local directory."""
+    p = _require_dir(path)
+    _require_config(p)
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot load config from {p}: {e}") from e
+
+
+def load_causal_lm(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Load a causal LM from a local directory in `dtype` (float32 by default, never the hub's "auto").
+
+    The model is returned in eval mode on CPU; the engine moves, shards and switches it to train mode.
+    """
+    p = _require_dir(path)
+    _require_config(p)
+    _require_weights(p)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            p, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"cannot load causal LM from {p}: {e}") from e
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local directory, making sure it has a pad token (eos if none is set).
+
+    Batching needs a pad id; padded positions are masked, so reusing eos is safe.
+    """
+    p = _require_dir(path)
+    _require_tokenizer(p)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"cannot load tokenizer from {p}: {e}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"tokenizer in {p} has neither a pad token nor an eos token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info("tokenizer in %s has no pad token; using eos token %r", p, tokenizer.eos_token)
+    return tokenizer

@@ -1,0 +1,120 @@
+"""The tiny-model factory: a real Qwen2 architecture at toy sizes, with a locally trained tokenizer.
+
+It writes an ordinary Hugging Face directory, so tests and CPU experiments run the same loading,
+training and rollout code as a real Qwen2.5 checkpoint. Nothing is downloaded.
+Must not import posttrain.data or anything above models/.
+
+True parameter counts (tied embeddings; checked by tests/models/test_tiny.py):
+
+| preset | hidden | mlp  | layers | heads/kv | vocab | max pos | parameters |
+|--------|--------|------|--------|----------|-------|---------|------------|
+| tiny   | 128    | 448  | 4      | 4/2      | 1024  | 1024    | 1,017,984  |
+| small  | 256    | 768  | 12     | 4/2      | 4096  | 2048    | 10,498,304 |
+| medium | 512    | 1536 | 15     | 8/2      | 8192  | 4096    | 49,441,536 |
+"""
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from posttrain.errors import ConfigError
+from posttrain.models.tokenizer import IM_END, PAD_TOKEN, train_tokenizer
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """Sizes of a Qwen2 model; `vocab_size` is also the tokenizer's training target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+PRESETS: dict[str, TinyPreset] = {
+    "tiny": TinyPreset(
+        hidden_size=128,
+        intermediate_size=448,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=1024,
+    ),
+    "small": TinyPreset(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    ),
+    "medium": TinyPreset(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=15,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def get_preset(name: str) -> TinyPreset:
+    """Look up a preset by name; an unknown name raises ConfigError with the valid names."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown tiny-model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def make_config(preset: TinyPreset, **token_ids: int | None) -> Qwen2Config:
+    """Build the Qwen2Config of a preset (tied embeddings, init std 0.02, float32)."""
+    return Qwen2Config(
+        **dataclasses.asdict(preset),
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        dtype=torch.float32,
+        **token_ids,
+    )
+
+
+def build_tiny_model(preset: str, seed: int = 0, **token_ids: int | None) -> Qwen2ForCausalLM:
+    """Build a randomly initialised model of a preset, reproducibly, without touching the global RNG."""
+    config = make_config(get_preset(preset), **token_ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.eval()
+
+
+def make_tiny_model(preset: str, out_dir: str | Path, corpus: Iterable[str], seed: int = 0) -> Path:
+    """Train a tokenizer on `corpus`, build a seeded Qwen2 model and save both as an HF directory.
+
+    Token ids follow Qwen2.5-Instruct: bos = pad = <|endoftext|>, eos = <|im_end|> (generation also stops
+    on <|endoftext|>). Returns the directory, loadable with `load_causal_lm` / `load_tokenizer`.
+    """
+    spec = get_preset(preset)
+    tokenizer = train_tokenizer(corpus, spec.vocab_size)
+    tokenizer.model_max_length = spec.max_position_embeddings
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+
+    model = build_tiny_model(preset, seed, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    model.generation_config.bos_token_id = pad_id
+    model.generation_config.pad_token_id = pad_id
+    model.generation_config.eos_token_id = [eos_id, pad_id]
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)  # safetensors: the only format transformers 5 writes
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,21 @@
+"""Rewards: built-in rule-based scorers by data_source, user reward functions, and the reward manager.
+
+Importing the package registers the built-in scorers (arithmetic, gsm8k). Must not import engine,
+rollout, workers, Ray or data.batch; the only I/O is `load_reward_function` importing a user file.
+"""
+
+from posttrain.rewards import arithmetic, gsm8k  # noqa: F401  (registers the built-in scorers)
+from posttrain.rewards.manager import RewardManager, RewardResult, scores_to_token_level
+from posttrain.rewards.registry import SCORERS, default_compute_score, get_scorer, register_scorer
+from posttrain.rewards.user import load_reward_function
+
+__all__ = [
+    "SCORERS",
+    "RewardManager",
+    "RewardResult",
+    "default_compute_score",
+    "get_scorer",
+    "load_reward_function",
+    "register_scorer",
+    "scores_to_token_level",
+]

@@ -1,0 +1,73 @@
+"""The rollout interface every generation engine implements (built-in, HF, vLLM/SGLang adapters).
+
+Log-prob convention: the returned log-prob of a sampled token is log softmax(logits / temperature) at that
+token, over the whole vocabulary (before top-k/top-p truncation). That is what the training engine
+recomputes, so the two can be compared exactly. Greedy (temperature 0) reports log softmax(logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from posttrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's eos
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Reject values no sampler can honour, naming the parameter."""
+        if self.max_tokens <= 0:
+            raise ConfigError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    log_probs: list[float]
+    text: str
+    stop_reason: str  # "stop" (eos, stop token or stop string) | "length"
+
+
+@dataclass
+class RolloutStats:
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """Generation behind one interface; a worker composes it with a training engine."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """Generate one response per prompt (token ids, already chat-templated)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights in, tensor by tensor; returns how many tensors were loaded."""
+        ...
+
+    def sleep(self) -> None:
+        """Free generation memory (KV cache) while the trainer runs."""
+        ...
+
+    def wake(self) -> None:
+        """Restore what `sleep` freed."""
+        ...

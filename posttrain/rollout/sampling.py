@@ -1,0 +1,41 @@
+"""Token sampling from logits: temperature, top-k, top-p, greedy; returns the sampled log-probs too."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top-k and outside the smallest set with mass >= top_p."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; log-prob is of softmax(logits / T) before truncation (see rollout.base)."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        log_probs = F.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits / temperature
+        log_probs = F.log_softmax(scaled, dim=-1)
+        probs = F.softmax(truncate_logits(scaled, top_k, top_p), dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

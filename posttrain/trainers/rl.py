@@ -1,0 +1,350 @@
+"""The RL driver loop (PPO family): generate -> score -> old/ref log-probs -> advantages -> update -> sync.
+
+The driver holds the algorithm and nothing else; every heavy call is a WorkerGroup verb that splits the
+Batch across data-parallel ranks. `RLTrainer.step` reads as the loop in ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.algorithms.registry import get_advantage_estimator
+from posttrain.config.load import to_dict
+from posttrain.config.schema import RLConfig
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.dataloader import PromptDataLoader
+from posttrain.data.dataset import PromptDataset, collate_prompts
+from posttrain.engine.train_engine import EngineConfig
+from posttrain.errors import ConfigError
+from posttrain.models import load_config, load_tokenizer
+from posttrain.rewards.manager import RewardManager, scores_to_token_level
+from posttrain.rewards.user import load_reward_function
+from posttrain.rollout.base import SamplingParams
+from posttrain.tracking import Tracker
+from posttrain.trainers.checkpoint import CheckpointManager, rng_state, set_rng_state
+from posttrain.trainers.setup import check_rl_config, make_actor_group, threads_per_worker
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
+from posttrain.workers.losses import LossSpec
+
+log = logging.getLogger(__name__)
+
+# What each verb needs on the wire (the rest of the Batch stays on the driver).
+FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
+UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES]
+
+
+@contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+
+
+def model_fingerprint(path: str) -> dict[str, Any]:
+    """The architecture facts a checkpoint must agree with (not the path, which may move)."""
+    config = load_config(path).to_dict()
+    fields = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+    return {k: config.get(k) for k in fields}
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig) -> None:
+        check_rl_config(cfg)
+        self.cfg = cfg
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.train_set = PromptDataset(
+            cfg.data.train_files, self.tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
+        )
+        self.val_set = (
+            PromptDataset(
+                cfg.data.val_files, self.tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
+            )
+            if cfg.data.val_files
+            else None
+        )
+        self.loader = PromptDataLoader(
+            self.train_set,
+            batch_size=cfg.data.train_batch_prompts,
+            collate_fn=partial(collate_prompts, pad_token_id=self.pad_id),
+            shuffle=cfg.data.shuffle,
+            seed=cfg.trainer.seed,
+        )
+        custom = (
+            load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
+            if cfg.reward.custom_function_path
+            else None
+        )
+        gsm8k_kwargs = {"openai/gsm8k": {"method": cfg.reward.gsm8k_method}} if custom is None else None
+        self.rewards = RewardManager(custom, gsm8k_kwargs)
+        self.sampling = SamplingParams(
+            max_tokens=cfg.data.max_response_length,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            stop=cfg.rollout.stop,
+        )
+        self.sampling.validate()
+        self.val_sampling = replace(
+            self.sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0
+        )
+        self.loss = LossSpec(
+            "ppo",
+            {
+                "policy_loss": cfg.actor.policy_loss,
+                "clip_ratio_low": cfg.actor.clip_ratio_low,
+                "clip_ratio_high": cfg.actor.clip_ratio_high,
+                "clip_ratio_c": cfg.actor.clip_ratio_c,
+                "loss_agg_mode": cfg.actor.loss_agg_mode,
+                "use_kl_loss": cfg.actor.use_kl_loss,
+                "kl_loss_coef": cfg.actor.kl_loss_coef,
+                "kl_loss_type": cfg.actor.kl_loss_type,
+                "entropy_coeff": cfg.actor.entropy_coeff,
+            },
+        )
+        self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_checkpoints_to_keep)
+        self.step_count = 0
+        self.actor: Any = None
+        self.history: list[dict[str, float]] = []
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, float]]:
+        """Train to `trainer.total_steps`, resuming from the newest checkpoint; returns validation history."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        spec = ActorRolloutRefSpec(
+            engine=EngineConfig(
+                model_path=cfg.model.path,
+                dtype=cfg.model.dtype,
+                attn_implementation=cfg.model.attn_implementation,
+                lr=cfg.actor.lr,
+                weight_decay=cfg.actor.weight_decay,
+                betas=cfg.actor.betas,
+                grad_clip=cfg.actor.grad_clip,
+                warmup_steps=cfg.actor.warmup_steps,
+                micro_batch_size=cfg.actor.micro_batch_size,
+            ),
+            with_rollout=True,
+            with_ref=cfg.actor.use_kl_loss,
+            seed=cfg.trainer.seed,
+            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
+        )
+        self.actor = make_actor_group(
+            spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
+        )
+        tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name=self.run_dir.name, config=to_dict(cfg))
+        try:
+            self._maybe_resume()
+            if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
+                self._log_validation(tracker)
+            while self.step_count < cfg.trainer.total_steps:
+                metrics = self.step()
+                self.step_count += 1
+                last = self.step_count == cfg.trainer.total_steps
+                if (
+                    self.val_set is not None
+                    and cfg.trainer.val_every
+                    and (self.step_count % cfg.trainer.val_every == 0 or last)
+                ):
+                    metrics.update(self.validate())
+                    self.history.append({"step": self.step_count, **_val_only(metrics)})
+                tracker.log(metrics, self.step_count)
+                if (cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0) or last:
+                    self.save_checkpoint()
+        finally:
+            tracker.close()
+            self.actor.shutdown()
+        return self.history
+
+    def step(self) -> dict[str, float]:
+        """One RL step on one batch of prompts."""
+        cfg, timings = self.cfg, {}
+        with timed(timings, "step"):
+            prompts = self.loader.next_batch().repeat(cfg.rollout.n, interleave=True)
+            with timed(timings, "gen"):
+                batch = self.actor.call("sample", prompts, self.sampling)
+            batch = batch.union(prompts.select(tensor_keys=[]))
+            with timed(timings, "reward"):
+                batch = batch.union(self.score(batch))
+            with timed(timings, "old_log_prob"):
+                batch = batch.union(
+                    self.actor.call("forward", batch.select(FORWARD_KEYS, []), "actor", self._temp)
+                )
+            if cfg.actor.use_kl_loss:
+                with timed(timings, "ref"):
+                    batch = batch.union(
+                        self.actor.call("forward", batch.select(FORWARD_KEYS, []), "ref", self._temp)
+                    )
+            with timed(timings, "adv"):
+                batch = batch.union(self.advantages(batch))
+            with timed(timings, "update_actor"):
+                update_metrics = self.update(batch)
+            with timed(timings, "sync"):
+                self.actor.call("sync_sampler")
+        return {**self.batch_metrics(batch), **update_metrics, **timings}
+
+    @property
+    def _temp(self) -> float:
+        return self.sampling.temperature if self.sampling.temperature > 0 else 1.0
+
+    # ---- the pieces ----------------------------------------------------------------------------
+    def score(self, batch: Batch) -> Batch:
+        result = self.rewards.score(
+            list(batch[keys.DATA_SOURCE]),
+            list(batch[keys.RESPONSE_TEXT]),
+            list(batch[keys.GROUND_TRUTH]),
+            list(batch[keys.EXTRA_INFO]),
+        )
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        return Batch.from_dict(
+            {keys.TOKEN_LEVEL_SCORES: scores_to_token_level(scores, batch[keys.RESPONSE_MASK])},
+            {"score": list(result.scores)},
+            {"reward_errors": result.n_errors},
+        )
+
+    def advantages(self, batch: Batch) -> Batch:
+        rewards = batch[keys.TOKEN_LEVEL_SCORES]
+        kwargs = (
+            {"norm_by_std": self.cfg.algorithm.norm_adv_by_std_in_grpo}
+            if self.cfg.algorithm.adv_estimator == "grpo"
+            else {}
+        )
+        advantages, returns = self.advantage_fn(rewards, batch[keys.RESPONSE_MASK], batch[keys.UID], **kwargs)
+        return Batch.from_dict(
+            {keys.TOKEN_LEVEL_REWARDS: rewards, keys.ADVANTAGES: advantages, keys.RETURNS: returns}
+        )
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""
+        mini = self.cfg.actor.mini_batch_size or len(batch)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(self.cfg.actor.ppo_epochs):
+            for mb in batch.select(
+                UPDATE_KEYS + ([keys.REF_LOG_PROB] if keys.REF_LOG_PROB in batch else []), []
+            ).split(mini):
+                mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
+                mb.meta[keys.GLOBAL_SEQS] = len(mb)
+                metrics = self.actor.call("forward_backward", mb, self.loss, self._temp)
+                metrics.update({f"actor/{k}": v for k, v in self.actor.call("optim_step").items()})
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {k if k.startswith("actor/") else f"actor/{k}": v / count for k, v in sums.items()}
+
+    def batch_metrics(self, batch: Batch) -> dict[str, float]:
+        mask = batch[keys.RESPONSE_MASK]
+        scores = torch.tensor(list(batch["score"]), dtype=torch.float32)
+        lengths = mask.sum(-1)
+        diff = (batch[keys.ROLLOUT_LOG_PROBS] - batch[keys.OLD_LOG_PROBS]).abs() * mask
+        gen_tokens = float(mask.sum())
+        return {
+            "reward/mean": float(scores.mean()),
+            "acc": float((scores >= 1.0).float().mean()),
+            "reward/errors": float(batch.meta.get("reward_errors", 0)),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
+            "rollout/logprob_diff_max": float(diff.max()),
+            "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
+            "throughput/gen_tokens": gen_tokens,
+            "epoch": float(self.loader.epoch),
+        }
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy, mean reward and response length on the validation split."""
+        assert self.val_set is not None
+        limit = self.cfg.data.val_max_prompts or len(self.val_set)
+        items = [self.val_set[i] for i in range(min(limit, len(self.val_set)))]
+        batch = collate_prompts(items, pad_token_id=self.pad_id, uids=[f"val-{it['index']}" for it in items])
+        rows = len(batch)
+        padded = _pad_rows(batch, self.actor.world_size)
+        out = self.actor.call("sample", padded, self.val_sampling).index(slice(0, rows))
+        out = out.union(batch.select(tensor_keys=[]))
+        result = self.rewards.score(
+            list(out[keys.DATA_SOURCE]),
+            list(out[keys.RESPONSE_TEXT]),
+            list(out[keys.GROUND_TRUTH]),
+            list(out[keys.EXTRA_INFO]),
+        )
+        scores = torch.tensor(result.scores)
+        metrics = {
+            "val/acc": float((scores >= 1.0).float().mean()),
+            "val/reward": float(scores.mean()),
+            "val/response_length": float(out[keys.RESPONSE_MASK].sum(-1).mean()),
+        }
+        sources = out[keys.DATA_SOURCE]
+        for source in sorted(set(sources)):
+            picked = torch.tensor(sources == source)
+            metrics[f"val/acc/{source}"] = float((scores[picked] >= 1.0).float().mean())
+        return metrics
+
+    def _log_validation(self, tracker: Tracker) -> None:
+        metrics = self.validate()
+        self.history.append({"step": self.step_count, **metrics})
+        tracker.log(metrics, self.step_count)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        tmp = self.checkpoints.begin(self.step_count)
+        self.actor.call("save_state", str(tmp))
+        state = {
+            "step": self.step_count,
+            "dataloader": self.loader.state_dict(),
+            "rng": rng_state(),
+            "world_size": self.cfg.trainer.n_workers,
+            "model": model_fingerprint(self.cfg.model.path),
+            "config": to_dict(self.cfg),
+        }
+        path = self.checkpoints.publish(tmp, self.step_count, state)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def _maybe_resume(self) -> None:
+        if not self.cfg.trainer.resume:
+            return
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return
+        state = self.checkpoints.load_state(latest)
+        if state["world_size"] != self.cfg.trainer.n_workers:
+            raise ConfigError(
+                f"checkpoint {latest} was written by {state['world_size']} workers; this run has "
+                f"trainer.n_workers={self.cfg.trainer.n_workers}"
+            )
+        fingerprint = model_fingerprint(self.cfg.model.path)
+        if state["model"] != fingerprint:
+            raise ConfigError(
+                f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}"
+            )
+        self.actor.call("load_state", str(latest))
+        self.loader.load_state_dict(state["dataloader"])
+        set_rng_state(state["rng"])
+        self.step_count = state["step"]
+        log.info("resumed from %s at step %d", latest, self.step_count)
+        print(f"resumed from {latest} at step {self.step_count}", flush=True)
+
+
+def _pad_rows(batch: Batch, multiple: int) -> Batch:
+    """Repeat the last row until the length divides `multiple` (equal shards for every rank)."""
+    extra = (-len(batch)) % multiple
+    if extra == 0:
+        return batch
+    return Batch.concat([batch, batch.index([len(batch) - 1] * extra)])
+
+
+def _val_only(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith("val/")}

@@ -1,0 +1,172 @@
+"""ActorRolloutRef: the hybrid-engine worker colocating the trained policy, its sampler and the reference.
+
+A plain class: the controller wraps it as a Ray actor (one per torch.distributed rank) or runs it
+in-process. Its public methods are the explicit API's verbs; batches arrive already split for this rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.engine.distributed import DistInfo
+from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.native import NativeRolloutEngine
+from posttrain.workers.losses import LossSpec, build_loss
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefSpec:
+    engine: EngineConfig
+    with_rollout: bool = True
+    with_ref: bool = False
+    rollout_max_batch_size: int = 512
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = leave as is
+
+
+def seed_everything(seed: int) -> None:
+        dist_info = dist_info or DistInfo()
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class ActorRolloutRefWorker:
+    """One SPMD rank of the actor: training engine, rollout engine, and (optionally) the frozen reference."""
+
+    role = "actor_rollout_ref"
+
+    def __init__(self, spec: ActorRolloutRefSpec, dist_info: DistInfo | None = None) -> None:
+        if spec.threads > 0:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.rank = dist_info.rank
+        seed_everything(spec.seed + 1000 * dist_info.rank)
+        self.actor = TrainEngine(spec.engine, dist_info)
+        self.dp_size = self.actor.dp_size
+        self.ref = TrainEngine(replace(spec.engine, trainable=False), dist_info) if spec.with_ref else None
+        self.rollout = (
+            NativeRolloutEngine(
+                spec.engine.model_path,
+                device=self.actor.device,
+                dtype=DTYPES[spec.engine.dtype],
+                max_batch_size=spec.rollout_max_batch_size,
+                seed=spec.seed + 7919 * dist_info.rank,
+                attn_implementation=spec.engine.attn_implementation,
+            )
+            if spec.with_rollout
+            else None
+        )
+
+    # ---- health --------------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    # ---- sample --------------------------------------------------------------------------------
+    def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """Generate one response per row; returns [prompt | response] tensors and the response text."""
+        if self.rollout is None:
+            raise RuntimeError("this worker was built without a rollout engine")
+        self.rollout.wake()
+        prompt_ids, prompt_mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        start = time.perf_counter()
+        results = self.rollout.generate(prompts, sampling)
+        seconds = time.perf_counter() - start
+        width = sampling.max_tokens
+        rows = len(results)
+        responses = torch.full((rows, width), self.rollout.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, width), dtype=torch.float32)
+        rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
+        for i, result in enumerate(results):
+            n = len(result.token_ids)
+            responses[i, :n] = torch.tensor(result.token_ids, dtype=torch.long)
+            response_mask[i, :n] = 1.0
+            rollout_log_probs[i, :n] = torch.tensor(result.log_probs, dtype=torch.float32)
+        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+        return Batch.from_dict(
+            tensors={
+                keys.PROMPTS: prompt_ids,
+                keys.RESPONSES: responses,
+                keys.RESPONSE_MASK: response_mask,
+                keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
+                keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
+                keys.ATTENTION_MASK: attention_mask,
+                keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            },
+            non_tensors={
+                keys.RESPONSE_TEXT: [r.text for r in results],
+                keys.STOP_REASON: [r.stop_reason for r in results],
+            },
+            meta={"gen_seconds": seconds, keys.TEMPERATURE: sampling.temperature},
+        )
+
+    # ---- forward / backward --------------------------------------------------------------------
+    def forward(self, batch: Batch, which: str = "actor", temperature: float = 1.0) -> Batch:
+        """Log-probs of the responses under the actor (`old_log_probs`) or the reference (`ref_log_prob`)."""
+        if which == "actor":
+            return Batch.from_dict({keys.OLD_LOG_PROBS: self.actor.compute_log_prob(batch, temperature)})
+        if which == "ref":
+            if self.ref is None:
+                raise RuntimeError("this worker was built without a reference model (with_ref=False)")
+            return Batch.from_dict({keys.REF_LOG_PROB: self.ref.compute_log_prob(batch, temperature)})
+        raise ValueError(f"forward: unknown model '{which}'; valid: actor, ref")
+
+    def forward_backward(self, batch: Batch, loss: LossSpec, temperature: float = 1.0) -> dict[str, float]:
+        if self.rollout is not None:
+            self.rollout.sleep()
+        return self.actor.forward_backward(
+            batch, build_loss(loss, self.dp_size), temperature=temperature, with_entropy=loss.needs_entropy
+        )
+
+    def optim_step(self) -> dict[str, float]:
+        return self.actor.optim_step()
+
+    def sync_sampler(self) -> dict[str, float]:
+        """Push the actor's current weights into the rollout engine, in-process, tensor by tensor."""
+        start = time.perf_counter()
+        tensors = self.actor.named_tensors_for_rollout()
+        loaded = self.rollout.load_weights(tensors) if self.rollout is not None else sum(1 for _ in tensors)
+        if self.rollout is not None:
+            self.rollout.wake()
+        return {"sync/tensors": float(loaded), "sync/seconds": time.perf_counter() - start}
+
+    # ---- state ---------------------------------------------------------------------------------
+    def save_state(self, path: str) -> None:
+        """Sharded actor weights + optimizer, and this rank's RNG states."""
+        self.actor.save(Path(path) / "actor")
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "rollout": self.rollout.generator.get_state() if self.rollout is not None else None,
+        }
+        torch.save(rng, Path(path) / "actor" / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+
+    def load_state(self, path: str) -> None:
+        self.actor.load(Path(path) / "actor")
+        rng_file = Path(path) / "actor" / f"rng_rank{self.rank}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+            if self.rollout is not None and rng["rollout"] is not None:
+                self.rollout.generator.set_state(rng["rollout"])
+        self.sync_sampler()
+
+    def export_hf(self, out_dir: str) -> None:
+        self.actor.export_hf(out_dir)

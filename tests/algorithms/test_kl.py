@@ -1,0 +1,48 @@
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.kl import kl_penalty
+from posttrain.errors import ConfigError
+
+LOG_PROB = torch.tensor([[-1.0, -2.0]])
+REF_LOG_PROB = torch.tensor([[-1.5, -1.0]])
+# log pi - log pi_ref = [0.5, -1.0]; log r = ref - lp = [-0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expected"),
+    [
+        (("k1", "kl"), [0.5, -1.0]),
+        (("abs",), [0.5, 1.0]),
+        (("k2", "mse"), [0.125, 0.5]),
+        # r - log r - 1 = e^-0.5 + 0.5 - 1, e^1 - 1 - 1
+        (("k3", "low_var_kl"), [math.exp(-0.5) - 0.5, math.e - 2.0]),
+    ],
+)
+def test_estimators_hand_computed(kinds, expected):
+    for kind in kinds:
+        out = kl_penalty(LOG_PROB, REF_LOG_PROB, kind)
+        torch.testing.assert_close(out, torch.tensor([expected]))
+
+
+def test_k3_values_written_out():
+    out = kl_penalty(LOG_PROB, REF_LOG_PROB, "k3")
+    assert out[0].tolist() == pytest.approx([0.10653066, 0.71828183], abs=1e-6)
+
+
+def test_k3_is_clamped_and_finite():
+    log_prob = torch.tensor([[0.0, -30.0, 0.0]])
+    ref = torch.tensor([[-30.0, 0.0, 0.0]])
+    out = kl_penalty(log_prob, ref, "k3")
+    # log r = -30 -> clamped to -20: e^-20 + 20 - 1 ~ 19 -> clamped to 10; log r = 30 -> e^20 ... -> 10
+    assert out[0].tolist() == pytest.approx([10.0, 10.0, 0.0])
+    assert torch.isfinite(out).all()
+
+
+def test_unknown_kind_lists_valid():
+    with pytest.raises(
+        ConfigError, match=r"unknown KL estimator 'k4'; valid: abs, k1, k2, k3, kl, low_var_kl, mse"
+    ):
+        kl_penalty(LOG_PROB, REF_LOG_PROB, "k4")

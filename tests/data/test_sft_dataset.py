@@ -1,0 +1,75 @@
+"""SFTDataset: prompt + response + eos tokens, the response loss mask, filtering, right-padded collate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.data import keys as K
+from posttrain.data.sft_dataset import SFTDataset, collate_sft
+from posttrain.errors import DataError
+
+from .conftest import make_row, write_rows
+
+
+def test_tokens_and_loss_mask(tmp_path, tokenizer):
+    path = write_rows(tmp_path / "train.parquet", [make_row(432)])
+    ds = SFTDataset(path, tokenizer, max_length=64)
+    item = ds[0]
+    prompt = tokenizer.apply_chat_template(
+        make_row(432)["prompt"], add_generation_prompt=True, tokenize=False
+    )
+    n_prompt = len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert tokenizer.decode(item["input_ids"]) == prompt + "432<|im_end|>"
+    assert item["loss_mask"] == [0] * n_prompt + [1] * (len(item["input_ids"]) - n_prompt)
+    # the masked part is exactly the response and the eos
+    response = [t for t, m in zip(item["input_ids"], item["loss_mask"], strict=True) if m]
+    assert tokenizer.decode(response) == "432<|im_end|>"
+    assert response[-1] == tokenizer.eos_token_id
+
+
+def test_response_key_is_a_dotted_path(tmp_path, tokenizer):
+    row = make_row(1)
+    row["extra_info"]["solution"] = {"text": "one"}
+    ds = SFTDataset(
+        write_rows(tmp_path / "t.jsonl", [row]), tokenizer, 64, response_key="extra_info.solution.text"
+    )
+    response = [t for t, m in zip(ds[0]["input_ids"], ds[0]["loss_mask"], strict=True) if m]
+    assert tokenizer.decode(response) == "one<|im_end|>"
+
+
+def test_missing_response_names_row_and_field(tmp_path, tokenizer):
+    rows = [make_row(0), make_row(1)]
+    del rows[1]["extra_info"]["answer"]
+    with pytest.raises(DataError, match=r"t\.jsonl: row 1: missing field 'extra_info.answer'"):
+        SFTDataset(write_rows(tmp_path / "t.jsonl", rows), tokenizer, max_length=64)
+
+
+def test_overlong_filtered_or_error(tmp_path, tokenizer):
+    rows = [make_row(0), make_row(1), make_row(2)]
+    rows[1]["extra_info"]["answer"] = "z" * 200
+    path = write_rows(tmp_path / "t.jsonl", rows)
+    ds = SFTDataset(path, tokenizer, max_length=64)
+    assert ds.n_filtered == 1
+    assert len(ds) == 2
+    with pytest.raises(DataError, match=r"row 1: prompt \+ response has \d+ tokens, max_length is 64"):
+        SFTDataset(path, tokenizer, max_length=64, overlong="error")
+
+
+def test_collate_right_pads(tmp_path, tokenizer):
+    rows = [make_row(1), make_row(2)]
+    rows[1]["extra_info"]["answer"] = "a much longer answer"
+    ds = SFTDataset(write_rows(tmp_path / "t.jsonl", rows), tokenizer, max_length=64)
+    short, long = ds[0], ds[1]
+    b = collate_sft([short, long], pad_token_id=tokenizer.pad_token_id, uids=["0-0", "0-1"])
+    n, width = len(short["input_ids"]), len(long["input_ids"])
+    assert b[K.INPUT_IDS].shape == (2, width)
+    assert b[K.INPUT_IDS][0, :n].tolist() == short["input_ids"]
+    assert b[K.INPUT_IDS][0, n:].tolist() == [tokenizer.pad_token_id] * (width - n)
+    assert b[K.ATTENTION_MASK][0].tolist() == [1] * n + [0] * (width - n)
+    assert b[K.POSITION_IDS][0, :n].tolist() == list(range(n))
+    assert b[K.LOSS_MASK].dtype == torch.float32
+    assert b[K.LOSS_MASK][0].tolist() == [float(m) for m in short["loss_mask"]] + [0.0] * (width - n)
+    assert b[K.LOSS_MASK][1].tolist() == [float(m) for m in long["loss_mask"]]
+    assert list(b[K.UID]) == ["0-0", "0-1"]
+    assert K.UID not in collate_sft([short], pad_token_id=0)
