@@ -26,7 +26,15 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
     """Join `address` (e.g. "auto" for a cluster started with `ray start`) or start a loopback-only local Ray.
 
     Calling it again in the same process reuses the running instance (tests start Ray once per session).
+    Ray reads its loopback switch when it is imported, so the environment is set before `import ray`.
     """
+    if not address:
+        tmp = Path(tmpdir or Path(tempfile.gettempdir()) / f"posttrain-ray-{os.getuid()}").resolve()
+        # Unix socket paths are limited to ~107 bytes; Ray puts its sockets under RAY_TMPDIR.
+        if len(str(tmp)) > 60:
+            raise ConfigError(f"ray.tmpdir '{tmp}' is too long for Ray's socket paths (keep it under 60 characters)")
+        tmp.mkdir(parents=True, exist_ok=True)
+        os.environ.update(loopback_env(tmp))
     import ray
 
     if ray.is_initialized():
@@ -34,22 +42,15 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    tmp = Path(tmpdir or Path(tempfile.gettempdir()) / f"posttrain-ray-{os.getuid()}").resolve()
-    tmp.mkdir(parents=True, exist_ok=True)
-    # Unix socket paths are limited to ~107 bytes; Ray puts its sockets under RAY_TMPDIR.
-    if len(str(tmp)) > 60:
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=str(tmp))
+    nodes = node_addresses()
+    if any(ip != "127.0.0.1" for ip in nodes):
+        ray.shutdown()
         raise ConfigError(
-            f"ray.tmpdir '{tmp}' is too long for Ray's socket paths (keep it under 60 characters)"
+            f"local Ray bound to {nodes}, not 127.0.0.1: Ray was imported before posttrain could set "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; set it in the environment, or give ray.address"
         )
-    os.environ.update(loopback_env(tmp))
-    ray.init(
-        num_cpus=num_cpus or os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=True,
-        _temp_dir=str(tmp),
-    )
-    nodes = [n["NodeManagerAddress"] for n in ray.nodes()]
-    log.info("started local Ray (loopback) with nodes %s", nodes)
+    log.info("started local Ray (loopback only) in %s", tmp)
 
 
 def node_addresses() -> list[str]:

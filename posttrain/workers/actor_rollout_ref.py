@@ -37,7 +37,6 @@ class ActorRolloutRefSpec:
 
 
 def seed_everything(seed: int) -> None:
-        dist_info = dist_info or DistInfo()
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -49,6 +48,7 @@ class ActorRolloutRefWorker:
     role = "actor_rollout_ref"
 
     def __init__(self, spec: ActorRolloutRefSpec, dist_info: DistInfo | None = None) -> None:
+        dist_info = dist_info or DistInfo()
         if spec.threads > 0:
             torch.set_num_threads(spec.threads)
         self.spec = spec

@@ -72,7 +72,7 @@ def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             **options,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = float(loss.detach()) / dp_size
+        metrics["actor/pg_loss"] = float(loss.detach())  # rank-averaged by the group: the true loss
         if use_kl:
             kl_value, kl_metrics = kl_loss(
                 log_probs,
