@@ -1,0 +1,137 @@
+"""`posttrain <command>`: train, sft, make-model, data, demo.
+
+Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers=2`).
+Every project error is printed as one line naming the problem, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from posttrain.errors import PosttrainError
+
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def _train(args: argparse.Namespace) -> None:
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import RLConfig
+    from posttrain.trainers.rl import RLTrainer
+
+    cfg = load_config(RLConfig, args.config_name, args.overrides)
+    history = RLTrainer(cfg).fit()
+    if history:
+        print(json.dumps({"first": history[0], "last": history[-1]}, indent=1))
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import SFTConfig
+    from posttrain.trainers.sft import SFTTrainer
+
+    cfg = load_config(SFTConfig, args.config_name, args.overrides)
+    trainer = SFTTrainer(cfg)
+    trainer.fit()
+    print(f"wrote {trainer.hf_dir}")
+
+
+def _make_model(args: argparse.Namespace) -> None:
+    from posttrain.data.tasks.arithmetic import corpus
+    from posttrain.models import make_tiny_model
+
+    texts = corpus(args.corpus_size, seed=args.seed)
+    for path in args.corpus_file or []:
+        texts.extend(Path(path).read_text().splitlines())
+    out = make_tiny_model(args.preset, args.out, texts, seed=args.seed)
+    print(f"wrote {out}")
+
+
+def _data(args: argparse.Namespace) -> None:
+    if args.task == "gsm8k":
+        from posttrain.data.gsm8k import prepare_gsm8k
+
+        paths = prepare_gsm8k(args.src or SHARED_GSM8K, args.out)
+    else:
+        from posttrain.data.tasks import write_task
+
+        ops = tuple(args.ops.split(","))
+        paths = write_task(
+            args.task,
+            args.out,
+            n_train=args.n_train,
+            n_test=args.n_test,
+            min_digits=args.min_digits,
+            max_digits=args.max_digits,
+            ops=ops,
+            seed=args.seed,
+        )
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from posttrain.demo import run_demo
+
+    run_demo(Path(args.out), preset=args.preset, n_workers=args.n_workers, rl_steps=args.rl_steps, fresh=args.fresh)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, func, config in (("train", _train, "rl"), ("sft", _sft, "sft")):
+        p = sub.add_parser(name, help=f"{name} with Hydra overrides (key=value ...)")
+        p.add_argument("--config-name", default=config, help="a YAML under posttrain/config/yaml")
+        p.add_argument("overrides", nargs="*")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("make-model", help="write a tiny Qwen2 model + locally trained tokenizer")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-size", type=int, default=20000, help="built-in task texts to train the tokenizer on")
+    p.add_argument("--corpus-file", action="append", help="extra text files (one sample per line)")
+    p.set_defaults(func=_make_model)
+
+    p = sub.add_parser("data", help="write a built-in task or prepare GSM8K as verl-format parquet")
+    p.add_argument("task", choices=["arithmetic", "gsm8k"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--src", help="gsm8k: folder with train.jsonl and test.jsonl")
+    p.add_argument("--n-train", type=int, default=10000)
+    p.add_argument("--n-test", type=int, default=500)
+    p.add_argument("--min-digits", type=int, default=1)
+    p.add_argument("--max-digits", type=int, default=3)
+    p.add_argument("--ops", default="+")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_data)
+
+    p = sub.add_parser("demo", help="tiny model -> task data -> SFT warm start -> GRPO on Ray; before/after table")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--n-workers", type=int, default=2)
+    p.add_argument("--rl-steps", type=int, default=0, help="0 = the demo's default")
+    p.add_argument("--fresh", action="store_true", help="delete --out first instead of resuming")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args.func(args)
+    except PosttrainError as exc:
+        print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Supervised fine-tuning: the RL actor's engine trained with cross-entropy on response tokens.
+
+Same worker, same FSDP2 engine, same data files (the response comes from `data.response_key`); used for
+the warm start before RL. The result is written as a Hugging Face directory for the next stage to load.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+from posttrain.config.load import to_dict
+from posttrain.config.schema import SFTConfig
+from posttrain.data import keys
+from posttrain.data.dataloader import PromptDataLoader
+from posttrain.data.sft_dataset import SFTDataset, collate_sft
+from posttrain.engine.train_engine import EngineConfig
+from posttrain.errors import ConfigError
+from posttrain.models import check_model_dir, load_tokenizer
+from posttrain.tracking import Tracker
+from posttrain.trainers.setup import check_files, make_actor_group, threads_per_worker
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
+from posttrain.workers.losses import LossSpec
+
+
+def check_sft_config(cfg: SFTConfig) -> None:
+    check_model_dir(cfg.model.path)
+    check_files(cfg.data.train_files, "data.train_files")
+    if cfg.optim.batch_size % cfg.trainer.n_workers:
+        raise ConfigError(
+            f"optim.batch_size={cfg.optim.batch_size} must be divisible by trainer.n_workers={cfg.trainer.n_workers}"
+        )
+    if cfg.trainer.backend not in ("ray", "local"):
+        raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
+    if cfg.trainer.backend == "local" and cfg.trainer.n_workers != 1:
+        raise ConfigError("trainer.backend=local runs one in-process worker; set trainer.n_workers=1 or backend=ray")
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig) -> None:
+        check_sft_config(cfg)
+        self.cfg = cfg
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        max_length = cfg.data.max_prompt_length + cfg.data.max_response_length
+        make = partial(
+            SFTDataset,
+            tokenizer=self.tokenizer,
+            max_length=max_length,
+            response_key=cfg.data.response_key,
+            overlong=cfg.data.overlong_prompts,
+        )
+        self.train_set = make(cfg.data.train_files)
+        self.val_set = make(cfg.data.val_files) if cfg.data.val_files else None
+        collate = partial(collate_sft, pad_token_id=self.tokenizer.pad_token_id)
+        self.loader = PromptDataLoader(
+            self.train_set, cfg.optim.batch_size, collate, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed
+        )
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.hf_dir = Path(cfg.trainer.save_hf_dir or self.run_dir / "hf")
+
+    def fit(self) -> dict[str, float]:
+        """Train `trainer.total_steps` optimizer steps, write the HF directory, return the last metrics."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        spec = ActorRolloutRefSpec(
+            engine=EngineConfig(
+                model_path=cfg.model.path,
+                dtype=cfg.model.dtype,
+                attn_implementation=cfg.model.attn_implementation,
+                lr=cfg.optim.lr,
+                weight_decay=cfg.optim.weight_decay,
+                betas=cfg.optim.betas,
+                grad_clip=cfg.optim.grad_clip,
+                warmup_steps=cfg.optim.warmup_steps,
+                micro_batch_size=cfg.optim.micro_batch_size,
+            ),
+            with_rollout=False,
+            seed=cfg.trainer.seed,
+            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
+        )
+        group = make_actor_group(spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device)
+        tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg))
+        loss = LossSpec("cross_entropy")
+        metrics: dict[str, float] = {}
+        try:
+            for step in range(1, cfg.trainer.total_steps + 1):
+                start = time.perf_counter()
+                batch = self.loader.next_batch().select(
+                    [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.LOSS_MASK], []
+                )
+                tokens = float(batch[keys.LOSS_MASK].sum())
+                batch.meta[keys.GLOBAL_TOKENS] = tokens
+                batch.meta[keys.GLOBAL_SEQS] = len(batch)
+                metrics = group.call("forward_backward", batch, loss)
+                metrics.update(group.call("optim_step"))
+                seconds = time.perf_counter() - start
+                metrics.update({"timing/step": seconds, "throughput/tokens_per_s": float(batch[keys.ATTENTION_MASK].sum()) / seconds})
+                last = step == cfg.trainer.total_steps
+                if self.val_set is not None and ((cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last):
+                    metrics["val/nll"] = self.validate(group)
+                tracker.log(metrics, step)
+            group.call("export_hf", str(self.hf_dir))
+        finally:
+            tracker.close()
+            group.shutdown()
+        return metrics
+
+    def validate(self, group) -> float:
+        """Mean negative log-likelihood per response token on the validation split."""
+        assert self.val_set is not None
+        rows = (len(self.val_set) // group.world_size) * group.world_size
+        items = [self.val_set[i] for i in range(min(rows, 1024))]
+        batch = collate_sft(items, pad_token_id=self.tokenizer.pad_token_id)
+        log_probs = group.call(
+            "forward", batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], []), "actor"
+        )[keys.OLD_LOG_PROBS]
+        mask = batch[keys.LOSS_MASK]
+        return float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))
+
