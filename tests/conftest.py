@@ -1,0 +1,40 @@
+"""Session fixtures shared by the engine, rollout, controller and trainer tests.
+
+The tiny model and task data are built once per session; Ray is started once (loopback only) and only by
+tests that ask for it, because a start costs several seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~1M-parameter Qwen2 directory with a tokenizer trained on the arithmetic task."""
+    from posttrain.data.tasks.arithmetic import corpus
+    from posttrain.models import make_tiny_model
+
+    return make_tiny_model("tiny", tmp_path_factory.mktemp("models") / "tiny", corpus(3000, seed=0))
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from posttrain.data.tasks.arithmetic import write_arithmetic_dataset
+
+    return write_arithmetic_dataset(tmp_path_factory.mktemp("data"), n_train=512, n_test=32, max_digits=2)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> None:
+    """A local, loopback-only Ray for the whole session, with its files in a folder of our own."""
+    from posttrain.controller.ray_env import start_ray, stop_ray
+
+    start_ray(num_cpus=4, tmpdir=f"/tmp/pt-ray-test-{os.getpid()}")
+    yield
+    stop_ray()
