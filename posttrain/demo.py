@@ -20,7 +20,7 @@ from posttrain.trainers.sft import SFTTrainer
 
 # The task and the warm start are sized so the SFT model is right on roughly a third of held-out
 # problems; GRPO then has both correct and wrong samples in most groups to learn from.
-TASK = {"n_train": 20000, "n_test": 256, "min_digits": 1, "max_digits": 3, "ops": ("+",), "seed": 0}
+TASK = {"n_train": 2200, "n_test": 256, "min_digits": 1, "max_digits": 2, "ops": ("+",), "seed": 0}
 SFT_OVERRIDES = ["trainer.total_steps=400", "optim.lr=3e-3", "optim.batch_size=64", "trainer.loggers=[jsonl]"]
 RL_OVERRIDES = [
     "actor.lr=2e-4",

@@ -1,0 +1,75 @@
+"""Ray worker groups: loopback-only local Ray, split/gather, placement, and errors that name role and rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+from posttrain.data import keys
+from posttrain.engine.train_engine import EngineConfig
+from posttrain.errors import WorkerError
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
+
+from ..engine.helpers import synthetic_rl_batch
+
+FORWARD = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
+
+
+def spec(model_dir: Path) -> ActorRolloutRefSpec:
+    return ActorRolloutRefSpec(EngineConfig(model_path=str(model_dir), micro_batch_size=3), with_rollout=False, threads=1)
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model_dir: Path, ray_cluster: None):
+    g = RayWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir), world_size=2, role="actor", device="cpu")
+    yield g
+    g.shutdown()
+
+
+def test_local_ray_binds_only_to_loopback(ray_cluster: None) -> None:
+    import ray
+
+    nodes = ray.nodes()
+    assert nodes and all(n["NodeManagerAddress"] == "127.0.0.1" for n in nodes)
+
+
+def test_split_and_gather_preserve_row_order(group: RayWorkerGroup, tiny_model_dir: Path) -> None:
+    batch = synthetic_rl_batch(rows=8).select(FORWARD, [])
+    distributed = group.call("forward", batch, "actor")[keys.OLD_LOG_PROBS]
+    local = LocalWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir)).call("forward", batch, "actor")
+    assert distributed.shape == (8, batch[keys.RESPONSES].shape[1])
+    torch.testing.assert_close(distributed, local[keys.OLD_LOG_PROBS], atol=1e-5, rtol=0)
+
+
+def test_placement_reports_each_rank(group: RayWorkerGroup) -> None:
+    placement = group.placement()
+    assert [p["rank"] for p in placement] == [0, 1]
+    assert all(p["node_ip"] == "127.0.0.1" for p in placement)
+
+
+def test_worker_exception_names_role_rank_and_cause(group: RayWorkerGroup) -> None:
+    batch = synthetic_rl_batch(rows=4).select(FORWARD, [])
+    with pytest.raises(WorkerError, match=r"actor rank 0 raised in forward: ValueError: .*unknown model 'bogus'"):
+        group.call("forward", batch, "bogus")
+
+
+def test_uneven_split_is_rejected(group: RayWorkerGroup) -> None:
+    with pytest.raises(Exception, match="divisible"):
+        group.call("forward", synthetic_rl_batch(rows=5).select(FORWARD, []), "actor")
+
+
+def test_missing_resources_fail_fast_with_what_exists(tiny_model_dir: Path, ray_cluster: None) -> None:
+    with pytest.raises(WorkerError, match=r"asked for 64 workers needing 64 CPUs .* but the Ray cluster has"):
+        RayWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir), world_size=64, role="actor")
+
+
+def test_dead_worker_is_reported_by_role_and_rank(tiny_model_dir: Path, ray_cluster: None) -> None:
+    import ray
+
+    g = RayWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir), world_size=1, role="critic", device="cpu", timeout_s=60)
+    ray.kill(g.workers[0], no_restart=True)
+    with pytest.raises(WorkerError, match=r"critic rank 0 died during ping"):
+        g.call("ping")

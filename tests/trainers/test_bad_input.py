@@ -1,0 +1,79 @@
+"""Bad input stops the run before any expensive work, with one line that names the problem."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.load import load_config
+from posttrain.config.schema import RLConfig
+from posttrain.errors import ConfigError, DataError, ModelError
+from posttrain.trainers.rl import RLTrainer
+
+
+def config(model: Path, train: Path, val: Path, *extra: str) -> RLConfig:
+    return load_config(
+        RLConfig,
+        "rl",
+        [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", "trainer.backend=local", *extra],
+    )
+
+
+def fails_fast(cfg: RLConfig, error: type[Exception], message: str) -> None:
+    start = time.perf_counter()
+    with pytest.raises(error, match=message) as info:
+        RLTrainer(cfg)
+    assert time.perf_counter() - start < 5, "must fail before any expensive work"
+    assert "\n" not in str(info.value)
+
+
+def test_missing_model_directory(tmp_path: Path, arithmetic_data: dict) -> None:
+    cfg = config(tmp_path / "nope", arithmetic_data["train"], arithmetic_data["test"])
+    fails_fast(cfg, ModelError, "model directory not found")
+
+
+def test_missing_train_file(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: dict) -> None:
+    cfg = config(tiny_model_dir, tmp_path / "missing.parquet", arithmetic_data["test"])
+    fails_fast(cfg, DataError, "data.train_files: file not found")
+
+
+def test_empty_dataset(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: dict) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    fails_fast(config(tiny_model_dir, empty, arithmetic_data["test"]), DataError, "empty")
+
+
+def test_row_without_prompt(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: dict) -> None:
+    rows = tmp_path / "rows.jsonl"
+    good = {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "What is 1+1?"}],
+            "reward_model": {"ground_truth": "2"}}
+    bad = {"data_source": "arithmetic", "reward_model": {"ground_truth": "3"}}
+    rows.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    fails_fast(config(tiny_model_dir, rows, arithmetic_data["test"]), DataError, r"row 1: missing field 'prompt'")
+
+
+def test_reward_function_file_missing(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: dict) -> None:
+    cfg = config(
+        tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], f"reward.custom_function_path={tmp_path}/r.py"
+    )
+    fails_fast(cfg, ConfigError, "reward function file not found")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.adv_estimator=grpoo", "unknown advantage estimator 'grpoo'; valid: grpo"),
+        ("actor.policy_loss=ppo2", "unknown policy loss 'ppo2'"),
+        ("actor.loss_agg_mode=mean", "unknown actor.loss_agg_mode 'mean'"),
+        ("rollout.n=1", "grpo needs rollout.n >= 2"),
+        ("actor.mini_batch_size=100", "must divide the samples per step"),
+        ("trainer.loggers=[console,wandbb]", "unknown trainer.loggers entry 'wandbb'"),
+        ("trainer.n_workers=2", "backend=local runs one in-process worker"),
+    ],
+)
+def test_inconsistent_settings(tiny_model_dir: Path, arithmetic_data: dict, override: str, message: str) -> None:
+    cfg = config(tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], override)
+    fails_fast(cfg, ConfigError, message)

@@ -1,0 +1,50 @@
+"""Checkpoint folders: published atomically, `latest` written last, stale temporaries ignored, retention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.errors import ConfigError
+from posttrain.trainers.checkpoint import CheckpointManager
+
+
+def save(manager: CheckpointManager, step: int) -> Path:
+    tmp = manager.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "shard").write_text(str(step))
+    return manager.publish(tmp, step, {"step": step})
+
+
+def test_publish_then_latest(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, max_to_keep=2)
+    assert manager.latest() is None
+    save(manager, 1)
+    save(manager, 2)
+    latest = manager.latest()
+    assert latest == tmp_path / "step_2"
+    assert manager.load_state(latest) == {"step": 2}
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    save(manager, 1)
+    tmp = manager.begin(2)  # the process dies here, before publish
+    (tmp / "actor").mkdir()
+    assert manager.latest() == tmp_path / "step_1"
+    assert not tmp.exists(), "a stale temporary folder is cleaned up"
+
+
+def test_retention_keeps_the_newest(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, max_to_keep=2)
+    for step in (1, 2, 3, 4):
+        save(manager, step)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_3", "step_4"]
+    assert manager.latest() == tmp_path / "step_4"
+
+
+def test_a_latest_pointing_nowhere_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_text("step_9")
+    with pytest.raises(ConfigError, match="step_9, which is incomplete or missing"):
+        CheckpointManager(tmp_path).latest()
