@@ -77,7 +77,9 @@ def _data(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from posttrain.demo import run_demo
 
-    run_demo(Path(args.out), preset=args.preset, n_workers=args.n_workers, rl_steps=args.rl_steps, fresh=args.fresh)
+    run_demo(
+        Path(args.out), preset=args.preset, n_workers=args.n_workers, rl_steps=args.rl_steps, fresh=args.fresh
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-size", type=int, default=20000, help="built-in task texts to train the tokenizer on")
+    p.add_argument(
+        "--corpus-size", type=int, default=20000, help="built-in task texts to train the tokenizer on"
+    )
     p.add_argument("--corpus-file", action="append", help="extra text files (one sample per line)")
     p.set_defaults(func=_make_model)
 
@@ -111,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_data)
 
-    p = sub.add_parser("demo", help="tiny model -> task data -> SFT warm start -> GRPO on Ray; before/after table")
+    p = sub.add_parser(
+        "demo", help="tiny model -> task data -> SFT warm start -> GRPO on Ray; before/after table"
+    )
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--n-workers", type=int, default=2)

@@ -35,7 +35,9 @@ RL_OVERRIDES = [
 DEFAULT_RL_STEPS = 60
 
 
-def run_demo(out: Path, preset: str = "tiny", n_workers: int = 2, rl_steps: int = 0, fresh: bool = False) -> dict:
+def run_demo(
+    out: Path, preset: str = "tiny", n_workers: int = 2, rl_steps: int = 0, fresh: bool = False
+) -> dict:
     """Run every stage under `out` and return (and print) the before/after summary."""
     if fresh and out.exists():
         shutil.rmtree(out)
@@ -49,7 +51,10 @@ def run_demo(out: Path, preset: str = "tiny", n_workers: int = 2, rl_steps: int 
     print(f"[2/4] arithmetic task -> {data_dir}", flush=True)
     if not (data_dir / "test.parquet").exists():
         write_arithmetic_dataset(data_dir, **TASK)
-    data = [f"data.train_files=[{data_dir / 'train.parquet'}]", f"data.val_files=[{data_dir / 'test.parquet'}]"]
+    data = [
+        f"data.train_files=[{data_dir / 'train.parquet'}]",
+        f"data.val_files=[{data_dir / 'test.parquet'}]",
+    ]
 
     print("[3/4] SFT warm start", flush=True)
     sft_hf = sft_dir / "hf"
@@ -77,7 +82,9 @@ def run_demo(out: Path, preset: str = "tiny", n_workers: int = 2, rl_steps: int 
     )
     RLTrainer(rl_cfg).fit()
     summary = summarize(rl_dir / "metrics.jsonl")
-    summary.update({"sft_seconds": round(sft_seconds, 1), "total_seconds": round(time.perf_counter() - started, 1)})
+    summary.update(
+        {"sft_seconds": round(sft_seconds, 1), "total_seconds": round(time.perf_counter() - started, 1)}
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_table(summary)
     return summary
@@ -107,8 +114,12 @@ def print_table(summary: dict) -> None:
     print(f"{'':28}{'before (SFT)':>14}{'after GRPO':>14}")
     print(f"{'held-out accuracy (greedy)':28}{b['val/acc']:>14.1%}{a['val/acc']:>14.1%}")
     print(f"{'held-out mean reward':28}{b['val/reward']:>14.3f}{a['val/reward']:>14.3f}")
-    print(f"{'response length (tokens)':28}{b['val/response_length']:>14.2f}{a['val/response_length']:>14.2f}")
+    print(
+        f"{'response length (tokens)':28}{b['val/response_length']:>14.2f}{a['val/response_length']:>14.2f}"
+    )
     print(
         f"{'train reward (first/last 5)':28}{summary['train_reward_first5']:>14.3f}{summary['train_reward_last5']:>14.3f}"
     )
-    print(f"\n{summary['steps']} GRPO steps; total {summary['total_seconds']:.0f} s (SFT stage {summary['sft_seconds']:.0f} s)")
+    print(
+        f"\n{summary['steps']} GRPO steps; total {summary['total_seconds']:.0f} s (SFT stage {summary['sft_seconds']:.0f} s)"
+    )

@@ -27,7 +27,9 @@ def test_missing_model_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
 def test_make_model_and_data(tmp_path: Path) -> None:
     assert main(["make-model", "--preset", "tiny", "--out", str(tmp_path / "m"), "--corpus-size", "500"]) == 0
     assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "tokenizer.json").exists()
-    assert main(["data", "arithmetic", "--out", str(tmp_path / "d"), "--n-train", "50", "--n-test", "10"]) == 0
+    assert (
+        main(["data", "arithmetic", "--out", str(tmp_path / "d"), "--n-train", "50", "--n-test", "10"]) == 0
+    )
     assert pq.read_table(tmp_path / "d" / "train.parquet").num_rows == 50
 
 
@@ -37,4 +39,6 @@ def test_gsm8k_preparation(tmp_path: Path) -> None:
     table = pq.read_table(tmp_path / "test.parquet").to_pylist()
     assert len(table) == 1319
     assert table[0]["data_source"] == "openai/gsm8k"
-    assert table[0]["reward_model"]["ground_truth"] == table[0]["extra_info"]["answer"].split("####")[-1].strip().replace(",", "")
+    assert table[0]["reward_model"]["ground_truth"] == table[0]["extra_info"]["answer"].split("####")[
+        -1
+    ].strip().replace(",", "")

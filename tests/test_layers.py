@@ -10,8 +10,22 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "posttrain"
 # top to bottom; a module may import its own layer and the ones below it
 ORDER = [
-    "cli", "demo", "trainers", "service", "client", "controller", "workers", "agents", "engine", "rollout",
-    "rewards", "algorithms", "data", "models", "config", "tracking",
+    "cli",
+    "demo",
+    "trainers",
+    "service",
+    "client",
+    "controller",
+    "workers",
+    "agents",
+    "engine",
+    "rollout",
+    "rewards",
+    "algorithms",
+    "data",
+    "models",
+    "config",
+    "tracking",
 ]
 EXTRA_FORBIDDEN = {
     # engine and rollout know nothing of each other, of Ray or of the RL loop
@@ -45,5 +59,9 @@ def test_layer_imports_only_downwards(layer: str) -> None:
             target = layer_of(module)
             if target is None or target in ("errors",):
                 continue
-            assert target in allowed, f"{path.relative_to(PACKAGE)} imports posttrain.{target} (a higher layer)"
-            assert target not in EXTRA_FORBIDDEN.get(layer, set()), f"{path.relative_to(PACKAGE)} imports {target}"
+            assert target in allowed, (
+                f"{path.relative_to(PACKAGE)} imports posttrain.{target} (a higher layer)"
+            )
+            assert target not in EXTRA_FORBIDDEN.get(layer, set()), (
+                f"{path.relative_to(PACKAGE)} imports {target}"
+            )

@@ -32,7 +32,9 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
         tmp = Path(tmpdir or Path(tempfile.gettempdir()) / f"posttrain-ray-{os.getuid()}").resolve()
         # Unix socket paths are limited to ~107 bytes; Ray puts its sockets under RAY_TMPDIR.
         if len(str(tmp)) > 60:
-            raise ConfigError(f"ray.tmpdir '{tmp}' is too long for Ray's socket paths (keep it under 60 characters)")
+            raise ConfigError(
+                f"ray.tmpdir '{tmp}' is too long for Ray's socket paths (keep it under 60 characters)"
+            )
         tmp.mkdir(parents=True, exist_ok=True)
         os.environ.update(loopback_env(tmp))
     import ray
@@ -42,7 +44,9 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=str(tmp))
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=str(tmp)
+    )
     nodes = node_addresses()
     if any(ip != "127.0.0.1" for ip in nodes):
         ray.shutdown()

@@ -17,6 +17,12 @@ from posttrain.errors import WorkerError
 
 def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) -> list[tuple[list, dict]]:
     """Per-rank (args, kwargs): each Batch is chunked into `world_size` equal parts, everything else copied."""
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, Batch) and len(value) % world_size:
+            raise WorkerError(
+                f"a batch of {len(value)} rows cannot be split evenly across {world_size} workers; "
+                "make batch sizes divisible by trainer.n_workers"
+            )
     per_rank: list[tuple[list, dict]] = [([], {}) for _ in range(world_size)]
     for value in args:
         parts = value.chunk(world_size) if isinstance(value, Batch) else [value] * world_size
@@ -127,27 +133,31 @@ class RayWorkerGroup:
             )
 
     def _get(self, refs: list[Any], method: str) -> list[Any]:
+        """Results in rank order; the first failure (whichever rank) is raised at once, naming the rank."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError
 
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
-        for rank, ref in enumerate(refs):
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+            if not done:
+                ranks = sorted(rank_of[r] for r in pending)
+                raise WorkerError(f"{self.role} ranks {ranks}: {method} timed out after {self.timeout_s:g}s")
+            rank = rank_of[done[0]]
             try:
-                results[rank] = ray.get(ref, timeout=self.timeout_s)
+                results[rank] = ray.get(done[0])
             except RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                message = str(cause).strip().splitlines()[-1] if str(cause).strip() else repr(cause)
+                lines = str(cause).strip().splitlines()
+                message = lines[-1] if lines else repr(cause)
                 raise WorkerError(
                     f"{self.role} rank {rank} raised in {method}: {type(cause).__name__}: {message}"
                 ) from None
             except RayActorError as exc:
-                raise WorkerError(
-                    f"{self.role} rank {rank} died during {method}: {exc.__class__.__name__}"
-                ) from None
-            except GetTimeoutError:
-                raise WorkerError(
-                    f"{self.role} rank {rank}: {method} timed out after {self.timeout_s:g}s"
-                ) from None
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise WorkerError(f"{self.role} rank {rank} died during {method}: {reason}") from None
         return results
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -34,7 +34,9 @@ def check_sft_config(cfg: SFTConfig) -> None:
     if cfg.trainer.backend not in ("ray", "local"):
         raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
     if cfg.trainer.backend == "local" and cfg.trainer.n_workers != 1:
-        raise ConfigError("trainer.backend=local runs one in-process worker; set trainer.n_workers=1 or backend=ray")
+        raise ConfigError(
+            "trainer.backend=local runs one in-process worker; set trainer.n_workers=1 or backend=ray"
+        )
 
 
 class SFTTrainer:
@@ -80,7 +82,9 @@ class SFTTrainer:
             seed=cfg.trainer.seed,
             threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
         )
-        group = make_actor_group(spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device)
+        group = make_actor_group(
+            spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
+        )
         tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg))
         loss = LossSpec("cross_entropy")
         metrics: dict[str, float] = {}
@@ -96,9 +100,16 @@ class SFTTrainer:
                 metrics = group.call("forward_backward", batch, loss)
                 metrics.update(group.call("optim_step"))
                 seconds = time.perf_counter() - start
-                metrics.update({"timing/step": seconds, "throughput/tokens_per_s": float(batch[keys.ATTENTION_MASK].sum()) / seconds})
+                metrics.update(
+                    {
+                        "timing/step": seconds,
+                        "throughput/tokens_per_s": float(batch[keys.ATTENTION_MASK].sum()) / seconds,
+                    }
+                )
                 last = step == cfg.trainer.total_steps
-                if self.val_set is not None and ((cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last):
+                if self.val_set is not None and (
+                    (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
+                ):
                     metrics["val/nll"] = self.validate(group)
                 tracker.log(metrics, step)
             group.call("export_hf", str(self.hf_dir))
@@ -118,4 +129,3 @@ class SFTTrainer:
         )[keys.OLD_LOG_PROBS]
         mask = batch[keys.LOSS_MASK]
         return float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))
-

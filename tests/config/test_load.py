@@ -37,7 +37,9 @@ def test_unknown_override_key_is_named_with_suggestion() -> None:
 def test_unknown_key_in_a_config_file_is_named() -> None:
     data = to_dict(RLConfig())
     data["rollout"]["temprature"] = 0.7
-    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.temprature'; did you mean 'rollout\.temperature'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'rollout\.temprature'; did you mean 'rollout\.temperature'"
+    ):
         from_dict(RLConfig, data)
 
 

@@ -19,7 +19,9 @@ FORWARD = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSE
 
 
 def spec(model_dir: Path) -> ActorRolloutRefSpec:
-    return ActorRolloutRefSpec(EngineConfig(model_path=str(model_dir), micro_batch_size=3), with_rollout=False, threads=1)
+    return ActorRolloutRefSpec(
+        EngineConfig(model_path=str(model_dir), micro_batch_size=3), with_rollout=False, threads=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +39,13 @@ def test_local_ray_binds_only_to_loopback(ray_cluster: None) -> None:
 
 
 def test_split_and_gather_preserve_row_order(group: RayWorkerGroup, tiny_model_dir: Path) -> None:
-    batch = synthetic_rl_batch(rows=8).select(FORWARD, [])
+    full = synthetic_rl_batch(rows=8)
+    batch, mask = full.select(FORWARD, []), full[keys.RESPONSE_MASK]
     distributed = group.call("forward", batch, "actor")[keys.OLD_LOG_PROBS]
     local = LocalWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir)).call("forward", batch, "actor")
     assert distributed.shape == (8, batch[keys.RESPONSES].shape[1])
-    torch.testing.assert_close(distributed, local[keys.OLD_LOG_PROBS], atol=1e-5, rtol=0)
+    # padding positions are not defined (each rank trims its own padding), so compare real tokens only
+    torch.testing.assert_close(distributed * mask, local[keys.OLD_LOG_PROBS] * mask, atol=1e-5, rtol=0)
 
 
 def test_placement_reports_each_rank(group: RayWorkerGroup) -> None:
@@ -52,12 +56,14 @@ def test_placement_reports_each_rank(group: RayWorkerGroup) -> None:
 
 def test_worker_exception_names_role_rank_and_cause(group: RayWorkerGroup) -> None:
     batch = synthetic_rl_batch(rows=4).select(FORWARD, [])
-    with pytest.raises(WorkerError, match=r"actor rank 0 raised in forward: ValueError: .*unknown model 'bogus'"):
+    with pytest.raises(
+        WorkerError, match=r"actor rank 0 raised in forward: ValueError: .*unknown model 'bogus'"
+    ):
         group.call("forward", batch, "bogus")
 
 
 def test_uneven_split_is_rejected(group: RayWorkerGroup) -> None:
-    with pytest.raises(Exception, match="divisible"):
+    with pytest.raises(WorkerError, match="5 rows cannot be split evenly across 2 workers"):
         group.call("forward", synthetic_rl_batch(rows=5).select(FORWARD, []), "actor")
 
 
@@ -69,7 +75,9 @@ def test_missing_resources_fail_fast_with_what_exists(tiny_model_dir: Path, ray_
 def test_dead_worker_is_reported_by_role_and_rank(tiny_model_dir: Path, ray_cluster: None) -> None:
     import ray
 
-    g = RayWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir), world_size=1, role="critic", device="cpu", timeout_s=60)
+    g = RayWorkerGroup(
+        ActorRolloutRefWorker, spec(tiny_model_dir), world_size=1, role="critic", device="cpu", timeout_s=60
+    )
     ray.kill(g.workers[0], no_restart=True)
     with pytest.raises(WorkerError, match=r"critic rank 0 died during ping"):
         g.call("ping")

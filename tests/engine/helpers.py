@@ -8,7 +8,9 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 
 
-def synthetic_rl_batch(rows: int = 8, prompt_width: int = 6, response_width: int = 5, vocab: int = 200, seed: int = 0) -> Batch:
+def synthetic_rl_batch(
+    rows: int = 8, prompt_width: int = 6, response_width: int = 5, vocab: int = 200, seed: int = 0
+) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(2, prompt_width + 1, (rows,), generator=gen)
     response_lens = torch.randint(1, response_width + 1, (rows,), generator=gen)

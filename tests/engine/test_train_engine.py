@@ -18,11 +18,15 @@ from posttrain.workers.losses import LossSpec
 
 from .helpers import synthetic_rl_batch, with_global_totals
 
-PPO = LossSpec("ppo", {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": "token-mean"})
+PPO = LossSpec(
+    "ppo", {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k3", "loss_agg_mode": "token-mean"}
+)
 
 
 def spec(model_dir: Path, micro_batch_size: int = 8) -> ActorRolloutRefSpec:
-    engine = EngineConfig(model_path=str(model_dir), lr=1e-3, micro_batch_size=micro_batch_size, grad_clip=1e9)
+    engine = EngineConfig(
+        model_path=str(model_dir), lr=1e-3, micro_batch_size=micro_batch_size, grad_clip=1e9
+    )
     return ActorRolloutRefSpec(engine=engine, with_rollout=False, with_ref=True, threads=1)
 
 
@@ -61,10 +65,14 @@ def test_log_probs_match_a_plain_hf_forward(tiny_model_dir: Path) -> None:
     got = group.call("forward", fwd, "actor")[keys.OLD_LOG_PROBS]
     model = load_causal_lm(tiny_model_dir)
     logits = model(
-        input_ids=batch[keys.INPUT_IDS], attention_mask=batch[keys.ATTENTION_MASK], position_ids=batch[keys.POSITION_IDS]
+        input_ids=batch[keys.INPUT_IDS],
+        attention_mask=batch[keys.ATTENTION_MASK],
+        position_ids=batch[keys.POSITION_IDS],
     ).logits
     width = batch[keys.RESPONSES].shape[1]
-    expected = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(-1, batch[keys.RESPONSES][..., None])[..., 0]
+    expected = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(
+        -1, batch[keys.RESPONSES][..., None]
+    )[..., 0]
     mask = batch[keys.RESPONSE_MASK]
     assert ((got - expected).abs() * mask).max() < 1e-5
 
@@ -82,13 +90,21 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir: Path, tmp_pat
     assert_same_weights(w_micro, w_whole)
 
 
-def test_world_size_two_equals_world_size_one(tiny_model_dir: Path, tmp_path: Path, ray_cluster: None) -> None:
+def test_world_size_two_equals_world_size_one(
+    tiny_model_dir: Path, tmp_path: Path, ray_cluster: None
+) -> None:
     """Same global batch: 1 rank vs 2 FSDP ranks (gloo) give the same loss and the same updated weights."""
     batch = synthetic_rl_batch(rows=8, seed=3)
     before = load_file(tiny_model_dir / "model.safetensors")
     results = []
     for world in (1, 2):
-        group = RayWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir, micro_batch_size=2), world_size=world, role="actor", device="cpu")
+        group = RayWorkerGroup(
+            ActorRolloutRefWorker,
+            spec(tiny_model_dir, micro_batch_size=2),
+            world_size=world,
+            role="actor",
+            device="cpu",
+        )
         try:
             metrics = one_step(group, batch)
             results.append((metrics, exported(group, tmp_path / f"w{world}")))

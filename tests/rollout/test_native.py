@@ -18,7 +18,9 @@ def prompts(model_dir: Path, n: int = 6) -> list[list[int]]:
     texts = [f"What is {i * 7}+{i * 13 + 5}?" for i in range(n)]
     return [
         tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False),
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+            ),
             add_special_tokens=False,
         )
         + [40 + i] * (i % 3)  # ragged lengths, so batches need padding
@@ -149,7 +151,9 @@ def test_load_weights_changes_output_and_restores(tiny_model_dir: Path) -> None:
         (SamplingParams(top_k=-1), "top_k must be >= 0"),
     ],
 )
-def test_bad_sampling_params_are_named(engine: NativeRolloutEngine, params: SamplingParams, message: str) -> None:
+def test_bad_sampling_params_are_named(
+    engine: NativeRolloutEngine, params: SamplingParams, message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         engine.generate([[1, 2, 3]], params)
 

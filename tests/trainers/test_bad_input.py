@@ -18,7 +18,13 @@ def config(model: Path, train: Path, val: Path, *extra: str) -> RLConfig:
     return load_config(
         RLConfig,
         "rl",
-        [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", "trainer.backend=local", *extra],
+        [
+            f"model.path={model}",
+            f"data.train_files=[{train}]",
+            f"data.val_files=[{val}]",
+            "trainer.backend=local",
+            *extra,
+        ],
     )
 
 
@@ -48,16 +54,24 @@ def test_empty_dataset(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: di
 
 def test_row_without_prompt(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: dict) -> None:
     rows = tmp_path / "rows.jsonl"
-    good = {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "What is 1+1?"}],
-            "reward_model": {"ground_truth": "2"}}
+    good = {
+        "data_source": "arithmetic",
+        "prompt": [{"role": "user", "content": "What is 1+1?"}],
+        "reward_model": {"ground_truth": "2"},
+    }
     bad = {"data_source": "arithmetic", "reward_model": {"ground_truth": "3"}}
     rows.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    fails_fast(config(tiny_model_dir, rows, arithmetic_data["test"]), DataError, r"row 1: missing field 'prompt'")
+    fails_fast(
+        config(tiny_model_dir, rows, arithmetic_data["test"]), DataError, r"row 1: missing field 'prompt'"
+    )
 
 
 def test_reward_function_file_missing(tiny_model_dir: Path, tmp_path: Path, arithmetic_data: dict) -> None:
     cfg = config(
-        tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], f"reward.custom_function_path={tmp_path}/r.py"
+        tiny_model_dir,
+        arithmetic_data["train"],
+        arithmetic_data["test"],
+        f"reward.custom_function_path={tmp_path}/r.py",
     )
     fails_fast(cfg, ConfigError, "reward function file not found")
 
@@ -74,6 +88,8 @@ def test_reward_function_file_missing(tiny_model_dir: Path, tmp_path: Path, arit
         ("trainer.n_workers=2", "backend=local runs one in-process worker"),
     ],
 )
-def test_inconsistent_settings(tiny_model_dir: Path, arithmetic_data: dict, override: str, message: str) -> None:
+def test_inconsistent_settings(
+    tiny_model_dir: Path, arithmetic_data: dict, override: str, message: str
+) -> None:
     cfg = config(tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], override)
     fails_fast(cfg, ConfigError, message)

@@ -32,13 +32,29 @@ def rl_config(model: Path, data: dict, run_dir: Path, *extra: str) -> RLConfig:
     )
 
 
+REWARD_FILE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] % 2 == 0:
+        raise ValueError("a scorer bug")  # counted as reward 0, never a crash
+    return float(len(solution_str) % 2)  # varies across samples, so advantages and gradients are non-zero
+"""
+
+
+def reward_file(tmp_path: Path) -> str:
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    return f"reward.custom_function_path={path}"
+
+
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_two_ray_workers_checkpoint_and_resume(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None) -> None:
+def test_grpo_two_ray_workers_checkpoint_and_resume(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
     run = tmp_path / "run"
-    ray = ["trainer.backend=ray", "trainer.n_workers=2"]
+    ray = ["trainer.backend=ray", "trainer.n_workers=2", reward_file(tmp_path)]
     history = RLTrainer(rl_config(tiny_model_dir, arithmetic_data, run, "trainer.total_steps=2", *ray)).fit()
     assert [h["step"] for h in history] == [0, 2]
     assert (run / "latest").read_text() == "step_2"
@@ -50,6 +66,7 @@ def test_grpo_two_ray_workers_checkpoint_and_resume(tiny_model_dir: Path, arithm
         assert r["rollout/logprob_diff_max"] < 1e-4  # sampler and trainer agree on log-probs
         assert r["actor/grad_norm"] > 0
         assert 0.0 <= r["reward/mean"] <= 1.0
+    assert sum(r["reward/errors"] for r in train_rows) > 0, "the raising scorer was counted"
     assert list((run / "tensorboard").iterdir()), "tensorboard events written"
 
     # "stopped" after step 2; a new run of the same job resumes at step 2 and continues with step 3
@@ -62,7 +79,9 @@ def test_grpo_two_ray_workers_checkpoint_and_resume(tiny_model_dir: Path, arithm
     assert (run / "latest").read_text() == "step_3"
 
 
-def test_resume_reproduces_the_uninterrupted_run_in_process(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
+def test_resume_reproduces_the_uninterrupted_run_in_process(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
     """Same seed: steps after a resume see the same batches and give the same rewards as a straight run."""
     local = ["trainer.backend=local", "trainer.val_every=0", "trainer.val_before_train=false"]
     straight = tmp_path / "straight"

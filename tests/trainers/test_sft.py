@@ -28,7 +28,11 @@ def test_sft_lowers_nll_and_exports(tiny_model_dir: Path, arithmetic_data: dict,
     )
     trainer = SFTTrainer(cfg)
     trainer.fit()
-    vals = [json.loads(line)["val/nll"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val/nll" in line]
+    vals = [
+        json.loads(line)["val/nll"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if "val/nll" in line
+    ]
     assert len(vals) == 2 and vals[1] < vals[0]
     model = load_causal_lm(trainer.hf_dir)
     assert load_tokenizer(trainer.hf_dir).eos_token == "<|im_end|>"
