@@ -58,13 +58,16 @@ def _format_value(value: float | int) -> str:
 class ConsoleBackend:
     """One line per step, `step 12 | reward 0.53 | acc 0.41 | ...`, printed and flushed."""
 
-    def __init__(self, priority_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS) -> None:
+    def __init__(
+        self, priority_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS, only_priority: bool = False
+    ) -> None:
         self.priority_keys = tuple(priority_keys)
+        self.only_priority = only_priority  # a readable console; the files keep every metric
 
     def format(self, metrics: Mapping[str, float | int], step: int) -> str:
         """Render one step's line: priority keys first, then the rest in logging order."""
         first = [k for k in self.priority_keys if k in metrics]
-        rest = [k for k in metrics if k not in self.priority_keys]
+        rest = [] if self.only_priority else [k for k in metrics if k not in self.priority_keys]
         parts = [f"step {step}"] + [f"{k} {_format_value(metrics[k])}" for k in first + rest]
         return " | ".join(parts)
 
@@ -131,6 +134,7 @@ class Tracker:
         run_name: str = "run",
         config: Mapping[str, Any] | None = None,
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+        console_only_keys: bool = False,
     ) -> None:
         if isinstance(backends, str):
             backends = [backends]
@@ -151,7 +155,7 @@ class Tracker:
         self._backends: list[_Backend] = []
         for name in dict.fromkeys(backends):  # dedupe, keep order
             if name == "console":
-                self._backends.append(ConsoleBackend(console_keys))
+                self._backends.append(ConsoleBackend(console_keys, console_only_keys))
             elif name == "jsonl":
                 self._backends.append(JsonlBackend(self.log_dir))
                 if config_text is not None:

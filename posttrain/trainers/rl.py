@@ -41,6 +41,19 @@ log = logging.getLogger(__name__)
 # What each verb needs on the wire (the rest of the Batch stays on the driver).
 FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
 UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES]
+# The console line; metrics.jsonl and TensorBoard get every metric.
+CONSOLE_KEYS = (
+    "acc",
+    "reward/mean",
+    "val/acc",
+    "val/reward",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "response_length/mean",
+    "rollout/logprob_diff_max",
+    "timing/step",
+)
 
 
 @contextmanager
@@ -145,7 +158,14 @@ class RLTrainer:
         self.actor = make_actor_group(
             spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
         )
-        tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name=self.run_dir.name, config=to_dict(cfg))
+        tracker = Tracker(
+            cfg.trainer.loggers,
+            self.run_dir,
+            run_name=self.run_dir.name,
+            config=to_dict(cfg),
+            console_keys=CONSOLE_KEYS,
+            console_only_keys=True,
+        )
         try:
             self._maybe_resume()
             if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:

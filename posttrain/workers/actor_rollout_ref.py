@@ -36,6 +36,13 @@ class ActorRolloutRefSpec:
     threads: int = 0  # torch intra-op threads; 0 = leave as is
 
 
+def quiet_transformers() -> None:
+    """No per-load progress bars from transformers: a run loads the model several times per worker."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -51,6 +58,7 @@ class ActorRolloutRefWorker:
         dist_info = dist_info or DistInfo()
         if spec.threads > 0:
             torch.set_num_threads(spec.threads)
+        quiet_transformers()
         self.spec = spec
         self.rank = dist_info.rank
         seed_everything(spec.seed + 1000 * dist_info.rank)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite: set-up, lint, then pytest (fast suite by default; pass -m slow for the long runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check posttrain tests
+.venv/bin/ruff format --check -q posttrain tests
+exec .venv/bin/python -m pytest "$@"
