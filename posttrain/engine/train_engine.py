@@ -210,7 +210,10 @@ class TrainEngine:
 
             config = load_config(self.config.model_path)
             model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[self.config.dtype])
-            model.load_state_dict(full, strict=False)
+            missing, unexpected = model.load_state_dict(full, strict=False)
+            tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+            if unexpected or set(missing) - tied:
+                raise RuntimeError(f"export_hf: state dict mismatch: missing {missing}, unexpected {unexpected}")
             model.tie_weights()
             model.save_pretrained(out_dir)
             load_tokenizer(self.config.model_path).save_pretrained(out_dir)
