@@ -8,7 +8,10 @@ http://joschu.net/blog/kl-approx.html), with log r = log pi_ref(x) - log pi(x):
 * k2 = (log r)^2 / 2       biased but low variance, always >= 0;
 * k3 = (r - 1) - log r     unbiased and always >= 0, low variance ("low_var_kl" in verl, used by GRPO).
 
-Each is registered under its verl names. Pure: tensors in, tensors out.
+Each is registered under its verl names. k1 and k3 have the KL as expected *value*, but their expected
+*gradient* is not the gradient of the KL, while k2's is (for samples from pi). The straight-through
+variants "k1+"/"kl+", "k3+"/"low_var_kl+" and "abs+" take the value of the named estimator and the
+gradient of k2: `k2 + (est - k2).detach()` (verl's "+" suffix). Pure: tensors in, tensors out.
 """
 
 from __future__ import annotations
@@ -52,8 +55,34 @@ def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return k3.clamp(-_K3_CLAMP, _K3_CLAMP)
 
 
+def _with_k2_gradient(
+    value: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor
+) -> torch.Tensor:
+    """`value` in the forward pass, the gradient of k2 in the backward pass (straight-through)."""
+    k2 = kl_k2(log_prob, ref_log_prob)
+    return k2 + (value - k2).detach()
+
+
+@register_kl("k1+", "kl+")
+def kl_k1_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Value of k1, gradient of k2 (log pi - log pi_ref per token)."""
+    return _with_k2_gradient(kl_k1(log_prob, ref_log_prob), log_prob, ref_log_prob)
+
+
+@register_kl("abs+")
+def kl_abs_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Value of abs, gradient of k2."""
+    return _with_k2_gradient(kl_abs(log_prob, ref_log_prob), log_prob, ref_log_prob)
+
+
+@register_kl("k3+", "low_var_kl+")
+def kl_k3_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Value of k3 (clamped as `kl_k3`), gradient of k2."""
+    return _with_k2_gradient(kl_k3(log_prob, ref_log_prob), log_prob, ref_log_prob)
+
+
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate (B, R) of the registered estimator `kind` ("k1", "k3", "low_var_kl", ...).
+    """Per-token KL estimate (B, R) of the registered estimator `kind` ("k1", "k3", "low_var_kl", "k3+", ...).
 
     Raises ConfigError listing the valid kinds for an unknown one.
     """

@@ -2,12 +2,20 @@
 
 Every registered policy loss shares one calling convention:
 
-    loss, metrics = fn(log_prob, old_log_prob, advantages, response_mask, *, loss_agg_mode,
-                       global_tokens, global_seqs, dp_size, **options)
+    loss, metrics = fn(log_prob, old_log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
+                       global_tokens=None, global_seqs=None, dp_size=1, rollout_log_probs=None,
+                       tis_cap=0.0, **own_options)
 
 where the tensors are (B, R), `loss` is a scalar ready for backward (see `aggregation.aggregate_loss` for
-the global totals) and `metrics` maps names to python floats computed over this micro-batch.
-Pure: no I/O, no distributed code.
+the global totals) and `metrics` maps names to python floats computed over this micro-batch. Every loss
+reports `pg_clipfrac` (0 where no clipping exists), `ppo_kl` (token mean of old_log_prob - log_prob),
+`ratio_mean` and `ratio_max` (over valid tokens of the ratio the loss uses). No loss overrides the
+aggregation mode it is given, even where the paper recommends another one (said in its docstring).
+
+`rollout_log_probs` / `tis_cap` switch on truncated importance sampling (see `truncated_is_weights`).
+
+This module holds the shared pieces and the PPO loss; `policy_loss_variants` (gspo, sapo, cispo, dro, gpg)
+and `policy_loss_cov` (clip_cov, kl_cov) hold the others. Pure: no I/O, no distributed code.
 """
 
 from __future__ import annotations
@@ -21,7 +29,96 @@ from posttrain.errors import ConfigError
 
 # Bound on log(pi / pi_old) before exp: a ratio of e^20 is already meaningless, and exp of a larger value
 # overflows in bf16/fp16 into inf, which would turn the loss into NaN.
-_LOG_RATIO_CLAMP = 20.0
+LOG_RATIO_CLAMP = 20.0
+
+Total = int | float | torch.Tensor | None
+
+
+def token_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """log(pi / pi_old) per token, clamped to [-20, 20] so that its exp stays finite."""
+    return (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def check_clip_range(loss_name: str, clip_ratio_low: float, clip_ratio_high: float) -> None:
+    """Raise ConfigError unless 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0."""
+    if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
+        raise ConfigError(
+            f"{loss_name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, "
+            f"got {clip_ratio_low}, {clip_ratio_high}"
+        )
+
+
+def truncated_is_weights(
+    old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor | None, tis_cap: float
+) -> torch.Tensor | None:
+    """Truncated importance-sampling weights for the rollout/training mismatch, or None when off.
+
+    w = sg[min(pi_old / pi_rollout, tis_cap)] = sg[min(exp(old_log_prob - rollout_log_probs), tis_cap)]
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the
+    inference engine samples from a slightly different distribution than the trainer computes, so each
+    token's loss is reweighted by the capped ratio. Off when tis_cap == 0 (the default), whether or not
+    rollout log-probs are given. Raises ConfigError for tis_cap < 0 or tis_cap > 0 without rollout log-probs.
+    """
+    if tis_cap < 0.0:
+        raise ConfigError(f"tis_cap must be >= 0 (0 turns truncated importance sampling off), got {tis_cap}")
+    if tis_cap == 0.0:
+        return None
+    if rollout_log_probs is None:
+        raise ConfigError(
+            f"tis_cap={tis_cap} turns on truncated importance sampling, which needs rollout_log_probs "
+            "(the log-probs the rollout engine sampled with); pass them or set tis_cap=0"
+        )
+    with torch.no_grad():
+        log_w = (old_log_prob - rollout_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return log_w.exp().clamp(max=tis_cap).detach()
+
+
+def policy_metrics(
+    response_mask: torch.Tensor,
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    clipped: torch.Tensor | None,
+) -> dict[str, float]:
+    """The metrics every loss reports, over this micro-batch's valid tokens.
+
+    `log_ratio` is the token log(pi / pi_old) (for ppo_kl), `ratio` the ratio the loss works with (for the
+    ratio stats), `clipped` a bool (B, R) of tokens where a clip was active, or None where none exists.
+    """
+    with torch.no_grad():
+        valid = response_mask > 0
+        clipfrac = 0.0 if clipped is None else masked_mean(clipped.float(), response_mask).item()
+        ratio_max = ratio.detach().masked_fill(~valid, float("-inf")).max().item() if valid.any() else 0.0
+        return {
+            "pg_clipfrac": clipfrac,
+            "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+            "ratio_mean": masked_mean(ratio.detach(), response_mask).item(),
+            "ratio_max": ratio_max,
+        }
+
+
+def finish_policy_loss(
+    pg_losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    tis_weights: torch.Tensor | None,
+    metrics: dict[str, float],
+    *,
+    tis_cap: float,
+    loss_agg_mode: str,
+    global_tokens: Total,
+    global_seqs: Total,
+    dp_size: int,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Apply the TIS weights (if any) to the per-token losses and aggregate them under the caller's mode.
+
+    Adds `tis_weight_mean` and `tis_capped_frac` (fraction of tokens whose weight hit the cap) when TIS is on.
+    """
+    if tis_weights is not None:
+        pg_losses = pg_losses * tis_weights
+        with torch.no_grad():
+            metrics["tis_weight_mean"] = masked_mean(tis_weights, response_mask).item()
+            metrics["tis_capped_frac"] = masked_mean((tis_weights >= tis_cap).float(), response_mask).item()
+    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
+    return loss, metrics
 
 
 @register_policy_loss("vanilla")
@@ -31,13 +128,15 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: Total = None,
+    global_seqs: Total = None,
+    dp_size: int = 1,
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: int | float | torch.Tensor | None = None,
-    global_seqs: int | float | torch.Tensor | None = None,
-    dp_size: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with clip-higher and dual-clip.
 
@@ -51,17 +150,14 @@ def ppo_clip_loss(
     lets low-probability tokens grow and keeps entropy from collapsing. The dual clip bounds the loss of a
     negative-advantage token whose ratio has exploded; where it is active the gradient is zero.
 
-    Metrics (python floats, over this micro-batch's valid tokens):
-    `pg_clipfrac` fraction of tokens where the clipped term was taken, `pg_clipfrac_lower` fraction where
-    the dual clip was active, `ppo_kl` mean of old_log_prob - log_prob (a k1 estimate of KL(old || new)).
+    Metrics besides the common ones: `pg_clipfrac` is the fraction of tokens where the clipped term was
+    taken, `pg_clipfrac_lower` the fraction where the dual clip was active.
     """
     if clip_ratio_c <= 1.0:
         raise ConfigError(f"clip_ratio_c must be > 1.0 for the dual-clip PPO loss, got {clip_ratio_c}")
-    if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
-        raise ConfigError(
-            f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}"
-        )
-    log_ratio = (log_prob - old_log_prob).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    check_clip_range("vanilla", clip_ratio_low, clip_ratio_high)
+    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
+    log_ratio = token_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
 
     losses_unclipped = -advantages * ratio
@@ -72,16 +168,21 @@ def ppo_clip_loss(
     negative = advantages < 0
     pg_losses = torch.where(negative, dual_losses, clip_losses)
 
-    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
+    metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=losses_clipped > losses_unclipped)
     with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), response_mask).item(),
-            "pg_clipfrac_lower": masked_mean(
-                ((clip_losses > dual_bound) & negative).float(), response_mask
-            ).item(),
-            "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
-        }
-    return loss, metrics
+        dual_active = (clip_losses > dual_bound) & negative
+        metrics["pg_clipfrac_lower"] = masked_mean(dual_active.float(), response_mask).item()
+    return finish_policy_loss(
+        pg_losses,
+        response_mask,
+        tis,
+        metrics,
+        tis_cap=tis_cap,
+        loss_agg_mode=loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        dp_size=dp_size,
+    )
 
 
 def kl_loss(
@@ -90,8 +191,8 @@ def kl_loss(
     response_mask: torch.Tensor,
     kind: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
-    global_tokens: int | float | torch.Tensor | None = None,
-    global_seqs: int | float | torch.Tensor | None = None,
+    global_tokens: Total = None,
+    global_seqs: Total = None,
     dp_size: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-to-reference penalty used as a loss term (GRPO's "KL in loss", Shao et al. 2024).

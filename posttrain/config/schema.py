@@ -61,12 +61,44 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     entropy_coeff: float = 0.0
+    tis_cap: float = 0.0  # truncated importance sampling against rollout log-probs; 0 = off
+    # Options of particular policy losses: setting one that the chosen loss does not take is an error.
+    loss_beta: float = 0.05  # dro: weight of the quadratic penalty
+    clip_cov_ratio: float = 0.0002  # clip_cov
+    clip_cov_lb: float = 1.0  # clip_cov
+    clip_cov_ub: float = 5.0  # clip_cov
+    kl_cov_ratio: float = 0.0002  # kl_cov
+    ppo_kl_coef: float = 1.0  # kl_cov
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    enable: bool = False  # PPO with GAE needs it
+    model_path: str = ""  # empty = the actor's model.path (a fresh value head on the same weights)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 64
+    cliprange_value: float = 0.5
+    ppo_epochs: int = 1
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
+    gamma: float = 1.0  # gae, reinforce_plus_plus
+    lam: float = 1.0  # gae
+    use_kl_in_reward: bool = False  # KL to the reference subtracted from the reward (not in the loss)
+    kl_penalty: str = "kl"  # the estimator used in the reward
+    kl_ctrl_type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    kl_target: float = 0.1  # adaptive controller
+    kl_horizon: int = 10000  # adaptive controller
+    critic_warmup: int = 0  # steps that train only the critic
+    dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards differ; generate until full
+    max_gen_rounds: int = 8  # cap on generation rounds per step with dynamic sampling
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,8 @@ class RewardConfig:
     custom_function_path: str = ""  # a Python file; empty = the built-in scorers by data_source
     custom_function_name: str = "compute_score"
     gsm8k_method: str = "strict"  # strict | flexible
+    overlong_buffer_len: int = 0  # DAPO overlong shaping: tokens before max_response_length; 0 = off
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +143,7 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -17,6 +17,7 @@ REF_LOG_PROB = "ref_log_prob"  # (B, R) float: log-probs of the frozen reference
 VALUES = "values"  # (B, R) float: critic values
 TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) float: score on the last response token
 TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float: scores minus in-reward KL
+REWARD_BASELINES = "reward_baselines"  # (B,) float: reward of the prompt's greedy response (ReMax)
 ADVANTAGES = "advantages"  # (B, R) float
 RETURNS = "returns"  # (B, R) float
 LOSS_MASK = "loss_mask"  # (B, T) float: 1 on tokens the SFT loss is taken on (response and eos)

@@ -73,6 +73,39 @@ def response_log_probs(
     return log_probs, entropy
 
 
+def response_values(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_width: int,
+) -> torch.Tensor:
+    """Critic values V(s_t) for each response token: the value head's output at the position before it.
+
+    Aligned like the log-probs (column c scores the state from which token c + 1 is generated), padded back to
+    (B, R) with zeros past the used columns.
+    """
+    total = input_ids.shape[1]
+    prompt_width = total - response_width
+    start, end = _used_columns(attention_mask)
+    start = min(start, prompt_width - 1)
+    end = max(end, prompt_width + 1)
+    values = (
+        model(
+            input_ids=input_ids[:, start:end],
+            attention_mask=attention_mask[:, start:end],
+            position_ids=position_ids[:, start:end],
+            use_cache=False,
+        )
+        .logits[..., 0]
+        .float()
+    )
+    first = prompt_width - 1 - start
+    used_response = end - prompt_width
+    values = values[:, first : first + used_response]
+    return F.pad(values, (0, response_width - used_response))
+
+
 def next_token_log_probs(
     model: nn.Module,
     input_ids: torch.Tensor,

@@ -25,9 +25,9 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, init_distributed
 from posttrain.engine.fsdp import apply_fsdp, full_named_tensors
-from posttrain.engine.log_probs import next_token_log_probs, response_log_probs
+from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
 from posttrain.errors import ConfigError
-from posttrain.models import load_causal_lm
+from posttrain.models import load_causal_lm, load_value_model
 
 # loss_fn(log_probs, entropy_or_None, micro_batch) -> (scalar loss, metrics). The loss is already
 # normalised over the global mini-batch (see algorithms.aggregation), so micro-batch losses are summed.
@@ -42,6 +42,7 @@ class EngineConfig:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     trainable: bool = True  # False: a frozen model (reference policy), no optimizer
+    head: str = "lm"  # lm: causal LM (log-probs) | value: one-output token head (critic values)
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -57,11 +58,14 @@ class TrainEngine:
         dist_info = dist_info or DistInfo()
         if config.dtype not in DTYPES:
             raise ConfigError(f"model.dtype '{config.dtype}' unknown; valid: {', '.join(DTYPES)}")
+        if config.head not in ("lm", "value"):
+            raise ConfigError(f"engine head '{config.head}' unknown; valid: lm, value")
         self.config = config
         self.mesh, self.device = init_distributed(dist_info)
         self.dp_size = self.mesh.size()
         self.rank = dist.get_rank()
-        model = load_causal_lm(
+        load = load_causal_lm if config.head == "lm" else load_value_model
+        model = load(
             config.model_path, dtype=DTYPES[config.dtype], attn_implementation=config.attn_implementation
         )
         model.to(self.device)
@@ -97,6 +101,11 @@ class TrainEngine:
     def _log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token outputs: log-probs (lm head) or values (value head), and entropy when asked."""
+        if self.config.head == "value":
+            width = mb[keys.RESPONSES].shape[1]
+            ids, mask, pos = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
+            return response_values(self.model, ids, mask, pos, width), None
         if keys.RESPONSES in mb:
             return response_log_probs(
                 self.model,
@@ -113,7 +122,8 @@ class TrainEngine:
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-        """Log-probs of the response tokens (or of every next token when there is no `responses`)."""
+        """Log-probs of the response tokens (of every next token when there is no `responses`); with the
+        value head, the critic's values of the response tokens."""
         was_training = self.model.training
         self.model.eval()
         outs = [
@@ -213,7 +223,9 @@ class TrainEngine:
             missing, unexpected = model.load_state_dict(full, strict=False)
             tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
             if unexpected or set(missing) - tied:
-                raise RuntimeError(f"export_hf: state dict mismatch: missing {missing}, unexpected {unexpected}")
+                raise RuntimeError(
+                    f"export_hf: state dict mismatch: missing {missing}, unexpected {unexpected}"
+                )
             model.tie_weights()
             model.save_pretrained(out_dir)
             load_tokenizer(self.config.model_path).save_pretrained(out_dir)

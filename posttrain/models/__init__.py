@@ -3,7 +3,13 @@
 Must not import posttrain.data or anything above models/.
 """
 
-from posttrain.models.loading import check_model_dir, load_causal_lm, load_config, load_tokenizer
+from posttrain.models.loading import (
+    check_model_dir,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+    load_value_model,
+)
 from posttrain.models.tiny import PRESETS, TinyPreset, build_tiny_model, make_tiny_model
 from posttrain.models.tokenizer import CHAT_TEMPLATE, train_tokenizer
 
@@ -16,6 +22,7 @@ __all__ = [
     "load_causal_lm",
     "load_config",
     "load_tokenizer",
+    "load_value_model",
     "make_tiny_model",
     "train_tokenizer",
 ]

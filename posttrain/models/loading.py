@@ -103,6 +103,30 @@ def load_causal_lm(
     return model.eval()
 
 
+def load_value_model(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A critic: the same architecture with a one-output token head (`...ForTokenClassification`).
+
+    From an actor's directory the head is freshly initialised (transformers logs the new `score` weights);
+    from a saved critic's directory it is restored.
+    """
+    from transformers import AutoModelForTokenClassification
+
+    p = _require_dir(path)
+    _require_config(p)
+    _require_weights(p)
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(
+            p, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"cannot load a value model (token-classification head) from {p}: {e}") from e
+    return model.eval()
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a local directory, making sure it has a pad token (eos if none is set).
 

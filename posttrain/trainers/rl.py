@@ -27,12 +27,20 @@ from posttrain.data.dataset import PromptDataset, collate_prompts
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.models import load_config, load_tokenizer
-from posttrain.rewards.manager import RewardManager, scores_to_token_level
-from posttrain.rewards.user import load_reward_function
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.trainers.checkpoint import CheckpointManager, rng_state, set_rng_state
-from posttrain.trainers.setup import check_rl_config, make_actor_group, threads_per_worker
+from posttrain.trainers.generation import generate_step_batch
+from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.setup import (
+    advantage_kwargs,
+    check_rl_config,
+    make_actor_group,
+    make_critic_group,
+    policy_loss_options,
+    threads_per_worker,
+)
+from posttrain.trainers.validation import validate
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
 from posttrain.workers.losses import LossSpec
 
@@ -40,7 +48,8 @@ log = logging.getLogger(__name__)
 
 # What each verb needs on the wire (the rest of the Batch stays on the driver).
 FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
-UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES]
+UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES, keys.ROLLOUT_LOG_PROBS]
+CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
 # The console line; metrics.jsonl and TensorBoard get every metric.
 CONSOLE_KEYS = (
     "acc",
@@ -94,13 +103,7 @@ class RLTrainer:
             shuffle=cfg.data.shuffle,
             seed=cfg.trainer.seed,
         )
-        custom = (
-            load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
-            if cfg.reward.custom_function_path
-            else None
-        )
-        gsm8k_kwargs = {"openai/gsm8k": {"method": cfg.reward.gsm8k_method}} if custom is None else None
-        self.rewards = RewardManager(custom, gsm8k_kwargs)
+        self.rewards = RewardStage(cfg)
         self.sampling = SamplingParams(
             max_tokens=cfg.data.max_response_length,
             temperature=cfg.rollout.temperature,
@@ -112,25 +115,16 @@ class RLTrainer:
         self.val_sampling = replace(
             self.sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0
         )
-        self.loss = LossSpec(
-            "ppo",
-            {
-                "policy_loss": cfg.actor.policy_loss,
-                "clip_ratio_low": cfg.actor.clip_ratio_low,
-                "clip_ratio_high": cfg.actor.clip_ratio_high,
-                "clip_ratio_c": cfg.actor.clip_ratio_c,
-                "loss_agg_mode": cfg.actor.loss_agg_mode,
-                "use_kl_loss": cfg.actor.use_kl_loss,
-                "kl_loss_coef": cfg.actor.kl_loss_coef,
-                "kl_loss_type": cfg.actor.kl_loss_type,
-                "entropy_coeff": cfg.actor.entropy_coeff,
-            },
+        self.loss = LossSpec("ppo", policy_loss_options(cfg.actor))
+        self.critic_loss = LossSpec(
+            "value", {"cliprange_value": cfg.critic.cliprange_value, "loss_agg_mode": cfg.actor.loss_agg_mode}
         )
         self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_checkpoints_to_keep)
         self.step_count = 0
         self.actor: Any = None
+        self.critic: Any = None
         self.history: list[dict[str, float]] = []
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -151,13 +145,16 @@ class RLTrainer:
                 micro_batch_size=cfg.actor.micro_batch_size,
             ),
             with_rollout=True,
-            with_ref=cfg.actor.use_kl_loss,
+            with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
             seed=cfg.trainer.seed,
             threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
         )
+        roles = 2 if cfg.critic.enable else 1
         self.actor = make_actor_group(
-            spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
+            spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device, roles
         )
+        if cfg.critic.enable:
+            self.critic = make_critic_group(cfg, threads=spec.threads, roles=roles)
         tracker = Tracker(
             cfg.trainer.loggers,
             self.run_dir,
@@ -187,83 +184,88 @@ class RLTrainer:
         finally:
             tracker.close()
             self.actor.shutdown()
+            if self.critic is not None:
+                self.critic.shutdown()
         return self.history
 
     def step(self) -> dict[str, float]:
-        """One RL step on one batch of prompts."""
+        """One RL step: the loop of ARCHITECTURE.md."""
         cfg, timings = self.cfg, {}
         with timed(timings, "step"):
-            prompts = self.loader.next_batch().repeat(cfg.rollout.n, interleave=True)
             with timed(timings, "gen"):
-                batch = self.actor.call("sample", prompts, self.sampling)
-            batch = batch.union(prompts.select(tensor_keys=[]))
-            with timed(timings, "reward"):
-                batch = batch.union(self.score(batch))
-            with timed(timings, "old_log_prob"):
-                batch = batch.union(
-                    self.actor.call("forward", batch.select(FORWARD_KEYS, []), "actor", self._temp)
+                batch, gen_metrics = generate_step_batch(
+                    cfg, self.actor, self.loader, self.sampling, self.rewards
                 )
-            if cfg.actor.use_kl_loss:
+            forward_batch = batch.select(FORWARD_KEYS, [])
+            with timed(timings, "old_log_prob"):
+                batch = batch.union(self.actor.call("forward", forward_batch, "actor", self._temp))
+            if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 with timed(timings, "ref"):
-                    batch = batch.union(
-                        self.actor.call("forward", batch.select(FORWARD_KEYS, []), "ref", self._temp)
-                    )
+                    batch = batch.union(self.actor.call("forward", forward_batch, "ref", self._temp))
+            if self.critic is not None:
+                with timed(timings, "values"):
+                    batch = batch.union(self.critic.call("forward", forward_batch))
             with timed(timings, "adv"):
+                rewards, kl_metrics = self.rewards.apply_kl(batch)
+                batch = batch.union(rewards)
                 batch = batch.union(self.advantages(batch))
-            with timed(timings, "update_actor"):
-                update_metrics = self.update(batch)
-            with timed(timings, "sync"):
-                self.actor.call("sync_sampler")
-        return {**self.batch_metrics(batch), **update_metrics, **timings}
+            update_metrics: dict[str, float] = {}
+            if self.critic is not None:
+                with timed(timings, "update_critic"):
+                    update_metrics.update(self.update_critic(batch))
+            if self.step_count >= cfg.algorithm.critic_warmup:
+                with timed(timings, "update_actor"):
+                    update_metrics.update(self.update(batch))
+                with timed(timings, "sync"):
+                    self.actor.call("sync_sampler")
+        return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings}
 
     @property
     def _temp(self) -> float:
         return self.sampling.temperature if self.sampling.temperature > 0 else 1.0
 
     # ---- the pieces ----------------------------------------------------------------------------
-    def score(self, batch: Batch) -> Batch:
-        result = self.rewards.score(
-            list(batch[keys.DATA_SOURCE]),
-            list(batch[keys.RESPONSE_TEXT]),
-            list(batch[keys.GROUND_TRUTH]),
-            list(batch[keys.EXTRA_INFO]),
-        )
-        scores = torch.tensor(result.scores, dtype=torch.float32)
-        return Batch.from_dict(
-            {keys.TOKEN_LEVEL_SCORES: scores_to_token_level(scores, batch[keys.RESPONSE_MASK])},
-            {"score": list(result.scores)},
-            {"reward_errors": result.n_errors},
-        )
-
     def advantages(self, batch: Batch) -> Batch:
-        rewards = batch[keys.TOKEN_LEVEL_SCORES]
-        kwargs = (
-            {"norm_by_std": self.cfg.algorithm.norm_adv_by_std_in_grpo}
-            if self.cfg.algorithm.adv_estimator == "grpo"
-            else {}
+        kwargs = advantage_kwargs(self.advantage_fn, self.cfg.algorithm, batch)
+        advantages, returns = self.advantage_fn(
+            batch[keys.TOKEN_LEVEL_REWARDS], batch[keys.RESPONSE_MASK], batch[keys.UID], **kwargs
         )
-        advantages, returns = self.advantage_fn(rewards, batch[keys.RESPONSE_MASK], batch[keys.UID], **kwargs)
-        return Batch.from_dict(
-            {keys.TOKEN_LEVEL_REWARDS: rewards, keys.ADVANTAGES: advantages, keys.RETURNS: returns}
-        )
+        return Batch.from_dict({keys.ADVANTAGES: advantages, keys.RETURNS: returns})
 
     def update(self, batch: Batch) -> dict[str, float]:
         """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""
+        extra = [keys.REF_LOG_PROB] if self.cfg.actor.use_kl_loss else []
+        return self._minibatch_updates(
+            self.actor,
+            batch.select(UPDATE_KEYS + extra, []),
+            self.loss,
+            self.cfg.actor.ppo_epochs,
+            "actor",
+            self._temp,
+        )
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self._minibatch_updates(
+            self.critic, batch.select(CRITIC_KEYS, []), self.critic_loss, self.cfg.critic.ppo_epochs, "critic"
+        )
+
+    def _minibatch_updates(
+        self, group: Any, batch: Batch, loss: LossSpec, epochs: int, prefix: str, *args: Any
+    ) -> dict[str, float]:
         mini = self.cfg.actor.mini_batch_size or len(batch)
         sums: dict[str, float] = {}
         count = 0
-        for _ in range(self.cfg.actor.ppo_epochs):
-            for mb in batch.select(
-                UPDATE_KEYS + ([keys.REF_LOG_PROB] if keys.REF_LOG_PROB in batch else []), []
-            ).split(mini):
+        for _ in range(epochs):
+            for mb in batch.split(mini):
                 mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
                 mb.meta[keys.GLOBAL_SEQS] = len(mb)
-                metrics = self.actor.call("forward_backward", mb, self.loss, self._temp)
-                metrics.update({f"actor/{k}": v for k, v in self.actor.call("optim_step").items()})
+                metrics = group.call("forward_backward", mb, loss, *args)
+                metrics.update(group.call("optim_step"))
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                    name = k if k.startswith(f"{prefix}/") else f"{prefix}/{k}"
+                    sums[name] = sums.get(name, 0.0) + v
                 count += 1
-        return {k if k.startswith("actor/") else f"actor/{k}": v / count for k, v in sums.items()}
+        return {k: v / count for k, v in sums.items()}
 
     def batch_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch[keys.RESPONSE_MASK]
@@ -285,32 +287,15 @@ class RLTrainer:
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        """Greedy accuracy, mean reward and response length on the validation split."""
         assert self.val_set is not None
-        limit = self.cfg.data.val_max_prompts or len(self.val_set)
-        items = [self.val_set[i] for i in range(min(limit, len(self.val_set)))]
-        batch = collate_prompts(items, pad_token_id=self.pad_id, uids=[f"val-{it['index']}" for it in items])
-        rows = len(batch)
-        padded = _pad_rows(batch, self.actor.world_size)
-        out = self.actor.call("sample", padded, self.val_sampling).index(slice(0, rows))
-        out = out.union(batch.select(tensor_keys=[]))
-        result = self.rewards.score(
-            list(out[keys.DATA_SOURCE]),
-            list(out[keys.RESPONSE_TEXT]),
-            list(out[keys.GROUND_TRUTH]),
-            list(out[keys.EXTRA_INFO]),
+        return validate(
+            self.actor,
+            self.val_set,
+            self.pad_id,
+            self.val_sampling,
+            self.rewards,
+            self.cfg.data.val_max_prompts,
         )
-        scores = torch.tensor(result.scores)
-        metrics = {
-            "val/acc": float((scores >= 1.0).float().mean()),
-            "val/reward": float(scores.mean()),
-            "val/response_length": float(out[keys.RESPONSE_MASK].sum(-1).mean()),
-        }
-        sources = out[keys.DATA_SOURCE]
-        for source in sorted(set(sources)):
-            picked = torch.tensor(sources == source)
-            metrics[f"val/acc/{source}"] = float((scores[picked] >= 1.0).float().mean())
-        return metrics
 
     def _log_validation(self, tracker: Tracker) -> None:
         metrics = self.validate()
@@ -321,7 +306,10 @@ class RLTrainer:
     def save_checkpoint(self) -> Path:
         tmp = self.checkpoints.begin(self.step_count)
         self.actor.call("save_state", str(tmp))
+        if self.critic is not None:
+            self.critic.call("save_state", str(tmp))
         state = {
+            "rewards": self.rewards.state_dict(),
             "step": self.step_count,
             "dataloader": self.loader.state_dict(),
             "rng": rng_state(),
@@ -351,19 +339,14 @@ class RLTrainer:
                 f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}"
             )
         self.actor.call("load_state", str(latest))
+        if self.critic is not None:
+            self.critic.call("load_state", str(latest))
+        self.rewards.load_state_dict(state.get("rewards", {}))
         self.loader.load_state_dict(state["dataloader"])
         set_rng_state(state["rng"])
         self.step_count = state["step"]
         log.info("resumed from %s at step %d", latest, self.step_count)
         print(f"resumed from {latest} at step {self.step_count}", flush=True)
-
-
-def _pad_rows(batch: Batch, multiple: int) -> Batch:
-    """Repeat the last row until the length divides `multiple` (equal shards for every rank)."""
-    extra = (-len(batch)) % multiple
-    if extra == 0:
-        return batch
-    return Batch.concat([batch, batch.index([len(batch) - 1] * extra)])
 
 
 def _val_only(metrics: dict[str, float]) -> dict[str, float]:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from posttrain.algorithms.registry import get_advantage_estimator, get_kl_estimator, get_policy_loss
-from posttrain.config.schema import RayConfig, RLConfig
+from posttrain.config.schema import ActorConfig, AlgorithmConfig, RayConfig, RLConfig
 from posttrain.controller.ray_env import cluster_has_gpus, start_ray
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir
 from posttrain.rewards.user import load_reward_function
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
+from posttrain.workers.critic import CriticSpec, CriticWorker
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -38,8 +44,9 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_files(cfg.data.train_files, "data.train_files")
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         check_files(cfg.data.val_files, "data.val_files")
-    get_advantage_estimator(cfg.algorithm.adv_estimator)
-    get_policy_loss(cfg.actor.policy_loss)
+    estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+    policy_loss_options(cfg.actor)  # unknown loss, or an option the chosen loss does not take
+    check_algorithm(cfg, estimator)
     if cfg.actor.use_kl_loss:
         get_kl_estimator(cfg.actor.kl_loss_type)
     if cfg.actor.loss_agg_mode not in LOSS_AGG_MODES:
@@ -83,6 +90,110 @@ def check_rl_config(cfg: RLConfig) -> None:
             )
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+# options of the policy losses that live in ActorConfig; each is passed only to a loss that takes it
+LOSS_OPTION_FIELDS = (
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "tis_cap",
+    "loss_beta",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+)
+# config name -> the loss function's parameter name, where they differ
+LOSS_OPTION_ALIASES = {"loss_beta": "beta"}
+
+
+def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
+    """The `ppo` LossSpec options: loss-specific settings go only to a loss that takes them, and a setting
+    changed from its default for a loss that does not take it is an error (never silently ignored)."""
+    fn = get_policy_loss(actor.policy_loss)
+    accepted = set(inspect.signature(fn).parameters)
+    defaults = ActorConfig()
+    options: dict[str, Any] = {
+        "policy_loss": actor.policy_loss,
+        "loss_agg_mode": actor.loss_agg_mode,
+        "use_kl_loss": actor.use_kl_loss,
+        "kl_loss_coef": actor.kl_loss_coef,
+        "kl_loss_type": actor.kl_loss_type,
+        "entropy_coeff": actor.entropy_coeff,
+    }
+    for name in LOSS_OPTION_FIELDS:
+        param = LOSS_OPTION_ALIASES.get(name, name)
+        value = getattr(actor, name)
+        if param in accepted:
+            options[param] = value
+        elif value != getattr(defaults, name):
+            raise ConfigError(
+                f"actor.{name}={value} is set, but actor.policy_loss={actor.policy_loss} does not use it"
+            )
+    return options
+
+
+def advantage_kwargs(estimator: Callable, algo: AlgorithmConfig, batch: Batch) -> dict[str, Any]:
+    """Exactly the keyword arguments `estimator` declares, from the config and the batch."""
+    pool: dict[str, Any] = {"gamma": algo.gamma, "lam": algo.lam, "norm_by_std": algo.norm_adv_by_std_in_grpo}
+    if keys.VALUES in batch:
+        pool["values"] = batch[keys.VALUES]
+    if keys.REWARD_BASELINES in batch:
+        pool["reward_baselines"] = batch[keys.REWARD_BASELINES]
+    params = inspect.signature(estimator).parameters
+    return {name: value for name, value in pool.items() if name in params}
+
+
+def check_algorithm(cfg: RLConfig, estimator: Callable) -> None:
+    """Combinations that cannot work are rejected here, with the reason."""
+    algo, name = cfg.algorithm, cfg.algorithm.adv_estimator
+    params = inspect.signature(estimator).parameters
+    needs = {
+        p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and v.default is v.empty
+    }
+    if "values" in needs and not cfg.critic.enable:
+        raise ConfigError(
+            f"algorithm.adv_estimator={name} needs a critic: set critic.enable=true (or algorithm=ppo)"
+        )
+    if cfg.critic.enable and "values" not in params:
+        raise ConfigError(f"critic.enable=true but algorithm.adv_estimator={name} does not use values")
+    if name in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={name} needs rollout.n >= 2 (advantages are relative to a group)"
+        )
+    if "reward_baselines" in needs and algo.dynamic_sampling:
+        raise ConfigError("algorithm.adv_estimator=remax cannot be combined with algorithm.dynamic_sampling")
+    if algo.dynamic_sampling and cfg.rollout.n < 2:
+        raise ConfigError(
+            "algorithm.dynamic_sampling needs rollout.n >= 2 (it filters groups by reward variance)"
+        )
+    for key, value in (("gamma", algo.gamma), ("lam", algo.lam)):
+        if value != 1.0 and key not in params:
+            raise ConfigError(f"algorithm.{key}={value} is set, but adv_estimator={name} does not use it")
+    if not algo.norm_adv_by_std_in_grpo and "norm_by_std" not in params:
+        raise ConfigError(
+            f"algorithm.norm_adv_by_std_in_grpo=false is set, but adv_estimator={name} does not use it"
+        )
+    if algo.use_kl_in_reward and cfg.actor.use_kl_loss:
+        raise ConfigError(
+            "KL is either in the reward (algorithm.use_kl_in_reward) or in the loss (actor.use_kl_loss), not both"
+        )
+    if algo.use_kl_in_reward:
+        get_kl_estimator(algo.kl_penalty)
+        if algo.kl_ctrl_type not in ("fixed", "adaptive"):
+            raise ConfigError(f"algorithm.kl_ctrl_type must be fixed or adaptive, got '{algo.kl_ctrl_type}'")
+    if algo.max_gen_rounds < 1:
+        raise ConfigError(f"algorithm.max_gen_rounds must be >= 1, got {algo.max_gen_rounds}")
+    if cfg.reward.overlong_buffer_len >= cfg.data.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} must be smaller than "
+            f"data.max_response_length={cfg.data.max_response_length}"
+        )
+    if cfg.reward.overlong_buffer_len < 0:
+        raise ConfigError("reward.overlong_buffer_len must be >= 0 (0 = off)")
+
+
 def threads_per_worker(requested: int, n_workers: int) -> int:
     return requested or max(1, (os.cpu_count() or 1) // n_workers)
 
@@ -94,19 +205,58 @@ def make_actor_group(
     ray_cfg: RayConfig,
     run_dir: str | Path,
     device: str = "auto",
+    roles: int = 1,
 ) -> LocalWorkerGroup | RayWorkerGroup:
     """The actor's worker group on Ray (one actor per rank) or in-process (world size 1)."""
+    return _make_group(
+        ActorRolloutRefWorker, spec, "actor_rollout_ref", n_workers, backend, ray_cfg, device, roles
+    )
+
+
+def make_critic_group(cfg: RLConfig, threads: int, roles: int) -> LocalWorkerGroup | RayWorkerGroup:
+    """The critic's worker group, sharing the actor's resources (roles alternate in time)."""
+    c = cfg.critic
+    engine = EngineConfig(
+        model_path=c.model_path or cfg.model.path,
+        dtype=cfg.model.dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        head="value",
+        lr=c.lr,
+        weight_decay=c.weight_decay,
+        grad_clip=c.grad_clip,
+        warmup_steps=c.warmup_steps,
+        micro_batch_size=c.micro_batch_size,
+    )
+    spec = CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
+    t = cfg.trainer
+    return _make_group(CriticWorker, spec, "critic", t.n_workers, t.backend, cfg.ray, t.device, roles)
+
+
+def _make_group(
+    worker_cls: type,
+    spec: Any,
+    role: str,
+    n_workers: int,
+    backend: str,
+    ray_cfg: RayConfig,
+    device: str,
+    roles: int,
+) -> LocalWorkerGroup | RayWorkerGroup:
     if backend == "local":
-        return LocalWorkerGroup(ActorRolloutRefWorker, spec, role="actor_rollout_ref", device=device)
+        return LocalWorkerGroup(worker_cls, spec, role=role, device=device)
     start_ray(ray_cfg.address, ray_cfg.num_cpus, ray_cfg.tmpdir)
     use_gpu = device == "cuda" or (device == "auto" and cluster_has_gpus())
+    share = 1.0 / roles  # colocated roles split each worker slot
     return RayWorkerGroup(
-        ActorRolloutRefWorker,
+        worker_cls,
         spec,
         world_size=n_workers,
-        role="actor_rollout_ref",
-        num_cpus_per_worker=1.0,
-        num_gpus_per_worker=1.0 if use_gpu else 0.0,
+        role=role,
+        num_cpus_per_worker=share,
+        num_gpus_per_worker=share if use_gpu else 0.0,
         device="cuda" if use_gpu else "cpu",
-        env_vars={"OMP_NUM_THREADS": str(spec.threads or 1), "TOKENIZERS_PARALLELISM": "false"},
+        env_vars={
+            "OMP_NUM_THREADS": str(getattr(spec, "threads", 0) or 1),
+            "TOKENIZERS_PARALLELISM": "false",
+        },
     )

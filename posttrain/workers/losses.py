@@ -1,8 +1,9 @@
 """Losses by name for `forward_backward`: the engine computes log-probs, these turn them into a scalar.
 
 A `LossSpec` is a plain, picklable value (it crosses Ray); `build_loss` makes the callable on the worker.
-Names: `ppo` (a registered policy loss + optional KL-to-reference and entropy terms) and `cross_entropy`
-(SFT: mean negative log-likelihood over `loss_mask` tokens). An unknown name is an error listing both.
+Names: `ppo` (a registered policy loss + optional KL-to-reference and entropy terms), `value` (the critic's
+clipped value loss) and `cross_entropy` (SFT: mean negative log-likelihood over `loss_mask` tokens).
+An unknown name is an error listing them.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch
 from posttrain.algorithms.aggregation import aggregate_loss, masked_mean
 from posttrain.algorithms.policy_loss import kl_loss
 from posttrain.algorithms.registry import get_policy_loss
+from posttrain.algorithms.value_loss import clipped_value_loss
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.train_engine import LossFn
 from posttrain.errors import ConfigError
 
-LOSS_NAMES = ("ppo", "cross_entropy")
+LOSS_NAMES = ("ppo", "value", "cross_entropy")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ def build_loss(spec: LossSpec, dp_size: int) -> LossFn:
     """The callable for `spec`; totals for normalisation come from the micro-batch's meta."""
     if spec.name == "ppo":
         return _ppo_loss(spec.options, dp_size)
+    if spec.name == "value":
+        return _value_loss(spec.options, dp_size)
     if spec.name == "cross_entropy":
         return _cross_entropy_loss(dp_size)
     raise ConfigError(f"unknown loss '{spec.name}'; valid: {', '.join(LOSS_NAMES)}")
@@ -68,6 +72,7 @@ def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             mask,
             loss_agg_mode=agg_mode,
             dp_size=dp_size,
+            rollout_log_probs=mb[keys.ROLLOUT_LOG_PROBS] if keys.ROLLOUT_LOG_PROBS in mb else None,
             **totals,
             **options,
         )
@@ -90,6 +95,29 @@ def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             loss = loss - entropy_coeff * entropy_term
         if entropy is not None:
             metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+        return loss, metrics
+
+    return loss_fn
+
+
+def _value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
+    cliprange_value = float(options.get("cliprange_value", 0.5))
+    agg_mode = str(options.get("loss_agg_mode", "token-mean"))
+
+    def loss_fn(values: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
+        mask = mb[keys.RESPONSE_MASK].to(values.dtype)
+        loss, metrics = clipped_value_loss(
+            values,
+            mb[keys.VALUES],
+            mb[keys.RETURNS],
+            mask,
+            cliprange_value=cliprange_value,
+            loss_agg_mode=agg_mode,
+            dp_size=dp_size,
+            **_totals(mb, mask),
+        )
+        metrics = {f"critic/{k}": v for k, v in metrics.items()}
+        metrics["critic/vf_loss"] = float(loss.detach())
         return loss, metrics
 
     return loss_fn

@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.algorithms.advantages import compute_grpo_advantages, group_index
-from posttrain.algorithms.registry import get_advantage_estimator
+from posttrain.algorithms.advantages import (
+    compute_gae_advantages,
+    compute_grpo_advantages,
+    compute_reinforce_plus_plus_advantages,
+    group_index,
+    group_stats,
+    masked_whiten,
+    required_inputs,
+)
+from posttrain.algorithms.registry import ADVANTAGE_ESTIMATORS, get_advantage_estimator
+from posttrain.errors import ConfigError
 
 EPS = 1e-6
 GROUP_IDS = ["a", "a", "b", "b", "b", "c", "d", "d"]
@@ -99,3 +108,157 @@ def test_length_mismatch():
 
 def test_registered_as_grpo():
     assert get_advantage_estimator("grpo") is compute_grpo_advantages
+
+
+# ---- shared helpers ------------------------------------------------------------------------------
+ALL_ESTIMATORS = {
+    "gae",
+    "gpg",
+    "grpo",
+    "grpo_passk",
+    "opo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+}
+
+
+def test_every_verl_estimator_is_registered():
+    assert set(ADVANTAGE_ESTIMATORS.names()) >= ALL_ESTIMATORS
+
+
+def test_required_inputs():
+    assert required_inputs("gae") == {"values"}
+    assert required_inputs("remax") == {"reward_baselines"}
+    assert required_inputs("grpo") == set()
+    for name in ALL_ESTIMATORS - {"gae", "remax"}:
+        assert required_inputs(name) == frozenset(), name
+
+
+def test_unknown_estimator_lists_every_valid_name():
+    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'gea'") as info:
+        required_inputs("gea")
+    for name in ALL_ESTIMATORS:
+        assert name in str(info.value)
+
+
+def _call(name, rewards, mask, group_ids, **options):
+    """Call estimator `name`, supplying its required inputs by name (an unknown one fails the test)."""
+    batch_size, width = rewards.shape
+    supplied = {
+        "values": torch.linspace(-1.0, 1.0, batch_size * width).reshape(batch_size, width),
+        "reward_baselines": torch.full((batch_size,), 0.25),
+    }
+    inputs = {key: supplied[key] for key in required_inputs(name)}
+    return get_advantage_estimator(name)(rewards, mask, group_ids, **inputs, **options)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_ESTIMATORS))
+def test_every_estimator_zero_outside_mask_and_no_gradient(name):
+    # two samples per prompt; row 0 has a tool-output hole at position 1, row 2 trailing padding
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor(
+        [[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.0]]
+    )
+    rewards.requires_grad_(True)
+    advantages, returns = _call(name, rewards, mask, ["p", "p", "q", "q"])
+    for out in (advantages, returns):
+        assert out.shape == (4, 4)
+        assert not out.requires_grad
+        assert torch.isfinite(out).all()
+        assert (out[mask == 0] == 0).all()
+    assert (advantages[mask == 1] != 0).any()
+
+
+def test_masked_whiten_unbiased_and_ignores_masked_entries():
+    values = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    # valid {1, 2, 3}: mean 2, unbiased variance ((1 + 0 + 1) / 2) = 1 -> -1, 0, 1 (up to the 1e-8)
+    whitened = masked_whiten(values, mask)
+    torch.testing.assert_close(whitened[mask == 1], torch.tensor([-1.0, 0.0, 1.0]))
+    shifted = masked_whiten(values, mask, shift_mean=False)
+    torch.testing.assert_close(shifted[mask == 1], torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_masked_whiten_needs_two_valid_tokens():
+    with pytest.raises(ValueError, match="at least 2 valid tokens, got 1"):
+        masked_whiten(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 0.0]]))
+
+
+def test_group_stats_singleton_convention():
+    stats = group_stats(torch.tensor([1.0, 3.0, 5.0]), ["x", "y", "x"])
+    assert stats.size.tolist() == [2.0, 1.0, 2.0]
+    assert stats.mean.tolist() == [3.0, 0.0, 3.0]  # the singleton "y": mean 0, std 1 (verl)
+    torch.testing.assert_close(stats.std, torch.tensor([2.0 * math.sqrt(2.0), 1.0, 2.0 * math.sqrt(2.0)]))
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match=r"values is \(2, 3\), expected \(2, 2\)"):
+        compute_gae_advantages(torch.zeros(2, 2), torch.ones(2, 2), ["a", "b"], values=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="must both be"):
+        compute_reinforce_plus_plus_advantages(torch.zeros(2, 2), torch.ones(2, 3), ["a", "b"])
+
+
+# ---- GAE -----------------------------------------------------------------------------------------
+def test_gae_monte_carlo_when_gamma_and_lam_are_one():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    mask = torch.ones(1, 3)
+    values = torch.tensor([[0.2, 0.4, 0.6]])
+    advantages, returns = compute_gae_advantages(rewards, mask, ["a"], values=values)
+    # gamma = lam = 1: A_t = R - V_t = 0.8, 0.6, 0.4; returns = A + V = 1 everywhere
+    torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0, 1.0]]))
+    # whitened: mean 0.6, unbiased std 0.2
+    torch.testing.assert_close(advantages, torch.tensor([[1.0, 0.0, -1.0]]))
+
+
+def test_gae_discounted_with_tool_output_and_padding():
+    # row 0: model, tool output (masked), model (reward 1), padding; garbage critic values at 9 and 7
+    # row 1: four model tokens, reward 2 on the last, V = 1 everywhere
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 0.5, 7.0], [1.0, 1.0, 1.0, 1.0]])
+    advantages, returns = compute_gae_advantages(rewards, mask, ["a", "b"], values=values, gamma=0.5, lam=0.5)
+    # row 0, t=2: delta = 1 + 0.5 * 0 - 0.5 = 0.5 (V after the last valid token is 0, not the pad's 7)
+    #        t=0: delta = 0 + 0.5 * 0.5 - 0.5 = -0.25 (next value is V_2, skipping the tool token's 9)
+    #             A_0 = -0.25 + 0.25 * 0.5 = -0.125
+    # row 1: A_3 = 2 - 1 = 1; A_2 = -0.5 + 0.25 * 1 = -0.25; A_1 = -0.5 + 0.25 * -0.25 = -0.5625;
+    #        A_0 = -0.5 + 0.25 * -0.5625 = -0.640625
+    expected_returns = torch.tensor([[0.375, 0.0, 1.0, 0.0], [0.359375, 0.4375, 0.75, 2.0]])
+    torch.testing.assert_close(returns, expected_returns)
+    # whitened over the 6 valid tokens: mean -0.0130208, unbiased variance 0.4107829
+    expected = torch.tensor([[-0.174715, 0.0, 0.80044, 0.0], [-0.979219, -0.857324, -0.369746, 1.580564]])
+    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
+
+
+def test_gae_groups_play_no_role():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
+    same, _ = compute_gae_advantages(rewards, torch.ones(2, 2), ["a", "a"], values=values)
+    apart, _ = compute_gae_advantages(rewards, torch.ones(2, 2), ["a", "b"], values=values)
+    torch.testing.assert_close(same, apart)
+
+
+# ---- REINFORCE++ ---------------------------------------------------------------------------------
+def test_reinforce_plus_plus_discounted_return_across_tool_output():
+    # row 0: reward 0.2 (e.g. KL) on token 0, a tool-output token holding a stray 5 (ignored), outcome 1
+    rewards = torch.tensor([[0.2, 5.0, 1.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    advantages, returns = compute_reinforce_plus_plus_advantages(rewards, mask, ["a", "a"], gamma=0.5)
+    # row 0: G_2 = 1; the tool token passes it through undiscounted; G_0 = 0.2 + 0.5 * 1 = 0.7
+    # row 1: G = 0.25, 0.5, 1, 2
+    torch.testing.assert_close(returns, torch.tensor([[0.7, 0.0, 1.0, 0.0], [0.25, 0.5, 1.0, 2.0]]))
+    # whitened over {0.7, 1, 0.25, 0.5, 1, 2}: mean 0.9083333, unbiased variance 0.3704167
+    expected = torch.tensor([[-0.342305, 0.0, 0.150614, 0.0], [-1.081684, -0.670918, 0.150614, 1.793679]])
+    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
+
+
+def test_reinforce_plus_plus_undiscounted_outcome_reaches_the_first_turn():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
+    advantages, returns = compute_reinforce_plus_plus_advantages(rewards, mask, ["a", "a"])
+    torch.testing.assert_close(returns[0], torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0]))
+    # valid returns {1, 1, 1, 1, 0, 0, 0}: mean 4/7, unbiased std sqrt(2/7)
+    high, low = (3 / 7) / math.sqrt(2 / 7), (-4 / 7) / math.sqrt(2 / 7)
+    torch.testing.assert_close(advantages[0], torch.tensor([high, high, 0.0, 0.0, high, high]))
+    torch.testing.assert_close(advantages[1], torch.tensor([low, low, low, 0.0, 0.0, 0.0]))

@@ -43,6 +43,35 @@ def test_k3_is_clamped_and_finite():
 
 def test_unknown_kind_lists_valid():
     with pytest.raises(
-        ConfigError, match=r"unknown KL estimator 'k4'; valid: abs, k1, k2, k3, kl, low_var_kl, mse"
+        ConfigError,
+        match=r"unknown KL estimator 'k4'; valid: abs, abs\+, k1, k1\+, k2, k3, k3\+, kl, kl\+, "
+        r"low_var_kl, low_var_kl\+, mse",
     ):
         kl_penalty(LOG_PROB, REF_LOG_PROB, "k4")
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expected_value"),
+    [
+        (("k1+", "kl+"), [0.5, -1.0]),
+        (("abs+",), [0.5, 1.0]),
+        (("k3+", "low_var_kl+"), [0.10653066, 0.71828183]),
+    ],
+)
+def test_straight_through_variants_have_the_value_of_the_estimator_and_the_gradient_of_k2(
+    kinds, expected_value
+):
+    for kind in kinds:
+        log_prob = LOG_PROB.clone().requires_grad_(True)
+        out = kl_penalty(log_prob, REF_LOG_PROB, kind)
+        assert out[0].tolist() == pytest.approx(expected_value, abs=1e-6)
+        out.sum().backward()
+        # d k2 / d log pi = log pi - log pi_ref = [0.5, -1.0]
+        assert log_prob.grad[0].tolist() == pytest.approx([0.5, -1.0])
+
+
+def test_k3_plus_gradient_differs_from_k3():
+    log_prob = LOG_PROB.clone().requires_grad_(True)
+    kl_penalty(log_prob, REF_LOG_PROB, "k3").sum().backward()
+    # d k3 / d log pi = 1 - r: [1 - e^-0.5, 1 - e]
+    assert log_prob.grad[0].tolist() == pytest.approx([0.39346934, -1.71828183], abs=1e-6)

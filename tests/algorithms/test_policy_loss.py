@@ -105,3 +105,104 @@ def test_kl_loss_hand_computed():
     # d k3 / d log_prob = 1 - r, r = exp(ref - lp): [1 - e^-0.5, 1 - e], halved by the token mean
     expected = [(1 - math.exp(-0.5)) / 2, (1 - math.e) / 2, 0.0]
     assert log_prob.grad[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+# --- ratio stats and truncated importance sampling (TIS) ---------------------------------------------
+
+
+def test_ratio_stats_ignore_padding():
+    _, metrics = ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK)
+    # valid ratios 1.5, 0.5, 1.1, 4.0; the padding's 10.0 is not the max
+    assert metrics["ratio_mean"] == pytest.approx(7.1 / 4)
+    assert metrics["ratio_max"] == pytest.approx(4.0)
+
+
+# pi_old / pi_rollout = [0.5, 1, 3, 4, 8] (old is 0); capped at 2 -> weights [0.5, 1, 2, 2, 2]
+ROLLOUT = torch.tensor([[-math.log(w) for w in (0.5, 1.0, 3.0, 4.0, 8.0)]])
+
+
+def test_tis_weights_each_token_loss():
+    log_prob = _log_prob()
+    loss, metrics = ppo_clip_loss(log_prob, OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=2.0)
+    # per-token losses [-1.2, 0.8, -1.1, 3.0] times [0.5, 1, 2, 2] = [-0.6, 0.8, -2.2, 6.0]; sum 4.0 over 4
+    assert loss.item() == pytest.approx(1.0)
+    assert metrics["tis_weight_mean"] == pytest.approx(5.5 / 4)
+    assert metrics["tis_capped_frac"] == pytest.approx(2 / 4)
+    loss.backward()
+    # the weight is a constant factor: t2's gradient -1.1 / 4 becomes 2 * -1.1 / 4
+    torch.testing.assert_close(log_prob.grad, torch.tensor([[0.0, 0.0, -0.55, 0.0, 0.0]]))
+
+
+def test_tis_is_off_by_default_even_with_rollout_log_probs():
+    loss, metrics = ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT)
+    assert loss.item() == pytest.approx(0.375)
+    assert "tis_weight_mean" not in metrics
+
+
+def test_tis_config_errors():
+    with pytest.raises(ConfigError, match="needs rollout_log_probs"):
+        ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, tis_cap=2.0)
+    with pytest.raises(ConfigError, match="tis_cap must be >= 0"):
+        ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=-1.0)
+
+
+# --- the calling convention, for every registered loss ------------------------------------------------
+
+ALL_LOSSES = ["vanilla", "gspo", "sapo", "cispo", "dro", "gpg", "clip_cov", "kl_cov"]
+# Two rows, three and two valid tokens.
+CONV_LOG_PROB = torch.tensor([[-1.0, -0.5, -2.0, -0.1], [-0.3, -1.2, -0.7, -0.9]])
+CONV_OLD = torch.tensor([[-1.1, -0.4, -2.0, -3.0], [-0.2, -1.0, -0.7, -0.2]])
+CONV_ADV = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-0.5, -0.5, -0.5, -0.5]])
+CONV_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+def _call(name, **kwargs):
+    if name == "clip_cov":
+        kwargs["generator"] = torch.Generator().manual_seed(0)
+    return get_policy_loss(name)(CONV_LOG_PROB, CONV_OLD, CONV_ADV, CONV_MASK, **kwargs)
+
+
+def test_all_losses_are_registered():
+    from posttrain.algorithms import POLICY_LOSSES
+
+    assert sorted(ALL_LOSSES) == POLICY_LOSSES.names()
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_common_metrics(name):
+    loss, metrics = _call(name)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert {"pg_clipfrac", "ppo_kl", "ratio_mean", "ratio_max"} <= metrics.keys()
+    assert all(isinstance(v, float) for v in metrics.values())
+    # ppo_kl = mean(old - new) over the 5 valid tokens: (-0.1 + 0.1 + 0 + 0.1 + 0.2) / 5
+    assert metrics["ppo_kl"] == pytest.approx(0.06)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_aggregation_mode_is_not_overridden(name):
+    mean, _ = _call(name, loss_agg_mode="token-mean")
+    total, _ = _call(name, loss_agg_mode="token-sum")
+    assert total.item() == pytest.approx(mean.item() * 5, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_tis_with_constant_weight_scales_every_loss(name):
+    plain, _ = _call(name)
+    # pi_old / pi_rollout = 2 everywhere, under a cap of 5: every token's loss doubles
+    weighted, metrics = _call(name, rollout_log_probs=CONV_OLD - math.log(2.0), tis_cap=5.0)
+    assert weighted.item() == pytest.approx(2.0 * plain.item(), abs=1e-6)
+    assert metrics["tis_weight_mean"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_tis_cap_without_rollout_log_probs_is_an_error(name):
+    with pytest.raises(ConfigError, match="rollout_log_probs"):
+        _call(name, tis_cap=2.0)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_global_totals_and_dp_size(name):
+    local, _ = _call(name)
+    # 5 local tokens out of 20 in the mini-batch, on 2 ranks: local sum / 20 * 2
+    split, _ = _call(name, global_tokens=20, dp_size=2)
+    assert split.item() == pytest.approx(local.item() * 5 / 20 * 2, abs=1e-6)

@@ -13,6 +13,7 @@ from posttrain.errors import ConfigError
 @pytest.mark.parametrize(("name", "schema"), [("rl", RLConfig), ("sft", SFTConfig)])
 def test_yaml_defaults_equal_schema_defaults(name: str, schema: type) -> None:
     on_disk = yaml.safe_load((YAML_DIR / f"{name}.yaml").read_text())
+    on_disk.pop("defaults", None)
     assert on_disk == to_dict(schema())
 
 

@@ -76,13 +76,34 @@ def test_reward_function_file_missing(tiny_model_dir: Path, tmp_path: Path, arit
     fails_fast(cfg, ConfigError, "reward function file not found")
 
 
+def test_remax_with_dynamic_sampling_is_rejected(tiny_model_dir: Path, arithmetic_data: dict) -> None:
+    cfg = config(
+        tiny_model_dir,
+        arithmetic_data["train"],
+        arithmetic_data["test"],
+        "algorithm=remax",
+        "algorithm.dynamic_sampling=true",
+    )
+    fails_fast(cfg, ConfigError, "remax cannot be combined with algorithm.dynamic_sampling")
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("algorithm.adv_estimator=grpoo", "unknown advantage estimator 'grpoo'; valid: grpo"),
+        ("algorithm.adv_estimator=grpoo", "unknown advantage estimator 'grpoo'; valid: gae, gpg, grpo"),
         ("actor.policy_loss=ppo2", "unknown policy loss 'ppo2'"),
         ("actor.loss_agg_mode=mean", "unknown actor.loss_agg_mode 'mean'"),
         ("rollout.n=1", "grpo needs rollout.n >= 2"),
+        ("algorithm.adv_estimator=gae", "gae needs a critic: set critic.enable=true"),
+        ("critic.enable=true", "critic.enable=true but algorithm.adv_estimator=grpo does not use values"),
+        (
+            "algorithm.adv_estimator=estimator_x",
+            "unknown advantage estimator 'estimator_x'; valid: .*gae.*remax",
+        ),
+        ("actor.loss_beta=0.3", "actor.loss_beta=0.3 is set, but actor.policy_loss=vanilla does not use it"),
+        ("algorithm.lam=0.9", "algorithm.lam=0.9 is set, but adv_estimator=grpo does not use it"),
+        ("algorithm.use_kl_in_reward=true", "KL is either in the reward .* or in the loss"),
+        ("reward.overlong_buffer_len=99", "must be smaller than data.max_response_length"),
         ("actor.mini_batch_size=100", "must divide the samples per step"),
         ("trainer.loggers=[console,wandbb]", "unknown trainer.loggers entry 'wandbb'"),
         ("trainer.n_workers=2", "backend=local runs one in-process worker"),

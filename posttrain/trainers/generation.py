@@ -1,0 +1,93 @@
+"""Driver-side generation stage: one step's rollouts, with DAPO dynamic sampling and ReMax baselines.
+
+Dynamic sampling (Yu et al. 2025) keeps only prompt groups whose rewards differ (the others give zero
+advantage) and generates more batches until the step has `train_batch_prompts` such groups or the round cap
+is reached; then it fills the rest with zero-variance groups and warns, so the step keeps its shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from posttrain.algorithms.reward_shaping import groups_with_reward_variance
+from posttrain.config.schema import RLConfig
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.dataloader import PromptDataLoader
+from posttrain.rollout.base import SamplingParams
+from posttrain.trainers.rewarding import RewardStage
+
+log = logging.getLogger(__name__)
+
+
+def sample_and_score(actor: Any, prompts: Batch, sampling: SamplingParams, rewards: RewardStage) -> Batch:
+    """Generate one response per row of `prompts` and score it; the prompt's columns are kept."""
+    batch = actor.call("sample", prompts, sampling)
+    batch = batch.union(prompts.select(tensor_keys=[]))
+    return batch.union(rewards.score(batch))
+
+
+def remax_baselines(
+    actor: Any, prompts: Batch, sampling: SamplingParams, rewards: RewardStage, n: int
+) -> tuple[torch.Tensor, float]:
+    """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples;
+    also the number of tokens that greedy pass generated."""
+    greedy = SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=0.0,
+        stop=sampling.stop,
+        stop_token_ids=sampling.stop_token_ids,
+    )
+    scored = sample_and_score(actor, prompts, greedy, rewards)
+    baseline = scored[keys.TOKEN_LEVEL_SCORES].sum(-1)
+    return baseline.repeat_interleave(n), float(scored[keys.RESPONSE_MASK].sum())
+
+
+def generate_step_batch(
+    cfg: RLConfig, actor: Any, loader: PromptDataLoader, sampling: SamplingParams, rewards: RewardStage
+) -> tuple[Batch, dict[str, float]]:
+    """The step's scored rollouts: `train_batch_prompts` groups of `rollout.n` samples."""
+    n, want = cfg.rollout.n, cfg.data.train_batch_prompts
+    metrics: dict[str, float] = {}
+    if not cfg.algorithm.dynamic_sampling:
+        prompts = loader.next_batch()
+        batch = sample_and_score(actor, prompts.repeat(n, interleave=True), sampling, rewards)
+        metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
+        if cfg.algorithm.adv_estimator == "remax":
+            baselines, greedy_tokens = remax_baselines(actor, prompts, sampling, rewards, n)
+            batch.set(keys.REWARD_BASELINES, baselines)
+            metrics["throughput/gen_tokens_total"] += greedy_tokens
+        return batch, metrics
+
+    kept: list[Batch] = []
+    dropped: list[Batch] = []
+    n_kept = rounds = 0
+    generated = 0.0
+    while n_kept < want and rounds < cfg.algorithm.max_gen_rounds:
+        rounds += 1
+        batch = sample_and_score(actor, loader.next_batch().repeat(n, interleave=True), sampling, rewards)
+        generated += float(batch[keys.RESPONSE_MASK].sum())
+        # filter on the task's own score (DAPO filters on accuracy), not on the overlong-shaped reward
+        scores = torch.tensor(list(batch["score"]), dtype=torch.float32)
+        varied = groups_with_reward_variance(batch[keys.UID], scores)
+        kept.append(batch.index(varied))
+        dropped.append(batch.index(~varied))
+        n_kept += int(varied.sum()) // n
+    metrics["dynamic_sampling/rounds"] = float(rounds)
+    metrics["dynamic_sampling/kept_groups"] = float(n_kept)
+    metrics["throughput/gen_tokens_total"] = generated
+    pieces = [b for b in kept if len(b)]
+    if n_kept < want:
+        log.warning(
+            "dynamic sampling: only %d of %d prompt groups had varied rewards after %d rounds "
+            "(algorithm.max_gen_rounds); filling the step with zero-advantage groups",
+            n_kept,
+            want,
+            rounds,
+        )
+        pieces += [b for b in dropped if len(b)]
+    # whole groups stay together: rows are in group order and every round holds want * n rows
+    return Batch.concat(pieces).index(slice(0, want * n)), metrics

@@ -1,0 +1,48 @@
+"""Validation: greedy accuracy, mean reward and response length on the held-out split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.dataset import PromptDataset, collate_prompts
+from posttrain.rollout.base import SamplingParams
+from posttrain.trainers.rewarding import RewardStage
+
+
+def pad_rows(batch: Batch, multiple: int) -> Batch:
+    """Repeat the last row until the length divides `multiple` (equal shards for every rank)."""
+    extra = (-len(batch)) % multiple
+    if extra == 0:
+        return batch
+    return Batch.concat([batch, batch.index([len(batch) - 1] * extra)])
+
+
+def validate(
+    actor: Any,
+    dataset: PromptDataset,
+    pad_id: int,
+    sampling: SamplingParams,
+    rewards: RewardStage,
+    limit: int,
+) -> dict[str, float]:
+    """`val/acc` is the share of responses scoring >= 1 (a correct answer), per data source too."""
+    count = min(limit or len(dataset), len(dataset))
+    items = [dataset[i] for i in range(count)]
+    batch = collate_prompts(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
+    out = actor.call("sample", pad_rows(batch, actor.world_size), sampling).index(slice(0, len(batch)))
+    out = out.union(batch.select(tensor_keys=[]))
+    scores = torch.tensor(rewards.score_texts(out).scores)
+    metrics = {
+        "val/acc": float((scores >= 1.0).float().mean()),
+        "val/reward": float(scores.mean()),
+        "val/response_length": float(out[keys.RESPONSE_MASK].sum(-1).mean()),
+    }
+    sources = out[keys.DATA_SOURCE]
+    for source in sorted(set(sources)):
+        picked = torch.tensor(sources == source)
+        metrics[f"val/acc/{source}"] = float((scores[picked] >= 1.0).float().mean())
+    return metrics

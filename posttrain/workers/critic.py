@@ -1,0 +1,63 @@
+"""Critic: one SPMD rank of the value model (same architecture, one-output head), its engine and optimizer.
+
+A plain class the controller wraps as a Ray actor or runs in-process, like ActorRolloutRef.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.engine.distributed import DistInfo
+from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.workers.actor_rollout_ref import quiet_transformers, seed_everything
+from posttrain.workers.losses import LossSpec, build_loss
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    engine: EngineConfig  # head="value"
+    seed: int = 0
+    threads: int = 0
+
+
+class CriticWorker:
+    role = "critic"
+
+    def __init__(self, spec: CriticSpec, dist_info: DistInfo | None = None) -> None:
+        dist_info = dist_info or DistInfo()
+        if spec.threads > 0:
+            torch.set_num_threads(spec.threads)
+        quiet_transformers()
+        seed_everything(spec.seed + 1000 * dist_info.rank + 17)
+        self.rank = dist_info.rank
+        self.engine = TrainEngine(spec.engine, dist_info)
+        self.dp_size = self.engine.dp_size
+
+    def ping(self) -> dict[str, int]:
+        return {"rank": self.rank}
+
+    def forward(self, batch: Batch) -> Batch:
+        """V(s_t) for every response token."""
+        return Batch.from_dict({keys.VALUES: self.engine.compute_log_prob(batch)})
+
+    def forward_backward(self, batch: Batch, loss: LossSpec) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = self.engine.forward_backward(batch, build_loss(loss, self.dp_size))
+        metrics = {k if k.startswith("critic/") else f"critic/{k}": v for k, v in metrics.items()}
+        metrics["critic/seconds"] = time.perf_counter() - start
+        return metrics
+
+    def optim_step(self) -> dict[str, float]:
+        return {f"critic/{k}": v for k, v in self.engine.optim_step().items()}
+
+    def save_state(self, path: str) -> None:
+        self.engine.save(Path(path) / "critic")
+
+    def load_state(self, path: str) -> None:
+        self.engine.load(Path(path) / "critic")
