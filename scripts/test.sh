@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check posttrain tests
-.venv/bin/ruff format --check -q posttrain tests
+.venv/bin/ruff check posttrain tests bench
+.venv/bin/ruff format --check -q posttrain tests bench
 exec .venv/bin/python -m pytest "$@"

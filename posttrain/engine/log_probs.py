@@ -23,6 +23,35 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
+def chunked_log_probs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probs and entropy, `chunk_tokens` positions at a time, each chunk recomputed in backward.
+
+    The softmax/log-softmax temporaries (each as large as the logits) then exist for one chunk at a time,
+    in forward and in backward, instead of for the whole (B, T, V) block.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def one_chunk(
+        chunk_logits: torch.Tensor, chunk_targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_log_probs(chunk_logits, chunk_targets), entropy_from_logits(chunk_logits)
+
+    batch, width, vocab = logits.shape
+    flat_logits, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
+    log_probs, entropy = [], []
+    for start in range(0, flat_logits.shape[0], chunk_tokens):
+        piece = slice(start, start + chunk_tokens)
+        if flat_logits.requires_grad:
+            lp, ent = checkpoint(one_chunk, flat_logits[piece], flat_targets[piece], use_reentrant=False)
+        else:
+            lp, ent = one_chunk(flat_logits[piece], flat_targets[piece])
+        log_probs.append(lp)
+        entropy.append(ent)
+    return torch.cat(log_probs).view(batch, width), torch.cat(entropy).view(batch, width)
+
+
 def _used_columns(attention_mask: torch.Tensor) -> tuple[int, int]:
     """[start, end) of the columns where any row has a real token."""
     used = (attention_mask.sum(0) > 0).nonzero().flatten()
@@ -63,8 +92,10 @@ def response_log_probs(
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, prompt_width:end]
-    log_probs = token_log_probs(logits, targets)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    if with_entropy:
+        log_probs, entropy = chunked_log_probs_and_entropy(logits, targets)
+    else:
+        log_probs, entropy = token_log_probs(logits, targets), None
     if used_response < response_width:
         pad = (0, response_width - used_response)
         log_probs = F.pad(log_probs, pad)

@@ -114,16 +114,22 @@ def load_value_model(
     from a saved critic's directory it is restored.
     """
     from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
 
     p = _require_dir(path)
     _require_config(p)
     _require_weights(p)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the missing `score` head is expected from an actor's directory
     try:
         model = AutoModelForTokenClassification.from_pretrained(
             p, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelError(f"cannot load a value model (token-classification head) from {p}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    logger.info("loaded value model from %s (a new value head unless the directory holds a critic)", p)
     return model.eval()
 
 

@@ -6,6 +6,7 @@ A plain class the controller wraps as a Ray actor or runs in-process, like Actor
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class CriticWorker:
         if spec.threads > 0:
             torch.set_num_threads(spec.threads)
         quiet_transformers()
+        # The token-classification head returns its logits as a view; nothing modifies them in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         seed_everything(spec.seed + 1000 * dist_info.rank + 17)
         self.rank = dist_info.rank
         self.engine = TrainEngine(spec.engine, dist_info)

@@ -124,3 +124,17 @@ def test_dynamic_sampling_cap_warns_and_fills(
         )
     assert all(r["dynamic_sampling/rounds"] == 2 and r["dynamic_sampling/kept_groups"] == 0 for r in rows)
     assert "only 0 of 4 prompt groups had varied rewards after 2 rounds" in caplog.text
+
+
+def test_entropy_bonus_is_applied_and_logged(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    rows = run(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "run",
+        "trainer.backend=local",
+        "actor.entropy_coeff=0.01",
+    )
+    assert all(r["actor/entropy"] > 0 for r in rows)

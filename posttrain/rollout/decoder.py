@@ -1,0 +1,162 @@
+"""A decode path for Llama-family HF models (Qwen2, Llama, Mistral) over a slotted, preallocated KV cache.
+
+It calls the HF model's own submodules (embeddings, norms, projections, MLPs, rotary embedding), so the
+weights are the model's and `load_weights` into the HF model updates it too. What it replaces is the
+cache and the attention bookkeeping: keys/values are written in place into per-sequence slots, and one
+decode step attends each active sequence to its own slot, so sequences of different lengths (continuous
+batching) share one batched step with no padding recompute and no cache copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = ("qwen2", "llama", "mistral")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (B, T, D)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def supports(model: nn.Module) -> bool:
+    config = model.config
+    return (
+        getattr(config, "model_type", None) in SUPPORTED
+        and not getattr(config, "use_sliding_window", False)
+        and hasattr(model, "model")
+        and hasattr(model.model, "rotary_emb")
+    )
+
+
+class SlotKVCache:
+    """K and V of shape (layers, slots, kv_heads, max_len, head_dim), allocated once and reused."""
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.shape_tail = (kv_heads, head_dim)
+        self.layers, self.dtype, self.device = layers, dtype, device
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return 0 if self.k is None else self.k.shape[3]
+
+    def ensure(self, slots: int, max_len: int) -> None:
+        """(Re)allocate only when the current cache is too small: steps of the same size reuse it."""
+        if self.k is not None and self.slots >= slots and self.max_len >= max_len:
+            return
+        kv_heads, head_dim = self.shape_tail
+        shape = (self.layers, max(slots, self.slots), kv_heads, max(max_len, self.max_len), head_dim)
+        self.k = self.v = None  # free the old one first
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def free(self) -> None:
+        self.k = self.v = None
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+    def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:
+        """Share a prefilled prompt: copy its first `length` positions into other slots."""
+        assert self.k is not None and self.v is not None
+        self.k[:, dst_slots, :, :length] = self.k[:, src_slot : src_slot + 1, :, :length]
+        self.v[:, dst_slots, :, :length] = self.v[:, src_slot : src_slot + 1, :, :length]
+
+
+@dataclass
+class DecoderRunner:
+    """Prefill and decode steps of `model` against a `SlotKVCache`."""
+
+    model: nn.Module
+
+    def __post_init__(self) -> None:
+        config = self.model.config
+        self.base = self.model.model
+        self.n_heads = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.scaling = self.head_dim**-0.5
+
+    def new_cache(self, dtype: torch.dtype, device: torch.device) -> SlotKVCache:
+        return SlotKVCache(len(self.base.layers), self.n_kv, self.head_dim, dtype, device)
+
+    def _qkv(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        batch, width, _ = h.shape
+        q = attn.q_proj(h).view(batch, width, self.n_heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, width, self.n_kv, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(batch, width, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.n_kv != self.n_heads:
+            repeat = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+
+    @torch.no_grad()
+    def prefill(
+        self, cache: SlotKVCache, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Right-padded prompts (B, P) into `slots`; returns the logits after each prompt's last token."""
+        batch, width = tokens.shape
+        device = tokens.device
+        positions = torch.arange(width, device=device).expand(batch, width)
+        valid = positions < lengths[:, None]
+        # causal within each prompt; padding keys masked (padding queries attend to position 0, unused)
+        mask = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))[None] & valid[:, None, :]
+        mask = mask | ~valid[:, :, None] & (positions[:, None, :] == 0)
+        mask = mask[:, None]
+        h = self.base.embed_tokens(tokens)
+        cos, sin = self.base.rotary_emb(h, positions)
+        for i, layer in enumerate(self.base.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer.self_attn, x, cos, sin)
+            cache.k[i, slots, :, :width] = k  # type: ignore[index]
+            cache.v[i, slots, :, :width] = v  # type: ignore[index]
+            out = self._attend(q, k, v, mask).transpose(1, 2).reshape(batch, width, -1)
+            h = residual + layer.self_attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = self.base.norm(h[torch.arange(batch, device=device), lengths - 1])
+        return self.model.lm_head(last)
+
+    @torch.no_grad()
+    def decode(
+        self, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per active sequence: `tokens` (B,) at `positions` (B,) in `slots` (B,); returns logits."""
+        batch = tokens.shape[0]
+        span = int(positions.max()) + 1  # attend over the longest active sequence only
+        keys_pos = torch.arange(span, device=tokens.device)
+        mask = (keys_pos[None, :] <= positions[:, None])[:, None, None, :]
+        h = self.base.embed_tokens(tokens[:, None])
+        cos, sin = self.base.rotary_emb(h, positions[:, None])
+        for i, layer in enumerate(self.base.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer.self_attn, x, cos, sin)
+            cache.k[i, slots, :, positions] = k[:, :, 0]  # type: ignore[index]
+            cache.v[i, slots, :, positions] = v[:, :, 0]  # type: ignore[index]
+            keys = cache.k[i, slots, :, :span]  # type: ignore[index]
+            values = cache.v[i, slots, :, :span]  # type: ignore[index]
+            out = self._attend(q, keys, values, mask).transpose(1, 2).reshape(batch, 1, -1)
+            h = residual + layer.self_attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(self.base.norm(h[:, 0]))
