@@ -33,11 +33,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    name: str = "native"  # native (built-in KV-cache sampler)
+    name: str = "native"  # native (continuous batching, slotted KV cache) | hf (transformers generate)
+    max_batch_size: int = 256  # sequences decoded together per worker (KV-cache slots)
     n: int = 8  # samples per prompt (GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
     stop: tuple[str, ...] = ()  # stop strings, besides the tokenizer's eos
     val_temperature: float = 0.0  # 0 = greedy, as validation accuracy is defined
 

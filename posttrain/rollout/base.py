@@ -1,8 +1,11 @@
 """The rollout interface every generation engine implements (built-in, HF, vLLM/SGLang adapters).
 
 Log-prob convention: the returned log-prob of a sampled token is log softmax(logits / temperature) at that
-token, over the whole vocabulary (before top-k/top-p truncation). That is what the training engine
-recomputes, so the two can be compared exactly. Greedy (temperature 0) reports log softmax(logits).
+token, over the whole vocabulary, i.e. before top-k/top-p/min-p truncation. That is what the training engine
+recomputes, so the two can be compared exactly (and what PPO's ratio needs: the policy being trained is the
+tempered softmax). With truncation the token was actually drawn from the renormalised truncated distribution,
+whose log-prob is higher by -log(kept mass); we do not return that one. Greedy (temperature 0) reports
+log softmax(logits).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens with probability < min_p * (top probability); 0 = off
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's eos
     seed: int | None = None
@@ -36,14 +40,26 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
 class GenerationResult:
+    """A response. With a stop string, `text` ends before it and `token_ids` end with the token that
+    completed it; `stop_reason` is "stop" (eos, stop token or stop string), "length" or "error"."""
+
     token_ids: list[int]
     log_probs: list[float]
     text: str
-    stop_reason: str  # "stop" (eos, stop token or stop string) | "length"
+    stop_reason: str
+    error: str | None = None  # why the request was rejected (then nothing was generated)
 
 
 @dataclass

@@ -105,10 +105,9 @@ class DecoderRunner:
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.n_kv != self.n_heads:
-            repeat = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        # grouped-query attention without materialising repeated keys/values
+        gqa = self.n_kv != self.n_heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
 
     @torch.no_grad()
     def prefill(

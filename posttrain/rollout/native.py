@@ -1,19 +1,47 @@
-"""The built-in rollout engine: batched sampling with a KV cache on the HF model loaded from its directory.
+"""The built-in rollout engine: continuous batching over a slotted KV cache, with prefix sharing.
 
-Prompts are left-padded into batches of at most `max_batch_size` rows; each batch is prefilled once and
-decoded token by token with the model's cache. Finished rows are masked until the batch ends.
+Requests wait in a queue; whenever cache slots are free, waiting prompts are prefilled (a prompt repeated
+for the n samples of a GRPO group is prefilled once and its keys/values copied to the other slots) and
+join the running batch. Each decode step advances every running sequence by one token; a finished
+sequence frees its slot at once, so a long answer never holds the batch. A background thread runs the
+loop, so `submit`/`agenerate` return futures and callers (agents) can interleave generation with tools.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import threading
+import weakref
+from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.rollout.base import GenerationResult, SamplingParams
+from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+from posttrain.rollout.decoder import DecoderRunner, supports
 from posttrain.rollout.sampling import sample_tokens
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    future: Future
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text: str | None = None
+    stop_reason: str = ""
+
+    @property
+    def position(self) -> int:
+        """Position of the last token (prompt tokens then generated ones)."""
+        return len(self.request.prompt_ids) + len(self.tokens) - 1
 
 
 class NativeRolloutEngine:
@@ -27,12 +55,21 @@ class NativeRolloutEngine:
         max_batch_size: int = 256,
         seed: int = 0,
         attn_implementation: str = "sdpa",
+        max_prefill_tokens: int = 4096,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation)
         self.model.to(self.device).eval().requires_grad_(False)
+        if not supports(self.model):
+            raise ConfigError(
+                f"rollout.name=native supports {', '.join(('qwen2', 'llama', 'mistral'))} without sliding "
+                f"window; {model_path} is '{self.model.config.model_type}': use rollout.name=hf"
+            )
         self.tokenizer = load_tokenizer(model_path)
-        self.max_batch_size = max_batch_size
+        self.runner = DecoderRunner(self.model)
+        self.cache = self.runner.new_cache(dtype, self.device)
+        self.max_batch_size = max_batch_size  # cache slots = sequences decoded together
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_ids = self._eos_ids()
@@ -40,6 +77,14 @@ class NativeRolloutEngine:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )
         self.sleeping = False
+        self._lock = threading.Lock()  # one step or one weight load at a time
+        self._wakeup = threading.Condition()
+        self._incoming: deque[_Sequence] = deque()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self_ref = weakref.ref(self)
+        atexit.register(lambda: (engine := self_ref()) is not None and engine.close())
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -50,32 +95,57 @@ class NativeRolloutEngine:
                 ids.update(source)
         return sorted(ids)
 
-    # ---- interface -----------------------------------------------------------------------------
+    # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
-        sampling.validate()
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"request {i}: empty prompt")
-            if len(prompt) + sampling.max_tokens > self.max_context:
-                raise ValueError(
-                    f"request {i}: prompt of {len(prompt)} tokens + max_tokens {sampling.max_tokens} exceeds "
-                    f"the model context of {self.max_context}"
-                )
-        generator = self.generator
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        results: list[GenerationResult] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            results.extend(
-                self._generate_batch(prompts[start : start + self.max_batch_size], sampling, generator)
-            )
+        """One response per prompt; raises (naming the request) if any request was invalid."""
+        results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
+        for i, result in enumerate(results):
+            if result.error is not None:
+                error_type = ConfigError if "must be" in result.error else ValueError
+                raise error_type(f"request {i}: {result.error}")
         return results
+
+    def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Results in request order; an invalid request gets an error result, the others complete."""
+        return [future.result() for future in self.submit_many(requests)]
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue one request; the future resolves to its GenerationResult."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[GenerationRequest]) -> list[Future]:
+        """Queue requests together (so the scheduler sizes its batch for all of them)."""
+        futures: list[Future] = []
+        sequences: list[_Sequence] = []
+        for request in requests:
+            future: Future = Future()
+            futures.append(future)
+            error = self._check(request)
+            if error is not None:
+                future.set_result(GenerationResult([], [], "", "error", error=error))
+                continue
+            generator = None
+            if request.sampling.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+            sequences.append(_Sequence(request, future, generator=generator))
+        if sequences:
+            with self._wakeup:
+                if self._closing:
+                    raise PosttrainError("the rollout engine is closed")
+                self._incoming.extend(sequences)
+                self._ensure_thread()
+                self._wakeup.notify()
+        return futures
+
+    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> GenerationResult:
+        """Awaitable generation of one request (runs on the engine's thread, not the event loop)."""
+        return await asyncio.wrap_future(self.submit(GenerationRequest(list(prompt_ids), sampling)))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model's parameters in place, one at a time (no second model copy)."""
         params = dict(self.model.state_dict(keep_vars=True))
         loaded = 0
-        with torch.no_grad():
+        with self._lock, torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
                     raise KeyError(f"load_weights: the rollout model has no tensor named '{name}'")
@@ -83,108 +153,183 @@ class NativeRolloutEngine:
                 loaded += 1
         return loaded
 
+    def close(self) -> None:
+        """Stop the engine's thread (at interpreter exit too: a thread left waiting aborts the process)."""
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
     def sleep(self) -> None:
-        """The KV cache lives only inside `generate`, so sleeping frees it by construction."""
-        self.sleeping = True
+        """Free the KV cache while the trainer runs; `wake` (or the next request) reallocates it."""
+        with self._lock:
+            self.cache.free()
+            self.sleeping = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
         self.sleeping = False
 
-    # ---- generation ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def _generate_batch(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator
-    ) -> list[GenerationResult]:
-        rows, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((rows, width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            attention_mask[i, width - len(prompt) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        stop_ids = torch.tensor(sorted(set(self.eos_ids) | set(sampling.stop_token_ids)), device=self.device)
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes()
 
-        cache = DynamicCache()
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        next_pos = position_ids[:, -1] + 1
-        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        tokens_out: list[torch.Tensor] = []
-        logps_out: list[torch.Tensor] = []
-        texts: list[str | None] = [None] * rows
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        for _ in range(sampling.max_tokens):
-            tokens, log_probs = sample_tokens(
-                logits, sampling.temperature, sampling.top_p, sampling.top_k, generator
+    # ---- validation ----------------------------------------------------------------------------
+    def _check(self, request: GenerationRequest) -> str | None:
+        try:
+            request.sampling.validate()
+        except ConfigError as exc:
+            return str(exc)
+        if len(request.prompt_ids) == 0:
+            return "empty prompt"
+        total = len(request.prompt_ids) + request.sampling.max_tokens
+        if total > self.max_context:
+            return (
+                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.sampling.max_tokens} exceeds "
+                f"the model context of {self.max_context}"
             )
-            tokens = torch.where(finished, torch.full_like(tokens, self.pad_id), tokens)
-            tokens_out.append(tokens)
-            logps_out.append(torch.where(finished, torch.zeros_like(log_probs), log_probs))
-            lengths += (~finished).long()
-            hit_stop = torch.isin(tokens, stop_ids) & ~finished
-            stopped |= hit_stop
-            finished |= hit_stop
-            if sampling.stop:
-                self._check_stop_strings(tokens_out, finished, stopped, texts, sampling.stop)
-            if bool(finished.all()):
+        return None
+
+    # ---- the scheduler loop --------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="posttrain-rollout", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        waiting: deque[_Sequence] = deque()
+        running: list[_Sequence] = []
+        free: list[int] = []
+        while True:
+            with self._wakeup:
+                while not self._incoming and not waiting and not running and not self._closing:
+                    self._wakeup.wait()
+                if self._closing:
+                    return
+                while self._incoming:
+                    waiting.append(self._incoming.popleft())
+            try:
+                with self._lock:
+                    if not running:
+                        free = self._prepare_cache(waiting)
+                    self._admit(waiting, running, free)
+                    if running:
+                        self._decode_step(running, free)
+            except Exception as exc:  # a crash must reach every caller, not hang them
+                for seq in [*running, *waiting]:
+                    if not seq.future.done():
+                        seq.future.set_exception(
+                            PosttrainError(f"rollout engine failed: {type(exc).__name__}: {exc}")
+                        )
+                running.clear()
+                waiting.clear()
+
+    def _prepare_cache(self, waiting: deque[_Sequence]) -> list[int]:
+        """Size the cache for what is waiting (reusing it when big enough) and mark every slot free."""
+        slots = max(self.cache.slots, min(self.max_batch_size, len(waiting)))
+        longest = max(len(s.request.prompt_ids) + s.request.sampling.max_tokens for s in waiting)
+        self.cache.ensure(slots, longest)
+        return list(range(self.cache.slots - 1, -1, -1))
+
+    def _admit(self, waiting: deque[_Sequence], running: list[_Sequence], free: list[int]) -> None:
+        """Prefill waiting prompts into free slots; identical consecutive prompts share one prefill."""
+        groups: list[list[_Sequence]] = []
+        budget = self.max_prefill_tokens
+        while waiting and free:
+            seq = waiting[0]
+            if len(seq.request.prompt_ids) + seq.request.sampling.max_tokens > self.cache.max_len:
+                break  # needs a bigger cache: wait until the running batch drains
+            prompt = seq.request.prompt_ids
+            same_as_last = groups and groups[-1][0].request.prompt_ids == prompt
+            if not same_as_last and groups and budget < len(prompt):
                 break
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], 1
-            )
-            logits = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            next_pos = next_pos + 1
-        del cache
-        token_matrix = torch.stack(tokens_out, 1).cpu()
-        logp_matrix = torch.stack(logps_out, 1).cpu()
-        lengths = lengths.cpu()
-        return [
-            self._result(
-                token_matrix[i, : lengths[i]], logp_matrix[i, : lengths[i]], bool(stopped[i]), texts[i]
-            )
-            for i in range(rows)
-        ]
-
-    def _check_stop_strings(
-        self,
-        tokens_out: list[torch.Tensor],
-        finished: torch.Tensor,
-        stopped: torch.Tensor,
-        texts: list[str | None],
-        stop: tuple[str, ...],
-    ) -> None:
-        matrix = torch.stack(tokens_out, 1).cpu()
-        for i in (~finished).nonzero().flatten().tolist():
-            text = self.tokenizer.decode(matrix[i].tolist(), skip_special_tokens=False)
-            cut = min((text.find(s) for s in stop if s in text), default=-1)
-            if cut >= 0:
-                texts[i] = text[:cut]
-                finished[i] = True
-                stopped[i] = True
-
-    def _result(
-        self, tokens: torch.Tensor, log_probs: torch.Tensor, stopped: bool, text: str | None
-    ) -> GenerationResult:
-        ids = tokens.tolist()
-        if text is None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return GenerationResult(
-            token_ids=ids,
-            log_probs=log_probs.tolist(),
-            text=text,
-            stop_reason="stop" if stopped else "length",
+            waiting.popleft()
+            seq.slot = free.pop()
+            if same_as_last:
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+                budget -= len(prompt)
+        if not groups:
+            return
+        lengths = torch.tensor([len(g[0].request.prompt_ids) for g in groups], device=self.device)
+        tokens = torch.full(
+            (len(groups), int(lengths.max())), self.pad_id, dtype=torch.long, device=self.device
         )
+        for i, group in enumerate(groups):
+            tokens[i, : lengths[i]] = torch.tensor(group[0].request.prompt_ids, device=self.device)
+        first_slots = torch.tensor([g[0].slot for g in groups], device=self.device)
+        logits = self.runner.prefill(self.cache, tokens, lengths, first_slots)
+        self.stats["prefill_tokens"] += int(lengths.sum())
+        rows, members = [], []
+        for i, group in enumerate(groups):
+            if len(group) > 1:
+                others = torch.tensor([s.slot for s in group[1:]], device=self.device)
+                self.cache.copy_prefix(group[0].slot, others, int(lengths[i]))
+            rows.extend([i] * len(group))
+            members.extend(group)
+        self._append_tokens(members, logits[torch.tensor(rows, device=self.device)], running, free)
+
+    def _decode_step(self, running: list[_Sequence], free: list[int]) -> None:
+        tokens = torch.tensor([s.tokens[-1] for s in running], device=self.device)
+        positions = torch.tensor([s.position for s in running], device=self.device)
+        slots = torch.tensor([s.slot for s in running], device=self.device)
+        logits = self.runner.decode(self.cache, tokens, positions, slots)
+        self.stats["decode_steps"] += 1
+        members = list(running)
+        running.clear()
+        self._append_tokens(members, logits, running, free)
+
+    def _append_tokens(
+        self, members: list[_Sequence], logits: torch.Tensor, running: list[_Sequence], free: list[int]
+    ) -> None:
+        """Sample one token for each sequence, then finish or keep running each one."""
+        tokens, log_probs = self._sample(members, logits)
+        for seq, token, log_prob in zip(members, tokens.tolist(), log_probs.tolist(), strict=True):
+            seq.tokens.append(token)
+            seq.log_probs.append(log_prob)
+            self.stats["generated_tokens"] += 1
+            if self._finished(seq):
+                free.append(seq.slot)
+                seq.future.set_result(self._result(seq))
+            else:
+                running.append(seq)
+
+    def _sample(self, members: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with the same sampling settings are sampled together; seeded requests use their own RNG."""
+        tokens = torch.empty(len(members), dtype=torch.long, device=self.device)
+        log_probs = torch.empty(len(members), dtype=torch.float32, device=self.device)
+        batches: dict[tuple, list[int]] = {}
+        for i, seq in enumerate(members):
+            sp = seq.request.sampling
+            key = (sp.temperature, sp.top_p, sp.top_k, sp.min_p, i if seq.generator is not None else -1)
+            batches.setdefault(key, []).append(i)
+        for (temperature, top_p, top_k, min_p, _), rows in batches.items():
+            index = torch.tensor(rows, device=self.device)
+            generator = members[rows[0]].generator or self.generator
+            t, lp = sample_tokens(logits[index], temperature, top_p, top_k, generator, min_p=min_p)
+            tokens[index], log_probs[index] = t, lp.float()
+        return tokens, log_probs
+
+    def _finished(self, seq: _Sequence) -> bool:
+        sp = seq.request.sampling
+        if seq.tokens[-1] in self.eos_ids or seq.tokens[-1] in sp.stop_token_ids:
+            seq.stop_reason = "stop"
+            return True
+        if sp.stop:
+            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
+            cut = min((text.find(s) for s in sp.stop if s in text), default=-1)
+            if cut >= 0:
+                seq.text, seq.stop_reason = text[:cut], "stop"
+                return True
+        if len(seq.tokens) >= sp.max_tokens:
+            seq.stop_reason = "length"
+            return True
+        return False
+
+    def _result(self, seq: _Sequence) -> GenerationResult:
+        text = (
+            seq.text if seq.text is not None else self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        )
+        return GenerationResult(list(seq.tokens), list(seq.log_probs), text, seq.stop_reason)

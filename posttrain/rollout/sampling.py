@@ -6,8 +6,12 @@ import torch
 import torch.nn.functional as F
 
 
-def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside the top-k and outside the smallest set with mass >= top_p."""
+def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top-k, outside the smallest set with mass >= top_p, and below
+    min_p times the most likely token's probability."""
+    if min_p > 0:
+        probs = F.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -27,6 +31,7 @@ def sample_tokens(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; log-prob is of softmax(logits / T) before truncation (see rollout.base)."""
     logits = logits.float()
@@ -36,6 +41,6 @@ def sample_tokens(
     else:
         scaled = logits / temperature
         log_probs = F.log_softmax(scaled, dim=-1)
-        probs = F.softmax(truncate_logits(scaled, top_k, top_p), dim=-1)
+        probs = F.softmax(truncate_logits(scaled, top_k, top_p, min_p), dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -109,6 +109,7 @@ class RLTrainer:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
+            min_p=cfg.rollout.min_p,
             stop=cfg.rollout.stop,
         )
         self.sampling.validate()
@@ -146,6 +147,8 @@ class RLTrainer:
             ),
             with_rollout=True,
             with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+            rollout_name=cfg.rollout.name,
+            rollout_max_batch_size=cfg.rollout.max_batch_size,
             seed=cfg.trainer.seed,
             threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
         )

@@ -18,6 +18,7 @@ from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir
 from posttrain.rewards.user import load_reward_function
+from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.critic import CriticSpec, CriticWorker
 
@@ -53,8 +54,10 @@ def check_rl_config(cfg: RLConfig) -> None:
         raise ConfigError(
             f"unknown actor.loss_agg_mode '{cfg.actor.loss_agg_mode}'; valid: {', '.join(LOSS_AGG_MODES)}"
         )
-    if cfg.rollout.name != "native":
-        raise ConfigError(f"unknown rollout.name '{cfg.rollout.name}'; valid: native")
+    if cfg.rollout.name not in ROLLOUT_ENGINES:
+        raise ConfigError(f"unknown rollout.name '{cfg.rollout.name}'; valid: {', '.join(ROLLOUT_ENGINES)}")
+    if cfg.rollout.max_batch_size <= 0:
+        raise ConfigError(f"rollout.max_batch_size must be > 0, got {cfg.rollout.max_batch_size}")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
         raise ConfigError(
             "algorithm.adv_estimator=grpo needs rollout.n >= 2 (advantages are relative to a group)"

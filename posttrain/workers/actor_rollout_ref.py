@@ -21,8 +21,8 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
+from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
-from posttrain.rollout.native import NativeRolloutEngine
 from posttrain.workers.losses import LossSpec, build_loss
 
 
@@ -31,7 +31,8 @@ class ActorRolloutRefSpec:
     engine: EngineConfig
     with_rollout: bool = True
     with_ref: bool = False
-    rollout_max_batch_size: int = 512
+    rollout_name: str = "native"
+    rollout_max_batch_size: int = 256
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave as is
 
@@ -66,7 +67,8 @@ class ActorRolloutRefWorker:
         self.dp_size = self.actor.dp_size
         self.ref = TrainEngine(replace(spec.engine, trainable=False), dist_info) if spec.with_ref else None
         self.rollout = (
-            NativeRolloutEngine(
+            make_rollout_engine(
+                spec.rollout_name,
                 spec.engine.model_path,
                 device=self.actor.device,
                 dtype=DTYPES[spec.engine.dtype],

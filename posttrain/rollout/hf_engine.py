@@ -1,0 +1,141 @@
+"""The reference engine: Hugging Face `generate` on the same model, behind the same interface.
+
+Simple and slow (no continuous batching, a cache that grows by concatenation, every prompt prefilled once
+per sample), kept as the fallback for architectures the built-in engine does not cover and as the
+baseline the built-in engine is measured against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.errors import ConfigError
+from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+
+
+class HFRolloutEngine:
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 512,
+        seed: int = 0,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation)
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(model_path)
+        self.max_batch_size = max_batch_size
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = sorted(
+            {eos} if isinstance(eos, int) else set(eos or []) | {self.tokenizer.eos_token_id}
+        )
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
+        for i, result in enumerate(results):
+            if result.error is not None:
+                raise (ConfigError if "must be" in result.error else ValueError)(
+                    f"request {i}: {result.error}"
+                )
+        return results
+
+    def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(requests)
+        by_sampling: dict[SamplingParams, list[int]] = {}
+        for i, request in enumerate(requests):
+            try:
+                request.sampling.validate()
+                if len(request.prompt_ids) + request.sampling.max_tokens > self.max_context:
+                    raise ValueError(
+                        f"prompt of {len(request.prompt_ids)} tokens + max_tokens exceeds the context"
+                    )
+                if not request.prompt_ids:
+                    raise ValueError("empty prompt")
+            except (ConfigError, ValueError) as exc:
+                results[i] = GenerationResult([], [], "", "error", error=str(exc))
+                continue
+            by_sampling.setdefault(request.sampling, []).append(i)
+        for sampling, indices in by_sampling.items():
+            for start in range(0, len(indices), self.max_batch_size):
+                chunk = indices[start : start + self.max_batch_size]
+                outs = self._generate_batch([requests[i].prompt_ids for i in chunk], sampling)
+                for i, out in zip(chunk, outs, strict=True):
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        stop_ids = sorted(set(self.eos_ids) | set(sampling.stop_token_ids))
+        greedy = sampling.temperature == 0
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=sampling.max_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+            min_p=None if greedy or sampling.min_p == 0 else sampling.min_p,
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits, before any processor
+        scale = 1.0 if greedy else sampling.temperature
+        log_probs = F.log_softmax(logits / scale, -1).gather(-1, new[..., None])[..., 0]
+        results = []
+        for row, row_lp in zip(new, log_probs, strict=True):
+            tokens = row.tolist()
+            length, reason = len(tokens), "length"
+            for j, token in enumerate(tokens):
+                if token in stop_ids:
+                    length, reason = j + 1, "stop"
+                    break
+            tokens = tokens[:length]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if sampling.stop:
+                full = self.tokenizer.decode(tokens, skip_special_tokens=False)
+                cut = min((full.find(s) for s in sampling.stop if s in full), default=-1)
+                if cut >= 0:
+                    text, reason = full[:cut], "stop"
+            results.append(GenerationResult(tokens, row_lp[:length].tolist(), text, reason))
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params = dict(self.model.state_dict(keep_vars=True))
+        loaded = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"load_weights: the rollout model has no tensor named '{name}'")
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+                loaded += 1
+        return loaded
+
+    def sleep(self) -> None:
+        """Nothing persists between calls: HF's cache lives inside `generate`."""
+
+    def wake(self) -> None:
+        """See `sleep`."""

@@ -1,0 +1,112 @@
+"""The built-in engine's scheduling features: continuous batching, prefix sharing, per-request seeds and
+errors, the async API, cache reuse and sleep/wake; and the HF engine on the same interface."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from posttrain.rollout.base import GenerationRequest, SamplingParams
+from posttrain.rollout.hf_engine import HFRolloutEngine
+from posttrain.rollout.native import NativeRolloutEngine
+
+from .test_native import prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def test_continuous_batching_with_few_slots_equals_one_at_a_time(tiny_model_dir: Path) -> None:
+    """2 cache slots for 6 requests: sequences join as others finish, and the results do not change."""
+    ps = prompts(tiny_model_dir)
+    small = NativeRolloutEngine(str(tiny_model_dir), max_batch_size=2)
+    mixed = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(5, 9, 17, 23, 31))
+    batched = small.generate(ps, mixed)
+    single = [small.generate([p], mixed)[0] for p in ps]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    assert small.cache.slots == 2
+
+
+def test_a_group_prompt_is_prefilled_once(tiny_model_dir: Path) -> None:
+    engine = NativeRolloutEngine(str(tiny_model_dir))
+    p = prompts(tiny_model_dir)[0]
+    results = engine.generate([p] * 8, SamplingParams(max_tokens=6, temperature=1.0, seed=None))
+    assert engine.stats["prefill_tokens"] == len(p)  # not 8 * len(p)
+    assert len({tuple(r.token_ids) for r in results}) > 1, "the 8 samples differ"
+
+
+def test_per_request_seed_is_independent_of_the_batch(tiny_model_dir: Path) -> None:
+    engine = NativeRolloutEngine(str(tiny_model_dir))
+    ps = prompts(tiny_model_dir)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=42)
+    alone = engine.generate_requests([GenerationRequest(ps[0], seeded)])[0]
+    others = [GenerationRequest(p, SamplingParams(max_tokens=8, temperature=1.0)) for p in ps[1:]]
+    together = engine.generate_requests([*others, GenerationRequest(ps[0], seeded)])[-1]
+    assert alone.token_ids == together.token_ids
+
+
+def test_bad_requests_fail_alone(tiny_model_dir: Path) -> None:
+    engine = NativeRolloutEngine(str(tiny_model_dir))
+    p = prompts(tiny_model_dir)[0]
+    results = engine.generate_requests(
+        [
+            GenerationRequest(p, GREEDY),
+            GenerationRequest(p, SamplingParams(max_tokens=0)),
+            GenerationRequest([5] * engine.max_context, GREEDY),
+            GenerationRequest(p, SamplingParams(top_p=1.5)),
+            GenerationRequest(p, GREEDY),
+        ]
+    )
+    assert [r.stop_reason != "error" for r in results] == [True, False, False, False, True]
+    assert "max_tokens must be > 0" in results[1].error
+    assert "exceeds the model context" in results[2].error
+    assert "top_p must be in (0, 1]" in results[3].error
+    assert results[0].token_ids == results[4].token_ids and results[0].token_ids
+
+
+def test_async_api_interleaves_requests(tiny_model_dir: Path) -> None:
+    engine = NativeRolloutEngine(str(tiny_model_dir))
+    ps = prompts(tiny_model_dir)
+
+    async def main() -> list:
+        return await asyncio.gather(*(engine.agenerate(p, GREEDY) for p in ps))
+
+    results = asyncio.run(main())
+    assert [r.token_ids for r in results] == [r.token_ids for r in engine.generate(ps, GREEDY)]
+
+
+def test_cache_is_reused_across_steps_and_freed_by_sleep(tiny_model_dir: Path) -> None:
+    engine = NativeRolloutEngine(str(tiny_model_dir))
+    ps = prompts(tiny_model_dir)
+    before = engine.generate(ps, GREEDY)
+    pointer = engine.cache.k.data_ptr()
+    engine.generate(ps, GREEDY)
+    assert engine.cache.k.data_ptr() == pointer, "same-size steps reuse the preallocated cache"
+    assert engine.cache_bytes() > 0
+    engine.sleep()
+    assert engine.cache_bytes() == 0
+    engine.wake()
+    assert [r.token_ids for r in engine.generate(ps, GREEDY)] == [r.token_ids for r in before]
+
+
+def test_min_p_keeps_only_likely_tokens(tiny_model_dir: Path) -> None:
+    engine = NativeRolloutEngine(str(tiny_model_dir))
+    ps = prompts(tiny_model_dir)
+    greedy = engine.generate(ps, GREEDY)
+    nearly_greedy = engine.generate(ps, SamplingParams(max_tokens=10, temperature=1.0, min_p=0.999, seed=1))
+    assert [r.token_ids for r in nearly_greedy] == [r.token_ids for r in greedy]
+
+
+def test_hf_engine_matches_native_greedy(tiny_model_dir: Path) -> None:
+    ps = prompts(tiny_model_dir)
+    native = NativeRolloutEngine(str(tiny_model_dir)).generate(ps, GREEDY)
+    hf = HFRolloutEngine(str(tiny_model_dir)).generate(ps, GREEDY)
+    assert [r.token_ids for r in hf] == [r.token_ids for r in native]
+    for a, b in zip(hf, native, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-4
+
+
+def test_unsupported_settings_error_on_the_request() -> None:
+    with pytest.raises(Exception, match="min_p must be in"):
+        SamplingParams(min_p=1.5).validate()
