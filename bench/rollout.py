@@ -7,7 +7,7 @@ repeated; the table gives medians and the min-max spread. Achieved FLOP/s of the
 against this machine's fp32 matmul peak, measured here with a 2048x2048 matmul loop.
 
     python bench/rollout.py                          # tiny and small presets, 3 repeats (~6 min on 2 cores)
-    python bench/rollout.py --presets medium --repeats 1
+    python bench/rollout.py --presets medium --repeats 1 --out rollout_medium.json
 
 Writes bench/results/rollout.json (BENCHMARKS.md format).
 """
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", default="rollout.json", help="file name under bench/results")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,7 +208,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "rollout.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / args.out).write_text(json.dumps(result, indent=1))
     print(
         f"\n{'preset':<8}{'native tok/s':>13}{'hf tok/s':>10}{'ratio':>7}{'native s':>10}{'hf s':>7}"
         f"{'native MB':>11}{'hf MB':>8}{'FLOP/peak':>10}{'mean len':>9}"
@@ -216,7 +217,7 @@ def main() -> None:
         print(
             f"{p:<8}{nt:>13.0f}{ht:>10.0f}{nt / ht:>7.2f}{ns:>10.1f}{hs:>7.1f}{nm:>11.0f}{hm:>8.0f}{frac:>10.3f}{length:>9.1f}"
         )
-    print(f"wrote {RESULTS / 'rollout.json'}")
+    print(f"wrote {RESULTS / args.out}")
 
 
 if __name__ == "__main__":

@@ -138,3 +138,21 @@ def test_entropy_bonus_is_applied_and_logged(
         "actor.entropy_coeff=0.01",
     )
     assert all(r["actor/entropy"] > 0 for r in rows)
+
+
+def test_adaptive_kl_controller_in_the_reward(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    rows = run(
+        "rloo",
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "run",
+        "trainer.backend=local",
+        "algorithm.kl_ctrl_type=adaptive",
+        "algorithm.kl_target=0.01",
+        "algorithm.kl_horizon=100",
+        "algorithm.kl_coef=0.1",
+    )
+    assert rows[0]["algorithm/kl_coef"] == 0.1
+    assert rows[1]["algorithm/kl_coef"] != rows[0]["algorithm/kl_coef"], "the adaptive coefficient moved"
