@@ -12,10 +12,34 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters through peft; rank 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    dropout: float = 0.0  # > 0 makes recomputed log-probs differ from the sampled ones (train mode)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # a local Hugging Face directory (config.json, weights, tokenizer)
-    dtype: str = "float32"  # float32 | bfloat16 (bfloat16 only where the device supports it)
-    attn_implementation: str = "sdpa"  # sdpa | eager
+    dtype: str = "float32"  # float32 | bfloat16: parameters, master weights and optimizer state
+    compute_dtype: str = ""  # "" = dtype; bfloat16 over float32 weights = mixed precision (FSDP2 policy)
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
+    remove_padding: bool = True  # pack sequences for training and log-prob passes (no compute on padding)
+    pack_row_tokens: int = 256  # tokens per packed row; attention is dense within a row on sdpa/eager
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    offload: bool = False  # parameters, gradients and optimizer step in CPU memory (GPU machines only)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,7 @@ class ActorConfig:
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
     mini_batch_size: int = 0  # samples per optimizer step (over all workers); 0 = the whole step's batch
     micro_batch_size: int = 64  # samples per forward/backward on one worker
+    max_token_len_per_worker: int = 0  # token budget per micro-batch instead of micro_batch_size; 0 = off
     ppo_epochs: int = 1
     policy_loss: str = "vanilla"
     clip_ratio_low: float = 0.2
@@ -82,6 +107,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     micro_batch_size: int = 64
+    max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
     cliprange_value: float = 0.5
     ppo_epochs: int = 1
 
@@ -124,6 +150,7 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     total_steps: int = 20
     n_workers: int = 1  # data-parallel SPMD workers (torch.distributed ranks)
+    balance_batch: bool = True  # reorder each step's samples so every worker gets near-equal tokens
     backend: str = "ray"  # ray | local (in-process, world size 1)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
@@ -160,6 +187,7 @@ class SFTOptimConfig:
     warmup_steps: int = 10
     batch_size: int = 64  # samples per optimizer step (over all workers)
     micro_batch_size: int = 64  # samples per forward/backward on one worker
+    max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
 
 
 @dataclass(frozen=True)

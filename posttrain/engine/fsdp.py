@@ -10,7 +10,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 
@@ -26,11 +32,26 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> FSDPModule:
-    """Shard every decoder layer, then the root module (embeddings, norm, head), over `mesh`."""
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    compute_dtype: torch.dtype | None = None,
+    offload: bool = False,
+) -> FSDPModule:
+    """Shard every decoder layer, then the root module (embeddings, norm, head), over `mesh`.
+
+    `compute_dtype` (e.g. bf16) casts the gathered parameters for compute while the sharded master weights,
+    gradient reduction and optimizer stay in the model's dtype. `offload` keeps parameters, gradients and
+    the optimizer step in CPU memory (accelerators only).
+    """
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if compute_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    kwargs["offload_policy"] = CPUOffloadPolicy() if offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model  # type: ignore[return-value]
 
 

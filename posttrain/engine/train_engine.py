@@ -6,9 +6,10 @@ for this rank. Every public method is SPMD: all ranks call it together with equa
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,11 +22,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from posttrain.config.schema import LoraConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.data.partition import first_fit_decreasing, split_to_count
 from posttrain.engine.distributed import DistInfo, init_distributed
 from posttrain.engine.fsdp import apply_fsdp, full_named_tensors
 from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
+from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
+from posttrain.engine.packing import (
+    packed_next_token_log_probs,
+    packed_response_log_probs,
+    packed_response_values,
+)
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_value_model
 
@@ -48,7 +57,36 @@ class EngineConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    micro_batch_size: int = 64  # rows per forward/backward on this rank
+    micro_batch_size: int = 64  # rows per forward/backward on this rank (when max_token_len is 0)
+    max_token_len: int = 0  # token budget per micro-batch on this rank (real tokens); 0 = by row count
+    remove_padding: bool = True  # pack sequences: no compute on padding (see engine.packing)
+    pack_row_tokens: int = 256  # tokens per packed row (attention is dense within a row on sdpa)
+    compute_dtype: str = ""  # mixed precision: e.g. bfloat16 compute over `dtype` master weights
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~1/3 more compute)
+    offload: bool = False  # parameters, gradients and optimizer in CPU memory (accelerators only)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Native bfloat16 compute: CUDA's own check; on CPUs, oneDNN's (AVX512-BF16 / AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return True
+
+
+def check_device_support(config: EngineConfig, device: torch.device) -> None:
+    """Reject at start what this device cannot do, naming the setting."""
+    if "bfloat16" in (config.dtype, config.compute_dtype):
+        if not bf16_supported(device):
+            setting = "model.compute_dtype" if config.compute_dtype == "bfloat16" else "model.dtype"
+            raise ConfigError(f"{setting}=bfloat16 but device {device} has no bfloat16 support")
+    if config.offload and device.type == "cpu":
+        raise ConfigError(
+            "offload=true needs an accelerator: on a CPU device parameters and optimizer already live in "
+            "CPU memory"
+        )
 
 
 class TrainEngine:
@@ -60,8 +98,13 @@ class TrainEngine:
             raise ConfigError(f"model.dtype '{config.dtype}' unknown; valid: {', '.join(DTYPES)}")
         if config.head not in ("lm", "value"):
             raise ConfigError(f"engine head '{config.head}' unknown; valid: lm, value")
+        if config.compute_dtype and config.compute_dtype not in DTYPES:
+            raise ConfigError(
+                f"model.compute_dtype '{config.compute_dtype}' unknown; valid: {', '.join(DTYPES)}"
+            )
         self.config = config
         self.mesh, self.device = init_distributed(dist_info)
+        check_device_support(config, self.device)
         self.dp_size = self.mesh.size()
         self.rank = dist.get_rank()
         load = load_causal_lm if config.head == "lm" else load_value_model
@@ -78,12 +121,20 @@ class TrainEngine:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
-        self.model = apply_fsdp(model, self.mesh)
+            if config.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = config.lora.rank > 0
+        if self.lora:
+            if config.head != "lm":
+                raise ConfigError("LoRA is supported for the policy (lm head) only; the critic trains fully")
+            model = apply_lora(model, config.lora)
+        compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
+        self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if config.trainable:
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
+                [p for p in self.model.parameters() if p.requires_grad],
                 lr=config.lr,
                 betas=config.betas,
                 weight_decay=config.weight_decay,
@@ -95,13 +146,28 @@ class TrainEngine:
             )
 
     # ---- compute -------------------------------------------------------------------------------
+    def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
+        """Row indices of each micro-batch: by row count, or by token budget (same count on every rank)."""
+        if not len(batch):
+            return []
+        if self.config.max_token_len <= 0:
+            size = self.config.micro_batch_size
+            return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+        lengths = batch[keys.ATTENTION_MASK].sum(1).tolist()
+        bins = first_fit_decreasing(lengths, self.config.max_token_len)
+        count = torch.tensor([len(bins)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # FSDP needs the same number of passes per rank
+        return [sorted(b) for b in split_to_count(bins, lengths, int(count))]
+
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        return batch.split(self.config.micro_batch_size) if len(batch) else []
+        return [batch.index(rows) for rows in self._micro_batch_rows(batch)]
 
     def _log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token outputs: log-probs (lm head) or values (value head), and entropy when asked."""
+        if self.config.remove_padding:
+            return self._packed_log_probs(mb, temperature, with_entropy)
         if self.config.head == "value":
             width = mb[keys.RESPONSES].shape[1]
             ids, mask, pos = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
@@ -120,17 +186,47 @@ class TrainEngine:
             self.model, mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
         ), None
 
+    def _packed_log_probs(
+        self, mb: Batch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, mask, row_tokens = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], self.config.pack_row_tokens
+        if self.config.head == "value":
+            width = mb[keys.RESPONSES].shape[1]
+            return packed_response_values(self.model, ids, mask, width, row_tokens), None
+        if keys.RESPONSES in mb:
+            return packed_response_log_probs(
+                self.model,
+                ids,
+                mask,
+                response_width=mb[keys.RESPONSES].shape[1],
+                row_tokens=row_tokens,
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+        return packed_next_token_log_probs(self.model, ids, mask, row_tokens), None
+
     @torch.no_grad()
-    def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    def compute_log_prob(
+        self, batch: Batch, temperature: float = 1.0, disable_adapter: bool = False
+    ) -> torch.Tensor:
         """Log-probs of the response tokens (of every next token when there is no `responses`); with the
-        value head, the critic's values of the response tokens."""
+        value head, the critic's values of the response tokens. `disable_adapter`: under the LoRA base
+        model (the reference policy of a LoRA run)."""
+        if disable_adapter and not self.lora:
+            raise ConfigError("compute_log_prob(disable_adapter=True) needs a LoRA engine")
         was_training = self.model.training
         self.model.eval()
-        outs = [
-            self._log_probs(mb.to(self.device), temperature, False)[0] for mb in self._micro_batches(batch)
-        ]
+        outs, order = [], []
+        with self.model.disable_adapter() if disable_adapter else contextlib.nullcontext():
+            for rows in self._micro_batch_rows(batch):
+                outs.append(self._log_probs(batch.index(rows).to(self.device), temperature, False)[0].cpu())
+                order += rows
         self.model.train(was_training)
-        return torch.cat(outs).cpu()
+        if not outs:
+            return torch.empty(0)
+        result = torch.empty_like(torch.cat(outs))
+        result[torch.tensor(order)] = torch.cat(outs)
+        return result
 
     def forward_backward(
         self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, with_entropy: bool = False
@@ -157,7 +253,8 @@ class TrainEngine:
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, step AdamW and the LR schedule, zero gradients."""
         assert self.optimizer is not None and self.scheduler is not None
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, self.config.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm_value = float(grad_norm)
@@ -174,18 +271,34 @@ class TrainEngine:
 
     # ---- weights out ---------------------------------------------------------------------------
     def named_tensors_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors one at a time for the rollout engine (a collective: all ranks iterate)."""
-        return full_named_tensors(self.model)
+        """Full tensors one at a time for the rollout engine (a collective: all ranks iterate).
+
+        With LoRA: only the adapted layers, merged (W + scale * B @ A), under their plain HF names.
+        """
+        return merged_lora_weights(self.model) if self.lora else full_named_tensors(self.model)
+
+    @property
+    def _state_options(self) -> StateDictOptions:
+        # LoRA: the frozen base is the model directory itself; checkpoints hold adapters and optimizer only
+        # (strict=False on load is safe: dcp.load already failed on any requested key it did not find)
+        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
+
+    def _trainable_only(self, model_sd: dict) -> dict:
+        """With LoRA, drop frozen tensors that survive `ignore_frozen_params` (a tied LM head does)."""
+        if not self.lora:
+            return model_sd
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k in trainable}
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Sharded model + optimizer state with torch.distributed.checkpoint (every rank writes its shard)."""
         path = Path(path)
         if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
+            state = {"model": self._trainable_only(model_sd), "optim": optim_sd}
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(self.model, options=self._state_options)}
         dcp.save(state, checkpoint_id=str(path))
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict()}, path / "scheduler.pt")
@@ -195,27 +308,45 @@ class TrainEngine:
         """Load what `save` wrote (same world size, or any other that DCP can reshard to)."""
         path = Path(path)
         if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
+            state = {"model": self._trainable_only(model_sd), "optim": optim_sd}
             dcp.load(state, checkpoint_id=str(path))
             set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=self._state_options,
             )
             extra = torch.load(path / "scheduler.pt", weights_only=False)
             self.scheduler.load_state_dict(extra["scheduler"])  # type: ignore[union-attr]
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(self.model, options=self._state_options)}
             dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
+            set_state_dict(
+                self.model,
+                [],
+                model_state_dict=state["model"],
+                optim_state_dict={},
+                options=self._state_options,
+            )
 
-    def export_hf(self, out_dir: str | Path) -> None:
-        """Write a Hugging Face directory (config, safetensors weights, tokenizer) from rank 0."""
+    def export_hf(self, out_dir: str | Path, merged: bool = True) -> None:
+        """Write a Hugging Face directory from rank 0: the full model (config, safetensors, tokenizer), or
+        with LoRA and `merged=False` the adapter alone (adapter_config.json + adapter_model.safetensors)."""
         from posttrain.models import load_config, load_tokenizer
 
         full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora),
         )
-        if self.rank == 0:
+        if self.rank == 0 and self.lora:
+            model = export_peft_model(
+                self.config.model_path, self.config.lora, full, DTYPES[self.config.dtype]
+            )
+            (model.merge_and_unload() if merged else model).save_pretrained(out_dir)
+            load_tokenizer(self.config.model_path).save_pretrained(out_dir)
+        elif self.rank == 0:
             from transformers import AutoModelForCausalLM
 
             config = load_config(self.config.model_path)
@@ -229,7 +360,9 @@ class TrainEngine:
             model.tie_weights()
             model.save_pretrained(out_dir)
             load_tokenizer(self.config.model_path).save_pretrained(out_dir)
-            gen_config = Path(self.config.model_path) / "generation_config.json"
-            if gen_config.exists() and not (Path(out_dir) / "generation_config.json").exists():
-                (Path(out_dir) / "generation_config.json").write_text(gen_config.read_text())
+        gen_config = Path(self.config.model_path) / "generation_config.json"
+        exported = Path(out_dir) / "generation_config.json"
+        if self.rank == 0 and (self.lora and merged or not self.lora) and gen_config.exists():
+            if not exported.exists():
+                exported.write_text(gen_config.read_text())
         dist.barrier()

@@ -24,7 +24,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.dataset import PromptDataset, collate_prompts
-from posttrain.engine.train_engine import EngineConfig
+from posttrain.data.partition import balanced_partition
 from posttrain.errors import ConfigError
 from posttrain.models import load_config, load_tokenizer
 from posttrain.rollout.base import SamplingParams
@@ -35,6 +35,7 @@ from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.setup import (
     advantage_kwargs,
     check_rl_config,
+    engine_config,
     make_actor_group,
     make_critic_group,
     policy_loss_options,
@@ -134,16 +135,15 @@ class RLTrainer:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec = ActorRolloutRefSpec(
-            engine=EngineConfig(
-                model_path=cfg.model.path,
-                dtype=cfg.model.dtype,
-                attn_implementation=cfg.model.attn_implementation,
+            engine=engine_config(
+                cfg.model,
                 lr=cfg.actor.lr,
                 weight_decay=cfg.actor.weight_decay,
                 betas=cfg.actor.betas,
                 grad_clip=cfg.actor.grad_clip,
                 warmup_steps=cfg.actor.warmup_steps,
                 micro_batch_size=cfg.actor.micro_batch_size,
+                max_token_len=cfg.actor.max_token_len_per_worker,
             ),
             with_rollout=True,
             with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
@@ -199,6 +199,9 @@ class RLTrainer:
                 batch, gen_metrics = generate_step_batch(
                     cfg, self.actor, self.loader, self.sampling, self.rewards
                 )
+            if cfg.trainer.balance_batch and cfg.trainer.n_workers > 1:
+                batch, balance_metrics = balance_across_workers(batch, cfg.trainer.n_workers)
+                gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, [])
             with timed(timings, "old_log_prob"):
                 batch = batch.union(self.actor.call("forward", forward_batch, "actor", self._temp))
@@ -350,6 +353,20 @@ class RLTrainer:
         self.step_count = state["step"]
         log.info("resumed from %s at step %d", latest, self.step_count)
         print(f"resumed from {latest} at step {self.step_count}", flush=True)
+
+
+def balance_across_workers(batch: Batch, workers: int) -> tuple[Batch, dict[str, float]]:
+    """Reorder rows so the equal, consecutive chunks the worker group hands out carry near-equal tokens.
+
+    Rows are independent samples (groups are found by uid, not position), so the order is free.
+    """
+    lengths = batch[keys.ATTENTION_MASK].sum(1).tolist()
+    parts = balanced_partition(lengths, workers)
+    tokens = [sum(lengths[i] for i in part) for part in parts]
+    mean = sum(tokens) / workers
+    return batch.index([i for part in parts for i in part]), {
+        "balance/max_over_mean_tokens": max(tokens) / mean if mean else 1.0
+    }
 
 
 def _val_only(metrics: dict[str, float]) -> dict[str, float]:

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms.registry import get_advantage_estimator, get_kl_estimator, get_policy_loss
-from posttrain.config.schema import ActorConfig, AlgorithmConfig, RayConfig, RLConfig
+from posttrain.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    LoraConfig,
+    ModelConfig,
+    RayConfig,
+    RLConfig,
+)
 from posttrain.controller.ray_env import cluster_has_gpus, start_ray
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
@@ -21,6 +28,23 @@ from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.critic import CriticSpec, CriticWorker
+
+
+def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineConfig:
+    """An engine config from the `model` section (path, precision, packing, memory levers, LoRA) + `fields`."""
+    model_fields = {
+        "model_path": path or model.path,
+        "dtype": model.dtype,
+        "compute_dtype": model.compute_dtype,
+        "attn_implementation": model.attn_implementation,
+        "remove_padding": model.remove_padding,
+        "pack_row_tokens": model.pack_row_tokens,
+        "gradient_checkpointing": model.gradient_checkpointing,
+        "offload": model.offload,
+        "lora": model.lora,
+    }
+    return EngineConfig(**{**model_fields, **fields})
+
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -219,16 +243,17 @@ def make_actor_group(
 def make_critic_group(cfg: RLConfig, threads: int, roles: int) -> LocalWorkerGroup | RayWorkerGroup:
     """The critic's worker group, sharing the actor's resources (roles alternate in time)."""
     c = cfg.critic
-    engine = EngineConfig(
-        model_path=c.model_path or cfg.model.path,
-        dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation,
+    engine = engine_config(
+        cfg.model,
+        path=c.model_path,
+        lora=LoraConfig(),  # the critic trains fully: a new value head on adapters alone learns little
         head="value",
         lr=c.lr,
         weight_decay=c.weight_decay,
         grad_clip=c.grad_clip,
         warmup_steps=c.warmup_steps,
         micro_batch_size=c.micro_batch_size,
+        max_token_len=c.max_token_len_per_worker,
     )
     spec = CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
     t = cfg.trainer

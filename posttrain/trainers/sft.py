@@ -15,11 +15,10 @@ from posttrain.config.schema import SFTConfig
 from posttrain.data import keys
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
-from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking import Tracker
-from posttrain.trainers.setup import check_files, make_actor_group, threads_per_worker
+from posttrain.trainers.setup import check_files, engine_config, make_actor_group, threads_per_worker
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
 from posttrain.workers.losses import LossSpec
 
@@ -67,16 +66,15 @@ class SFTTrainer:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec = ActorRolloutRefSpec(
-            engine=EngineConfig(
-                model_path=cfg.model.path,
-                dtype=cfg.model.dtype,
-                attn_implementation=cfg.model.attn_implementation,
+            engine=engine_config(
+                cfg.model,
                 lr=cfg.optim.lr,
                 weight_decay=cfg.optim.weight_decay,
                 betas=cfg.optim.betas,
                 grad_clip=cfg.optim.grad_clip,
                 warmup_steps=cfg.optim.warmup_steps,
                 micro_batch_size=cfg.optim.micro_batch_size,
+                max_token_len=cfg.optim.max_token_len_per_worker,
             ),
             with_rollout=False,
             seed=cfg.trainer.seed,

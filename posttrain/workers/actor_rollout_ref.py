@@ -65,7 +65,13 @@ class ActorRolloutRefWorker:
         seed_everything(spec.seed + 1000 * dist_info.rank)
         self.actor = TrainEngine(spec.engine, dist_info)
         self.dp_size = self.actor.dp_size
-        self.ref = TrainEngine(replace(spec.engine, trainable=False), dist_info) if spec.with_ref else None
+        # with LoRA the reference is the actor's own base model with the adapter disabled: no second copy
+        self.lora = spec.engine.lora.rank > 0
+        self.ref = (
+            TrainEngine(replace(spec.engine, trainable=False), dist_info)
+            if spec.with_ref and not self.lora
+            else None
+        )
         self.rollout = (
             make_rollout_engine(
                 spec.rollout_name,
@@ -129,9 +135,13 @@ class ActorRolloutRefWorker:
         if which == "actor":
             return Batch.from_dict({keys.OLD_LOG_PROBS: self.actor.compute_log_prob(batch, temperature)})
         if which == "ref":
-            if self.ref is None:
+            if not self.spec.with_ref:
                 raise RuntimeError("this worker was built without a reference model (with_ref=False)")
-            return Batch.from_dict({keys.REF_LOG_PROB: self.ref.compute_log_prob(batch, temperature)})
+            if self.lora:
+                ref = self.actor.compute_log_prob(batch, temperature, disable_adapter=True)
+            else:
+                ref = self.ref.compute_log_prob(batch, temperature)
+            return Batch.from_dict({keys.REF_LOG_PROB: ref})
         raise ValueError(f"forward: unknown model '{which}'; valid: actor, ref")
 
     def forward_backward(self, batch: Batch, loss: LossSpec, temperature: float = 1.0) -> dict[str, float]:
@@ -178,5 +188,6 @@ class ActorRolloutRefWorker:
                 self.rollout.generator.set_state(rng["rollout"])
         self.sync_sampler()
 
-    def export_hf(self, out_dir: str) -> None:
-        self.actor.export_hf(out_dir)
+    def export_hf(self, out_dir: str, merged: bool = True) -> None:
+        """The policy as a HF directory; with LoRA, `merged=False` writes the adapter alone."""
+        self.actor.export_hf(out_dir, merged=merged)

@@ -1,0 +1,135 @@
+"""Padding removal: pack the real tokens of padded rows into dense rows, one model call, unpack.
+
+Rows arrive padded ([left-padded prompt | right-padded response]). Their real tokens (attention_mask == 1)
+are laid end to end in rows of `row_tokens` tokens (first-fit decreasing, a row grows to the longest
+sequence), position ids restart at 0 for every sequence, and the model is called with no attention mask:
+transformers then detects the packed layout from the position ids and builds a block-diagonal causal mask
+(sdpa/eager) or uses variable-length kernels (flash attention), so attention never crosses sequences and
+no compute is spent on padding beyond the tail of each packed row. Pure tensor code around one model call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from posttrain.data.partition import first_fit_decreasing
+from posttrain.engine.log_probs import chunked_log_probs_and_entropy, token_log_probs
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    input_ids: torch.Tensor  # (rows, width) packed tokens; the tail of each row is filler
+    position_ids: torch.Tensor  # (rows, width) 0.. per sequence; filler runs count from 0 too
+    flat_pos: torch.Tensor  # (B, T) flat index into the packed tokens of each real token; -1 for padding
+
+    def flat_index(self, columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid mask over the columns, flat packed positions of the valid tokens)."""
+        pos = self.flat_pos[:, columns]
+        valid = pos >= 0
+        return valid, pos[valid]
+
+
+def pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int, filler_id: int = 0
+) -> PackedLayout:
+    """Lay the real tokens of each row end to end in rows of max(`row_tokens`, longest sequence)."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(1).tolist()
+    width = max([row_tokens, *lengths]) if lengths else row_tokens
+    bins = first_fit_decreasing(lengths, width)
+    packed_ids = torch.full((len(bins), width), filler_id, dtype=input_ids.dtype, device=input_ids.device)
+    positions = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
+    flat_pos = torch.full(mask.shape, -1, dtype=torch.long, device=input_ids.device)
+    for row, members in enumerate(bins):
+        offset = 0
+        for i in members:
+            n = lengths[i]
+            packed_ids[row, offset : offset + n] = input_ids[i][mask[i]]
+            positions[row, offset : offset + n] = torch.arange(n, device=input_ids.device)
+            flat_pos[i, mask[i]] = row * width + offset + torch.arange(n, device=input_ids.device)
+            offset += n
+        # the filler is one more "sequence" counting from 0, so it never joins the one before it
+        positions[row, offset:] = torch.arange(width - offset, device=input_ids.device)
+    return PackedLayout(packed_ids, positions, flat_pos)
+
+
+def packed_model_output(model: nn.Module, layout: PackedLayout) -> torch.Tensor:
+    """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim)."""
+    out = model(
+        input_ids=layout.input_ids,
+        attention_mask=None,
+        position_ids=layout.position_ids,
+        use_cache=False,
+    ).logits
+    return out.reshape(-1, out.shape[-1])
+
+
+def unpack_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Scatter per-token `values` (N,) back to the padded grid of `valid` (B, C), zeros elsewhere."""
+    out = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
+    return out.masked_scatter(valid, values)
+
+
+def _response_positions(layout: PackedLayout, response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid response cells (B, R) and the flat positions of the logits that predict them.
+
+    A response token always follows at least one prompt token of its own sequence, so position - 1 is
+    inside the same sequence.
+    """
+    total = layout.flat_pos.shape[1]
+    valid, target_pos = layout.flat_index(slice(total - response_width, total))
+    return valid, target_pos - 1
+
+
+def packed_response_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    row_tokens: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`log_probs.response_log_probs` on packed sequences: (B, R) log-probs (and entropy), zeros on padding.
+
+    Only the logits that predict response tokens go through the (vocab-wide) softmax.
+    """
+    layout = pack(input_ids, attention_mask, row_tokens)
+    valid, logit_pos = _response_positions(layout, response_width)
+    logits = packed_model_output(model, layout)[logit_pos]
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    targets = layout.input_ids.reshape(-1)[logit_pos + 1]
+    if with_entropy:
+        log_probs, entropy = chunked_log_probs_and_entropy(logits[None], targets[None])
+        return unpack_rows(log_probs[0], valid), unpack_rows(entropy[0], valid)
+    return unpack_rows(token_log_probs(logits, targets), valid), None
+
+
+def packed_response_values(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    row_tokens: int,
+) -> torch.Tensor:
+    """`log_probs.response_values` on packed sequences: the value head's output before each response token."""
+    layout = pack(input_ids, attention_mask, row_tokens)
+    valid, value_pos = _response_positions(layout, response_width)
+    values = packed_model_output(model, layout)[value_pos, 0].float()
+    return unpack_rows(values, valid)
+
+
+def packed_next_token_log_probs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int
+) -> torch.Tensor:
+    """(B, T) log-prob of each real token given the ones before it; 0 for the first token and padding."""
+    layout = pack(input_ids, attention_mask, row_tokens)
+    has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
+    target_pos = layout.flat_pos[has_context]
+    logits = packed_model_output(model, layout)[target_pos - 1]
+    targets = layout.input_ids.reshape(-1)[target_pos]
+    return unpack_rows(token_log_probs(logits, targets), has_context)
