@@ -1,4 +1,4 @@
-"""`posttrain <command>`: train, sft, make-model, data, demo.
+"""`posttrain <command>`: train, sft, make-model, data, export, demo.
 
 Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers=2`).
 Every project error is printed as one line naming the problem, with exit code 2.
@@ -74,6 +74,13 @@ def _data(args: argparse.Namespace) -> None:
         print(f"{split}: {path}")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from posttrain.trainers.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, adapter_only=args.adapter)
+    print(f"wrote {out}")
+
+
 def _demo(args: argparse.Namespace) -> None:
     from posttrain.demo import run_demo
 
@@ -114,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", default="+")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_data)
+
+    p = sub.add_parser(
+        "export", help="an RL checkpoint as a Hugging Face directory (full, merged or adapter)"
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder (step_N) or a run directory (its latest)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--adapter", action="store_true", help="LoRA runs: write the adapter alone, not merged")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser(
         "demo", help="tiny model -> task data -> SFT warm start -> GRPO on Ray; before/after table"

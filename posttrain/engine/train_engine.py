@@ -298,7 +298,9 @@ class TrainEngine:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
             state = {"model": self._trainable_only(model_sd), "optim": optim_sd}
         else:
-            state = {"model": get_model_state_dict(self.model, options=self._state_options)}
+            state = {
+                "model": self._trainable_only(get_model_state_dict(self.model, options=self._state_options))
+            }
         dcp.save(state, checkpoint_id=str(path))
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict()}, path / "scheduler.pt")
@@ -321,7 +323,9 @@ class TrainEngine:
             extra = torch.load(path / "scheduler.pt", weights_only=False)
             self.scheduler.load_state_dict(extra["scheduler"])  # type: ignore[union-attr]
         else:
-            state = {"model": get_model_state_dict(self.model, options=self._state_options)}
+            state = {
+                "model": self._trainable_only(get_model_state_dict(self.model, options=self._state_options))
+            }
             dcp.load(state, checkpoint_id=str(path))
             set_state_dict(
                 self.model,

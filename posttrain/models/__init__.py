@@ -5,6 +5,7 @@ Must not import posttrain.data or anything above models/.
 
 from posttrain.models.loading import (
     check_model_dir,
+    empty_model,
     load_causal_lm,
     load_config,
     load_tokenizer,
@@ -19,6 +20,7 @@ __all__ = [
     "TinyPreset",
     "build_tiny_model",
     "check_model_dir",
+    "empty_model",
     "load_causal_lm",
     "load_config",
     "load_tokenizer",

@@ -103,6 +103,13 @@ def load_causal_lm(
     return model.eval()
 
 
+def empty_model(path: str | Path) -> PreTrainedModel:
+    """The causal LM of a directory's config on the meta device: module names and shapes, no memory."""
+    config = load_config(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def load_value_model(
     path: str | Path,
     dtype: torch.dtype | str = torch.float32,

@@ -21,9 +21,10 @@ from posttrain.controller.ray_env import cluster_has_gpus, start_ray
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.engine.lora import check_target_modules
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
-from posttrain.models import check_model_dir
+from posttrain.models import check_model_dir, empty_model
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
@@ -63,9 +64,42 @@ def check_files(files: Sequence[str], key: str) -> None:
             raise DataError(f"{key}: file not found: {f}")
 
 
+def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int]) -> None:
+    """Precision, packing, LoRA targets and token budgets, checked before any worker starts.
+
+    `longest` is the longest prompt + response a step can hold; `budgets` maps each
+    `max_token_len_per_worker` setting's name to its value.
+    """
+    for key, value, valid in (
+        ("model.dtype", model.dtype, ("float32", "bfloat16")),
+        ("model.compute_dtype", model.compute_dtype, ("", "float32", "bfloat16")),
+    ):
+        if value not in valid:
+            shown = ", ".join(repr(v) for v in valid)
+            raise ConfigError(f"{key} '{value}' unknown; valid: {shown}")
+    if model.pack_row_tokens <= 0:
+        raise ConfigError(f"model.pack_row_tokens must be > 0, got {model.pack_row_tokens}")
+    for name, budget in budgets.items():
+        if budget < 0 or 0 < budget < longest:
+            raise ConfigError(
+                f"{name}={budget} is smaller than the longest sequence a step can hold "
+                f"(data.max_prompt_length + data.max_response_length = {longest}); 0 turns the budget off"
+            )
+    if model.lora.rank > 0:
+        check_target_modules(empty_model(model.path), model.lora)
+
+
 def check_rl_config(cfg: RLConfig) -> None:
-    """Every check that needs no model: names in registries, sizes that divide, files that exist."""
+    """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
     check_model_dir(cfg.model.path)
+    check_model_options(
+        cfg.model,
+        cfg.data.max_prompt_length + cfg.data.max_response_length,
+        {
+            "actor.max_token_len_per_worker": cfg.actor.max_token_len_per_worker,
+            "critic.max_token_len_per_worker": cfg.critic.max_token_len_per_worker,
+        },
+    )
     check_files(cfg.data.train_files, "data.train_files")
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         check_files(cfg.data.val_files, "data.val_files")

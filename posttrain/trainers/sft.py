@@ -18,13 +18,24 @@ from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking import Tracker
-from posttrain.trainers.setup import check_files, engine_config, make_actor_group, threads_per_worker
+from posttrain.trainers.setup import (
+    check_files,
+    check_model_options,
+    engine_config,
+    make_actor_group,
+    threads_per_worker,
+)
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
 from posttrain.workers.losses import LossSpec
 
 
 def check_sft_config(cfg: SFTConfig) -> None:
     check_model_dir(cfg.model.path)
+    check_model_options(
+        cfg.model,
+        cfg.data.max_prompt_length + cfg.data.max_response_length,
+        {"optim.max_token_len_per_worker": cfg.optim.max_token_len_per_worker},
+    )
     check_files(cfg.data.train_files, "data.train_files")
     if cfg.optim.batch_size % cfg.trainer.n_workers:
         raise ConfigError(
