@@ -161,6 +161,7 @@ class TrainerConfig:
     resume: bool = True  # resume from <run_dir>/latest when present
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / n_workers
+    peak_flops_per_worker: float = 0.0  # for perf/mfu; 0 = measure at start (a short matmul loop)
 
 
 @dataclass(frozen=True)

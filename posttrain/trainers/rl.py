@@ -41,6 +41,7 @@ from posttrain.trainers.setup import (
     policy_loss_options,
     threads_per_worker,
 )
+from posttrain.trainers.throughput import PerfMeter
 from posttrain.trainers.validation import validate
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
 from posttrain.workers.losses import LossSpec
@@ -62,6 +63,8 @@ CONSOLE_KEYS = (
     "actor/grad_norm",
     "response_length/mean",
     "rollout/logprob_diff_max",
+    "throughput/tokens_per_s",
+    "perf/mfu",
     "timing/step",
 )
 
@@ -127,6 +130,7 @@ class RLTrainer:
         self.step_count = 0
         self.actor: Any = None
         self.critic: Any = None
+        self.perf: PerfMeter | None = None  # throughput and MFU metrics; set up in fit()
         self.history: list[dict[str, float]] = []
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -158,6 +162,7 @@ class RLTrainer:
         )
         if cfg.critic.enable:
             self.critic = make_critic_group(cfg, threads=spec.threads, roles=roles)
+        self.perf = PerfMeter.from_config(cfg, threads=spec.threads)
         tracker = Tracker(
             cfg.trainer.loggers,
             self.run_dir,
@@ -224,7 +229,8 @@ class RLTrainer:
                     update_metrics.update(self.update(batch))
                 with timed(timings, "sync"):
                     self.actor.call("sync_sampler")
-        return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings}
+        perf = self.perf.metrics(batch, timings, gen_metrics) if self.perf is not None else {}
+        return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings, **perf}
 
     @property
     def _temp(self) -> float:
