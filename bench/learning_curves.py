@@ -73,7 +73,7 @@ def run(
             f"trainer.run_dir={run_dir}",
             f"trainer.total_steps={steps}",
             f"trainer.seed={seed}",
-            f"trainer.n_workers={workers}",
+            f"trainer.n_workers_per_node={workers}",
             "trainer.val_every=5",
             "trainer.save_every=0",
             "trainer.loggers=[jsonl]",

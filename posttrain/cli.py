@@ -1,6 +1,6 @@
 """`posttrain <command>`: train, sft, make-model, data, export, demo.
 
-Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers=2`).
+Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers_per_node=2`).
 Every project error is printed as one line naming the problem, with exit code 2.
 """
 

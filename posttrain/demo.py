@@ -75,7 +75,7 @@ def run_demo(
             *data,
             f"trainer.run_dir={rl_dir}",
             f"trainer.total_steps={steps}",
-            f"trainer.n_workers={n_workers}",
+            f"trainer.n_workers_per_node={n_workers}",
             "trainer.backend=ray",
             *RL_OVERRIDES,
         ],

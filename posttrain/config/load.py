@@ -70,6 +70,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value or {}, prefix=f"{key}.")
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        value_type = typing.get_args(tp)[1]
+        return {str(k): _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
@@ -129,6 +134,9 @@ def check_override_keys(schema: type, overrides: Sequence[str]) -> None:
         node: Any = schema
         parts = key.split(".")
         for i, part in enumerate(parts):
+            if typing.get_origin(node) is dict:  # any name is a key of a mapping (e.g. resources.pools.gen)
+                node = typing.get_args(node)[1]
+                continue
             if not dataclasses.is_dataclass(node):
                 raise ConfigError(f"unknown config key '{key}': '{'.'.join(parts[:i])}' has no sub-keys")
             names = [f.name for f in dataclasses.fields(node)]

@@ -146,10 +146,29 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    nnodes: int = 1
+    n_workers_per_node: int = 1
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """Where each role runs. Pool `trainer` is trainer.nnodes x trainer.n_workers_per_node and always holds
+    the actor (+ reference); more pools are added by name: `+resources.pools.gen.n_workers_per_node=2`."""
+
+    pools: dict[str, PoolConfig] = field(default_factory=dict)
+    rollout: str = "trainer"  # trainer = colocated hybrid engine (in-process sync); another pool = split
+    critic: str = "trainer"  # trainer = colocated with the actor (sharing its workers); another = own pool
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     run_dir: str = "runs/default"
     total_steps: int = 20
-    n_workers: int = 1  # data-parallel SPMD workers (torch.distributed ranks)
+    nnodes: int = 1  # nodes of the trainer's pool
+    n_workers_per_node: int = 1  # data-parallel SPMD workers (torch.distributed ranks) per node
+    cpus_per_worker: float = 1.0  # Ray CPUs reserved per worker (colocated roles share them)
+    gpus_per_worker: float = 1.0  # Ray GPUs per worker when the device is cuda
     balance_batch: bool = True  # reorder each step's samples so every worker gets near-equal tokens
     backend: str = "ray"  # ray | local (in-process, world size 1)
     device: str = "auto"  # auto | cpu | cuda
@@ -160,7 +179,12 @@ class TrainerConfig:
     max_checkpoints_to_keep: int = 2
     resume: bool = True  # resume from <run_dir>/latest when present
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
-    threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / n_workers
+    threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers on the node
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_workers_per_node
+
     peak_flops_per_worker: float = 0.0  # for perf/mfu; 0 = measure at start (a short matmul loop)
 
 
@@ -176,6 +200,7 @@ class RLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -195,7 +220,8 @@ class SFTOptimConfig:
 class SFTTrainerConfig:
     run_dir: str = "runs/sft"
     total_steps: int = 200
-    n_workers: int = 1
+    nnodes: int = 1
+    n_workers_per_node: int = 1
     backend: str = "local"  # local | ray
     device: str = "auto"
     seed: int = 0
@@ -203,6 +229,10 @@ class SFTTrainerConfig:
     loggers: tuple[str, ...] = ("console", "jsonl")
     threads_per_worker: int = 0
     save_hf_dir: str = ""  # where the trained model is written as a HF directory; empty = <run_dir>/hf
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_workers_per_node
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) ->
         if isinstance(value, Batch) and len(value) % world_size:
             raise WorkerError(
                 f"a batch of {len(value)} rows cannot be split evenly across {world_size} workers; "
-                "make batch sizes divisible by trainer.n_workers"
+                "make batch sizes divisible by the number of workers"
             )
     per_rank: list[tuple[list, dict]] = [([], {}) for _ in range(world_size)]
     for value in args:

@@ -154,11 +154,17 @@ class RLTrainer:
             rollout_name=cfg.rollout.name,
             rollout_max_batch_size=cfg.rollout.max_batch_size,
             seed=cfg.trainer.seed,
-            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
+            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers_per_node),
         )
         roles = 2 if cfg.critic.enable else 1
         self.actor = make_actor_group(
-            spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device, roles
+            spec,
+            cfg.trainer.world_size,
+            cfg.trainer.backend,
+            cfg.ray,
+            self.run_dir,
+            cfg.trainer.device,
+            roles,
         )
         if cfg.critic.enable:
             self.critic = make_critic_group(cfg, threads=spec.threads, roles=roles)
@@ -204,8 +210,8 @@ class RLTrainer:
                 batch, gen_metrics = generate_step_batch(
                     cfg, self.actor, self.loader, self.sampling, self.rewards
                 )
-            if cfg.trainer.balance_batch and cfg.trainer.n_workers > 1:
-                batch, balance_metrics = balance_across_workers(batch, cfg.trainer.n_workers)
+            if cfg.trainer.balance_batch and cfg.trainer.world_size > 1:
+                batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
                 gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, [])
             with timed(timings, "old_log_prob"):
@@ -325,7 +331,7 @@ class RLTrainer:
             "step": self.step_count,
             "dataloader": self.loader.state_dict(),
             "rng": rng_state(),
-            "world_size": self.cfg.trainer.n_workers,
+            "world_size": self.cfg.trainer.world_size,
             "model": model_fingerprint(self.cfg.model.path),
             "config": to_dict(self.cfg),
         }
@@ -340,10 +346,10 @@ class RLTrainer:
         if latest is None:
             return
         state = self.checkpoints.load_state(latest)
-        if state["world_size"] != self.cfg.trainer.n_workers:
+        if state["world_size"] != self.cfg.trainer.world_size:
             raise ConfigError(
                 f"checkpoint {latest} was written by {state['world_size']} workers; this run has "
-                f"trainer.n_workers={self.cfg.trainer.n_workers}"
+                f"{self.cfg.trainer.world_size} workers"
             )
         fingerprint = model_fingerprint(self.cfg.model.path)
         if state["model"] != fingerprint:

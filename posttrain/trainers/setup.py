@@ -122,20 +122,21 @@ def check_rl_config(cfg: RLConfig) -> None:
         )
     if cfg.trainer.backend not in ("ray", "local"):
         raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
-    if cfg.trainer.backend == "local" and cfg.trainer.n_workers != 1:
+    if cfg.trainer.backend == "local" and cfg.trainer.world_size != 1:
         raise ConfigError(
-            "trainer.backend=local runs one in-process worker; set trainer.n_workers=1 or backend=ray"
+            "trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 and "
+            "trainer.nnodes=1, or backend=ray"
         )
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     mini = cfg.actor.mini_batch_size or samples
-    workers = cfg.trainer.n_workers
+    workers = cfg.trainer.world_size
     if samples % mini:
         raise ConfigError(
             f"actor.mini_batch_size={mini} must divide the samples per step "
             f"(data.train_batch_prompts * rollout.n = {samples})"
         )
     if mini % workers:
-        raise ConfigError(f"actor.mini_batch_size={mini} must be divisible by trainer.n_workers={workers}")
+        raise ConfigError(f"actor.mini_batch_size={mini} must be divisible by the {workers} workers")
     if cfg.actor.micro_batch_size <= 0:
         raise ConfigError(f"actor.micro_batch_size must be > 0, got {cfg.actor.micro_batch_size}")
     if cfg.data.overlong_prompts not in ("filter", "error"):
@@ -291,7 +292,7 @@ def make_critic_group(cfg: RLConfig, threads: int, roles: int) -> LocalWorkerGro
     )
     spec = CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
     t = cfg.trainer
-    return _make_group(CriticWorker, spec, "critic", t.n_workers, t.backend, cfg.ray, t.device, roles)
+    return _make_group(CriticWorker, spec, "critic", t.world_size, t.backend, cfg.ray, t.device, roles)
 
 
 def _make_group(

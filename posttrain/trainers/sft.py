@@ -37,15 +37,16 @@ def check_sft_config(cfg: SFTConfig) -> None:
         {"optim.max_token_len_per_worker": cfg.optim.max_token_len_per_worker},
     )
     check_files(cfg.data.train_files, "data.train_files")
-    if cfg.optim.batch_size % cfg.trainer.n_workers:
+    if cfg.optim.batch_size % cfg.trainer.world_size:
         raise ConfigError(
-            f"optim.batch_size={cfg.optim.batch_size} must be divisible by trainer.n_workers={cfg.trainer.n_workers}"
+            f"optim.batch_size={cfg.optim.batch_size} must be divisible by the {cfg.trainer.world_size} workers"
         )
     if cfg.trainer.backend not in ("ray", "local"):
         raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
-    if cfg.trainer.backend == "local" and cfg.trainer.n_workers != 1:
+    if cfg.trainer.backend == "local" and cfg.trainer.world_size != 1:
         raise ConfigError(
-            "trainer.backend=local runs one in-process worker; set trainer.n_workers=1 or backend=ray"
+            "trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 and "
+            "trainer.nnodes=1, or backend=ray"
         )
 
 
@@ -89,10 +90,10 @@ class SFTTrainer:
             ),
             with_rollout=False,
             seed=cfg.trainer.seed,
-            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers),
+            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers_per_node),
         )
         group = make_actor_group(
-            spec, cfg.trainer.n_workers, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
+            spec, cfg.trainer.world_size, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
         )
         tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg))
         loss = LossSpec("cross_entropy")

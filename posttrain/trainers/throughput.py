@@ -76,7 +76,7 @@ class PerfMeter:
             critic_epochs=cfg.critic.ppo_epochs,
             samples_per_prompt=cfg.rollout.n,
             peak_flops_per_worker=peak_flops_per_worker(cfg, threads),
-            n_workers=cfg.trainer.n_workers,
+            n_workers=cfg.trainer.world_size,
         )
 
     def phase_work(

@@ -19,11 +19,13 @@ def test_yaml_defaults_equal_schema_defaults(name: str, schema: type) -> None:
 
 def test_overrides_are_applied_and_typed() -> None:
     cfg = load_config(
-        RLConfig, "rl", ["actor.lr=0.5", "data.train_files=[a.parquet,b.parquet]", "trainer.n_workers=2"]
+        RLConfig,
+        "rl",
+        ["actor.lr=0.5", "data.train_files=[a.parquet,b.parquet]", "trainer.n_workers_per_node=2"],
     )
     assert cfg.actor.lr == 0.5
     assert cfg.data.train_files == ("a.parquet", "b.parquet")
-    assert cfg.trainer.n_workers == 2
+    assert cfg.trainer.world_size == 2
     with pytest.raises(AttributeError):
         cfg.actor.lr = 1.0  # type: ignore[misc]  (frozen)
 
@@ -31,8 +33,8 @@ def test_overrides_are_applied_and_typed() -> None:
 def test_unknown_override_key_is_named_with_suggestion() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'actor\.lrr'; did you mean 'actor\.lr'"):
         load_config(RLConfig, "rl", ["actor.lrr=0.1"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'trainr\.n_workers'; did you mean 'trainer'"):
-        load_config(RLConfig, "rl", ["trainr.n_workers=2"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainr\.nnodes'; did you mean 'trainer'"):
+        load_config(RLConfig, "rl", ["trainr.nnodes=2"])
 
 
 def test_unknown_key_in_a_config_file_is_named() -> None:
@@ -48,7 +50,7 @@ def test_unknown_key_in_a_config_file_is_named() -> None:
     ("override", "message"),
     [
         ("actor.lr=fast", "'actor.lr' must be a number"),
-        ("trainer.n_workers=1.5", "'trainer.n_workers' must be an integer"),
+        ("trainer.nnodes=1.5", "'trainer.nnodes' must be an integer"),
         ("actor.use_kl_loss=maybe", "'actor.use_kl_loss' must be true or false"),
         ("actor.betas=[0.9]", "'actor.betas' needs 2 values"),
         ("notakey", "not of the form key=value"),

@@ -106,7 +106,7 @@ def test_remax_with_dynamic_sampling_is_rejected(tiny_model_dir: Path, arithmeti
         ("reward.overlong_buffer_len=99", "must be smaller than data.max_response_length"),
         ("actor.mini_batch_size=100", "must divide the samples per step"),
         ("trainer.loggers=[console,wandbb]", "unknown trainer.loggers entry 'wandbb'"),
-        ("trainer.n_workers=2", "backend=local runs one in-process worker"),
+        ("trainer.n_workers_per_node=2", "backend=local runs one in-process worker"),
     ],
 )
 def test_inconsistent_settings(

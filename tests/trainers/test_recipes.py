@@ -70,7 +70,7 @@ def test_recipe_runs_two_steps(
 def test_ppo_with_critic_on_two_ray_workers_resumes(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
-    ray = ["trainer.backend=ray", "trainer.n_workers=2", "trainer.save_every=1"]
+    ray = ["trainer.backend=ray", "trainer.n_workers_per_node=2", "trainer.save_every=1"]
     run("ppo", tiny_model_dir, arithmetic_data, tmp_path / "run", *ray)
     assert (tmp_path / "run" / "step_2" / "critic").is_dir()
     rows = run("ppo", tiny_model_dir, arithmetic_data, tmp_path / "run", *ray, "trainer.total_steps=3")

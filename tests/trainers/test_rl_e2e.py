@@ -54,7 +54,7 @@ def test_grpo_two_ray_workers_checkpoint_and_resume(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
     run = tmp_path / "run"
-    ray = ["trainer.backend=ray", "trainer.n_workers=2", reward_file(tmp_path)]
+    ray = ["trainer.backend=ray", "trainer.n_workers_per_node=2", reward_file(tmp_path)]
     history = RLTrainer(rl_config(tiny_model_dir, arithmetic_data, run, "trainer.total_steps=2", *ray)).fit()
     assert [h["step"] for h in history] == [0, 2]
     assert (run / "latest").read_text() == "step_2"
