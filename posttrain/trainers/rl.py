@@ -138,6 +138,41 @@ class RLTrainer:
         """Train to `trainer.total_steps`, resuming from the newest checkpoint; returns validation history."""
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._start_workers()
+        tracker = Tracker(
+            cfg.trainer.loggers,
+            self.run_dir,
+            run_name=self.run_dir.name,
+            config=to_dict(cfg),
+            console_keys=CONSOLE_KEYS,
+            console_only_keys=True,
+        )
+        try:
+            self._maybe_resume()
+            if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
+                self._log_validation(tracker)
+            while self.step_count < cfg.trainer.total_steps:
+                metrics = self.step()
+                self.step_count += 1
+                last = self.step_count == cfg.trainer.total_steps
+                if (
+                    self.val_set is not None
+                    and cfg.trainer.val_every
+                    and (self.step_count % cfg.trainer.val_every == 0 or last)
+                ):
+                    metrics.update(self.validate())
+                    self.history.append({"step": self.step_count, **_val_only(metrics)})
+                tracker.log(metrics, self.step_count)
+                if (cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0) or last:
+                    self.save_checkpoint()
+        finally:
+            tracker.close()
+            self._stop_workers()
+        return self.history
+
+    def _start_workers(self) -> None:
+        """The worker groups of every role, placed as `resources` says; and the throughput meter."""
+        cfg = self.cfg
         spec = ActorRolloutRefSpec(
             engine=engine_config(
                 cfg.model,
@@ -169,38 +204,12 @@ class RLTrainer:
         if cfg.critic.enable:
             self.critic = make_critic_group(cfg, threads=spec.threads, roles=roles)
         self.perf = PerfMeter.from_config(cfg, threads=spec.threads)
-        tracker = Tracker(
-            cfg.trainer.loggers,
-            self.run_dir,
-            run_name=self.run_dir.name,
-            config=to_dict(cfg),
-            console_keys=CONSOLE_KEYS,
-            console_only_keys=True,
-        )
-        try:
-            self._maybe_resume()
-            if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
-                self._log_validation(tracker)
-            while self.step_count < cfg.trainer.total_steps:
-                metrics = self.step()
-                self.step_count += 1
-                last = self.step_count == cfg.trainer.total_steps
-                if (
-                    self.val_set is not None
-                    and cfg.trainer.val_every
-                    and (self.step_count % cfg.trainer.val_every == 0 or last)
-                ):
-                    metrics.update(self.validate())
-                    self.history.append({"step": self.step_count, **_val_only(metrics)})
-                tracker.log(metrics, self.step_count)
-                if (cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0) or last:
-                    self.save_checkpoint()
-        finally:
-            tracker.close()
-            self.actor.shutdown()
-            if self.critic is not None:
-                self.critic.shutdown()
-        return self.history
+
+    def _stop_workers(self) -> None:
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.shutdown()
+        self.actor = self.critic = None
 
     def step(self) -> dict[str, float]:
         """One RL step: the loop of ARCHITECTURE.md."""
