@@ -7,9 +7,11 @@ same interface, for tests and the degenerate single-process case. A worker error
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from posttrain.controller.resource_pool import PoolSpec, ResourcePool
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port
 from posttrain.errors import WorkerError
@@ -79,58 +81,99 @@ class LocalWorkerGroup:
         self.worker = None
 
 
+class WorkerHost:
+    """The Ray actor behind one rank: tells where it runs, then builds the worker and forwards calls to it.
+
+    Building the worker after placement lets rank 0's node address be the rendezvous of the group.
+    """
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+    def start(self, worker_cls: Callable[..., Any], spec: Any, info: DistInfo) -> None:
+        self.worker = worker_cls(spec, info)
+
+    def ping(self) -> dict[str, Any]:
+        return self.worker.ping() if hasattr(self.worker, "ping") else {"pid": os.getpid()}
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
 class RayWorkerGroup:
-    """`world_size` Ray actors, each one torch.distributed rank of the same SPMD program."""
+    """One Ray actor per rank of the same SPMD program, placed on the bundles of a resource pool.
+
+    Without a `pool`, the group reserves its own (one node, `world_size` workers) and frees it on shutdown.
+    `share` is this role's fraction of each bundle when several roles are colocated on one pool.
+    """
 
     def __init__(
         self,
         worker_cls: type,
         spec: Any,
-        world_size: int,
+        world_size: int = 1,
         role: str = "worker",
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
         device: str = "auto",
         env_vars: dict[str, str] | None = None,
         timeout_s: float = 600.0,
+        pool: ResourcePool | None = None,
+        share: float = 1.0,
     ) -> None:
         import ray
 
         self.role = role
-        self.world_size = world_size
         self.timeout_s = timeout_s
-        self._check_resources(num_cpus_per_worker * world_size, num_gpus_per_worker * world_size)
-        remote_cls = ray.remote(worker_cls).options(
-            num_cpus=num_cpus_per_worker,
-            num_gpus=num_gpus_per_worker,
-            max_restarts=0,
-            runtime_env={"env_vars": env_vars or {}},
+        self._own_pool = pool is None
+        self.pool = pool or ResourcePool(
+            PoolSpec(role, 1, world_size, num_cpus_per_worker, num_gpus_per_worker), timeout_s=30.0
         )
-        master_port = free_port("127.0.0.1")
-        self.workers = [
-            remote_cls.remote(
-                spec,
+        self.world_size = self.pool.spec.world_size
+        bundle = self.pool.spec.bundle
+        self.workers: list[Any] = []
+        try:
+            remote_cls = ray.remote(WorkerHost)
+            self.workers = [
+                remote_cls.options(
+                    num_cpus=bundle["CPU"] * share,
+                    num_gpus=bundle.get("GPU", 0.0) * share,
+                    max_restarts=0,
+                    scheduling_strategy=self.pool.scheduling(rank),
+                    runtime_env={"env_vars": env_vars or {}},
+                ).remote()
+                for rank in range(self.world_size)
+            ]
+            master_addr, master_port = self._get([self.workers[0].rendezvous.remote()], "start")[0]
+            infos = [
                 DistInfo(
                     rank=rank,
-                    world_size=world_size,
+                    world_size=self.world_size,
+                    master_addr=master_addr,
                     master_port=master_port,
                     device=device,
                     timeout_s=timeout_s,
-                ),
+                )
+                for rank in range(self.world_size)
+            ]
+            self._get(
+                [w.start.remote(worker_cls, spec, info) for w, info in zip(self.workers, infos, strict=True)],
+                "start",
             )
-            for rank in range(world_size)
-        ]
-        self._get([w.ping.remote() for w in self.workers], "start")
-
-    def _check_resources(self, cpus: float, gpus: float) -> None:
-        import ray
-
-        available = ray.cluster_resources()
-        if cpus > available.get("CPU", 0) or gpus > available.get("GPU", 0):
-            raise WorkerError(
-                f"{self.role}: asked for {self.world_size} workers needing {cpus:g} CPUs and {gpus:g} GPUs, "
-                f"but the Ray cluster has {available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs"
-            )
+        except Exception:
+            self.shutdown()
+            raise
 
     def _get(self, refs: list[Any], method: str) -> list[Any]:
         """Results in rank order; the first failure (whichever rank) is raised at once, naming the rank."""
@@ -161,23 +204,31 @@ class RayWorkerGroup:
         return results
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call `method` on every rank (Batch arguments split across ranks) and gather the results."""
+        """Call `method` on every rank (Batch arguments split across ranks) and gather the results.
+
+        Arguments that every rank gets whole (e.g. weights for samplers) go to the object store once.
+        """
+        import ray
+
+        shared: dict[int, Any] = {}
+
+        def once(value: Any) -> Any:
+            if isinstance(value, Batch) or value is None or isinstance(value, int | float | str | bool):
+                return value
+            if id(value) not in shared:
+                shared[id(value)] = ray.put(value)
+            return shared[id(value)]
+
         per_rank = _split_args(args, kwargs, self.world_size)
-        refs = [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank, strict=True)]
+        refs = [
+            w.call.remote(method, *[once(v) for v in a], **{key: once(v) for key, v in k.items()})
+            for w, (a, k) in zip(self.workers, per_rank, strict=True)
+        ]
         return gather(self._get(refs, method))
 
     def placement(self) -> list[dict[str, Any]]:
         """Which node each rank runs on (node id and IP), for placement checks."""
-
-        def where(_self: Any) -> dict[str, Any]:
-            import ray as _ray
-
-            return {
-                "node_id": _ray.get_runtime_context().get_node_id(),
-                "node_ip": _ray.util.get_node_ip_address(),
-            }
-
-        infos = self._get([w.__ray_call__.remote(where) for w in self.workers], "placement")
+        infos = self._get([w.where.remote() for w in self.workers], "placement")
         return [{"rank": rank, **info} for rank, info in enumerate(infos)]
 
     def shutdown(self) -> None:
@@ -186,3 +237,6 @@ class RayWorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
+        if self._own_pool and getattr(self, "pool", None) is not None:
+            self.pool.remove()
+            self.pool = None

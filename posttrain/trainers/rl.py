@@ -20,6 +20,7 @@ import torch
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
 from posttrain.config.schema import RLConfig
+from posttrain.controller.ray_env import start_ray
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
@@ -31,15 +32,17 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.trainers.checkpoint import CheckpointManager, rng_state, set_rng_state
 from posttrain.trainers.generation import generate_step_batch
+from posttrain.trainers.placement import RLGroups, split_rollout, start_groups, start_local_groups
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.setup import (
     advantage_kwargs,
     check_rl_config,
+    critic_spec,
     engine_config,
-    make_actor_group,
-    make_critic_group,
     policy_loss_options,
     threads_per_worker,
+    uses_gpu,
+    worker_env,
 )
 from posttrain.trainers.throughput import PerfMeter
 from posttrain.trainers.validation import validate
@@ -128,7 +131,9 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_checkpoints_to_keep)
         self.step_count = 0
-        self.actor: Any = None
+        self.groups: RLGroups | None = None
+        self.actor: Any = None  # training (+ reference, + the sampler when colocated)
+        self.sampler: Any = None  # the group that generates: the actor's, or a rollout pool's
         self.critic: Any = None
         self.perf: PerfMeter | None = None  # throughput and MFU metrics; set up in fit()
         self.history: list[dict[str, float]] = []
@@ -184,32 +189,29 @@ class RLTrainer:
                 micro_batch_size=cfg.actor.micro_batch_size,
                 max_token_len=cfg.actor.max_token_len_per_worker,
             ),
-            with_rollout=True,
+            with_rollout=not split_rollout(cfg),
             with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
             rollout_name=cfg.rollout.name,
             rollout_max_batch_size=cfg.rollout.max_batch_size,
             seed=cfg.trainer.seed,
             threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers_per_node),
         )
-        roles = 2 if cfg.critic.enable else 1
-        self.actor = make_actor_group(
-            spec,
-            cfg.trainer.world_size,
-            cfg.trainer.backend,
-            cfg.ray,
-            self.run_dir,
-            cfg.trainer.device,
-            roles,
-        )
-        if cfg.critic.enable:
-            self.critic = make_critic_group(cfg, threads=spec.threads, roles=roles)
+        critic = critic_spec(cfg, spec.threads) if cfg.critic.enable else None
+        if cfg.trainer.backend == "local":
+            self.groups = start_local_groups(spec, critic, cfg.trainer.device)
+        else:
+            start_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.tmpdir)
+            self.groups = start_groups(
+                cfg, spec, critic, uses_gpu(cfg.trainer.device), worker_env(spec.threads)
+            )
+        self.actor, self.sampler, self.critic = self.groups.actor, self.groups.sampler, self.groups.critic
         self.perf = PerfMeter.from_config(cfg, threads=spec.threads)
 
     def _stop_workers(self) -> None:
-        for group in (self.actor, self.critic):
-            if group is not None:
-                group.shutdown()
-        self.actor = self.critic = None
+        if self.groups is not None:
+            self.groups.shutdown()
+        self.groups = None
+        self.actor = self.sampler = self.critic = None
 
     def step(self) -> dict[str, float]:
         """One RL step: the loop of ARCHITECTURE.md."""
@@ -217,7 +219,7 @@ class RLTrainer:
         with timed(timings, "step"):
             with timed(timings, "gen"):
                 batch, gen_metrics = generate_step_batch(
-                    cfg, self.actor, self.loader, self.sampling, self.rewards
+                    cfg, self.sampler, self.loader, self.sampling, self.rewards
                 )
             if cfg.trainer.balance_batch and cfg.trainer.world_size > 1:
                 batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
@@ -243,9 +245,16 @@ class RLTrainer:
                 with timed(timings, "update_actor"):
                     update_metrics.update(self.update(batch))
                 with timed(timings, "sync"):
-                    self.actor.call("sync_sampler")
+                    self.sync_sampler()
         perf = self.perf.metrics(batch, timings, gen_metrics) if self.perf is not None else {}
         return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings, **perf}
+
+    def sync_sampler(self) -> None:
+        """New weights to the sampler: in-process when colocated, else from actor rank 0 via the object store."""
+        if self.groups is not None and self.groups.split:
+            self.sampler.call("load_weights", self.actor.call("rollout_weights")[0])
+        else:
+            self.actor.call("sync_sampler")
 
     @property
     def _temp(self) -> float:
@@ -316,7 +325,7 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         assert self.val_set is not None
         return validate(
-            self.actor,
+            self.sampler,
             self.val_set,
             self.pad_id,
             self.val_sampling,
@@ -335,6 +344,8 @@ class RLTrainer:
         self.actor.call("save_state", str(tmp))
         if self.critic is not None:
             self.critic.call("save_state", str(tmp))
+        if self.groups is not None and self.groups.split:
+            self.sampler.call("save_state", str(tmp))
         state = {
             "rewards": self.rewards.state_dict(),
             "step": self.step_count,
@@ -368,6 +379,9 @@ class RLTrainer:
         self.actor.call("load_state", str(latest))
         if self.critic is not None:
             self.critic.call("load_state", str(latest))
+        if self.groups is not None and self.groups.split:
+            self.sampler.call("load_state", str(latest))
+            self.sync_sampler()
         self.rewards.load_state_dict(state.get("rewards", {}))
         self.loader.load_state_dict(state["dataloader"])
         set_rng_state(state["rng"])

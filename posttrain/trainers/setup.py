@@ -27,8 +27,9 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
+from posttrain.trainers.placement import check_placement
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
-from posttrain.workers.critic import CriticSpec, CriticWorker
+from posttrain.workers.critic import CriticSpec
 
 
 def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineConfig:
@@ -122,6 +123,7 @@ def check_rl_config(cfg: RLConfig) -> None:
         )
     if cfg.trainer.backend not in ("ray", "local"):
         raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
+    check_placement(cfg)
     if cfg.trainer.backend == "local" and cfg.trainer.world_size != 1:
         raise ConfigError(
             "trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 and "
@@ -275,8 +277,8 @@ def make_actor_group(
     )
 
 
-def make_critic_group(cfg: RLConfig, threads: int, roles: int) -> LocalWorkerGroup | RayWorkerGroup:
-    """The critic's worker group, sharing the actor's resources (roles alternate in time)."""
+def critic_spec(cfg: RLConfig, threads: int) -> CriticSpec:
+    """The critic's engine: the model section's levers, the critic's own optimizer (never LoRA)."""
     c = cfg.critic
     engine = engine_config(
         cfg.model,
@@ -290,9 +292,17 @@ def make_critic_group(cfg: RLConfig, threads: int, roles: int) -> LocalWorkerGro
         micro_batch_size=c.micro_batch_size,
         max_token_len=c.max_token_len_per_worker,
     )
-    spec = CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
-    t = cfg.trainer
-    return _make_group(CriticWorker, spec, "critic", t.world_size, t.backend, cfg.ray, t.device, roles)
+    return CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of every worker process: its thread budget, no tokenizer thread pools."""
+    return {"OMP_NUM_THREADS": str(threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def uses_gpu(device: str) -> bool:
+    """Whether Ray workers get GPUs: `cuda`, or `auto` on a cluster that has some (Ray must be running)."""
+    return device == "cuda" or (device == "auto" and cluster_has_gpus())
 
 
 def _make_group(
@@ -308,7 +318,7 @@ def _make_group(
     if backend == "local":
         return LocalWorkerGroup(worker_cls, spec, role=role, device=device)
     start_ray(ray_cfg.address, ray_cfg.num_cpus, ray_cfg.tmpdir)
-    use_gpu = device == "cuda" or (device == "auto" and cluster_has_gpus())
+    use_gpu = uses_gpu(device)
     share = 1.0 / roles  # colocated roles split each worker slot
     return RayWorkerGroup(
         worker_cls,
@@ -318,8 +328,5 @@ def _make_group(
         num_cpus_per_worker=share,
         num_gpus_per_worker=share if use_gpu else 0.0,
         device="cuda" if use_gpu else "cpu",
-        env_vars={
-            "OMP_NUM_THREADS": str(getattr(spec, "threads", 0) or 1),
-            "TOKENIZERS_PARALLELISM": "false",
-        },
+        env_vars=worker_env(getattr(spec, "threads", 0)),
     )

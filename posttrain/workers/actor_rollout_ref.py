@@ -24,6 +24,7 @@ from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.losses import LossSpec, build_loss
+from posttrain.workers.sampling import sample_batch
 
 
 @dataclass(frozen=True)
@@ -95,39 +96,7 @@ class ActorRolloutRefWorker:
         """Generate one response per row; returns [prompt | response] tensors and the response text."""
         if self.rollout is None:
             raise RuntimeError("this worker was built without a rollout engine")
-        self.rollout.wake()
-        prompt_ids, prompt_mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        start = time.perf_counter()
-        results = self.rollout.generate(prompts, sampling)
-        seconds = time.perf_counter() - start
-        width = sampling.max_tokens
-        rows = len(results)
-        responses = torch.full((rows, width), self.rollout.pad_id, dtype=torch.long)
-        response_mask = torch.zeros((rows, width), dtype=torch.float32)
-        rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
-        for i, result in enumerate(results):
-            n = len(result.token_ids)
-            responses[i, :n] = torch.tensor(result.token_ids, dtype=torch.long)
-            response_mask[i, :n] = 1.0
-            rollout_log_probs[i, :n] = torch.tensor(result.log_probs, dtype=torch.float32)
-        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-        return Batch.from_dict(
-            tensors={
-                keys.PROMPTS: prompt_ids,
-                keys.RESPONSES: responses,
-                keys.RESPONSE_MASK: response_mask,
-                keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
-                keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
-                keys.ATTENTION_MASK: attention_mask,
-                keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            },
-            non_tensors={
-                keys.RESPONSE_TEXT: [r.text for r in results],
-                keys.STOP_REASON: [r.stop_reason for r in results],
-            },
-            meta={"gen_seconds": seconds, keys.TEMPERATURE: sampling.temperature},
-        )
+        return sample_batch(self.rollout, batch, sampling)
 
     # ---- forward / backward --------------------------------------------------------------------
     def forward(self, batch: Batch, which: str = "actor", temperature: float = 1.0) -> Batch:
@@ -153,6 +122,17 @@ class ActorRolloutRefWorker:
 
     def optim_step(self) -> dict[str, float]:
         return self.actor.optim_step()
+
+    def rollout_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights a separate sampler needs (split placement): on rank 0, all at once; None elsewhere.
+
+        A collective: every rank takes part in gathering the shards, only rank 0 keeps the result.
+        """
+        tensors = {}
+        for name, tensor in self.actor.named_tensors_for_rollout():
+            if self.rank == 0:
+                tensors[name] = tensor.detach().to("cpu", copy=True)
+        return tensors if self.rank == 0 else None
 
     def sync_sampler(self) -> dict[str, float]:
         """Push the actor's current weights into the rollout engine, in-process, tensor by tensor."""

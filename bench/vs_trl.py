@@ -1,0 +1,711 @@
+"""posttrain GRPO against TRL's `GRPOTrainer`: same model, prompts, reward and hyper-parameters, on CPU.
+
+Both frameworks start from the same SFT warm-started directory (the demo's recipe: tiny-model factory ->
+built-in arithmetic task -> `posttrain sft`), read the same prompts in the same order (the task's
+train.parquet, unshuffled, so step k of both sees the same 32 problems) with the same chat template, score
+with the same function (posttrain's built-in `arithmetic` scorer, wrapped as a TRL reward function), and
+take one optimizer step per generation batch:
+
+| setting                     | posttrain                                  | TRL (`GRPOConfig`)                         |
+|-----------------------------|--------------------------------------------|--------------------------------------------|
+| prompts per step            | data.train_batch_prompts=32                | generation_batch_size = 64 x 4 = 256       |
+| samples per prompt          | rollout.n=8                                | num_generations=8                          |
+| max completion tokens       | data.max_response_length=8                 | max_completion_length=8                    |
+| sampling                    | rollout.temperature=1.0, top_p=1, top_k=0  | temperature=1.0, top_p=1.0, top_k=0        |
+| advantages                  | grpo, norm_adv_by_std_in_grpo=true         | scale_rewards="group"                      |
+| KL                          | actor.use_kl_loss=false (no reference)     | beta=0.0 (no reference model)              |
+| loss aggregation            | actor.loss_agg_mode=token-mean             | loss_type="dapo"                           |
+| clipping                    | clip_ratio_low/high=0.2                    | epsilon=0.2 (epsilon_high = epsilon)       |
+| updates per batch           | ppo_epochs=1, mini_batch_size=0 (whole)    | num_iterations=1, steps_per_generation=4   |
+| micro-batch                 | actor.micro_batch_size=64                  | per_device_train_batch_size=64, grad acc 4 |
+| optimizer                   | AdamW lr 2e-4, betas (0.9, 0.999), wd 0    | adamw_torch, same; lr_scheduler constant   |
+| gradient clipping           | actor.grad_clip=1.0                        | max_grad_norm=1.0                          |
+| precision                   | fp32 (model.dtype default)                 | fp32: bf16=False, fp16=False               |
+| device, threads             | trainer.backend=local, 1 worker, 2 threads | use_cpu=True, no vLLM, 2 threads           |
+| seed                        | trainer.seed                               | seed, data_seed                            |
+
+Why TRL's "dapo" and not "bnpo" for token-mean: TRL's "dapo" divides the summed per-token loss by the number
+of completion tokens of the whole generation batch (`num_items_in_batch`, rescaled to the accumulation
+window), which is exactly posttrain's token-mean over the mini-batch (global token count across all
+micro-batches). "bnpo" divides each micro-batch by its own token count and averages the micro-batches: equal
+only with one micro-batch, and it weights tokens of short micro-batches more. "grpo" is posttrain's
+seq-mean-token-mean and "dr_grpo" its seq-mean-token-sum-norm.
+
+Why posttrain runs with `trainer.backend=local` (one in-process worker) rather than Ray with one worker:
+TRL runs in one process using all cores, and so does the local backend (same engine, FSDP2 at world size 1,
+same rollout engine); Ray with n_workers=1 adds a driver<->worker hop (pickling each step's batch) and
+several helper processes whose memory a per-process peak RSS would not see, so its figures would be neither
+comparable nor complete. The Ray path is measured by the demo and bench/learning_curves.py.
+
+Each framework runs in a fresh subprocess (its peak RSS is its own), alternating TRL / posttrain, repeated;
+the table gives medians and the min-max spread. Step time excludes model loading and start-up: TRL's is
+timed by a TrainerCallback from on_step_begin to on_step_end (generation, reward, forward/backward,
+optimizer step), posttrain's is its own `timing/step` metric (generation, reward, log-prob pass,
+advantages, update, weight sync). The first `--warmup-steps` steps of each run are left out of the
+throughput figures (first-call allocations). Tokens counted per step: completion tokens (eos included, as
+both frameworks train on it) and prompt tokens (each of the 8 samples counts its prompt). Rewards: the mean
+training reward of step 1 (same weights and prompts in both: the check that the set-up matches) and of the
+last `--reward-window` steps. Model FLOP/s is counted the same way for both with posttrain.tracking.flops
+(generation with each prompt's prefill once per group, plus one training pass; posttrain's extra log-prob
+pass not counted) and given as a fraction of this machine's fp32 matmul peak, measured at the start and
+at the end (the larger is used).
+
+    pip install -e '.[bench]'                        # TRL; the script installs nothing
+    python bench/vs_trl.py                           # tiny and small presets, 10 steps, 3 repeats
+    python bench/vs_trl.py --presets tiny --steps 2 --repeats 1 --out vs_trl_trial.json
+    python bench/vs_trl.py --frameworks posttrain --posttrain-set model.remove_padding=false   # a variant
+
+The default run is estimated (from 2-3 step trials) at ~12 min on 2 cores once the SFT warm starts are
+cached under --work, a few minutes more the first time (the small preset's SFT).
+
+Writes bench/results/vs_trl.json (BENCHMARKS.md format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+FRAMEWORKS = ("trl", "posttrain")
+BASELINE = "trl_grpo_trainer"
+
+# What cannot be made equal (also written to the JSON).
+NOT_EQUAL = [
+    "Generation engine: TRL on CPU generates with Hugging Face `generate` (its default path; vLLM needs a "
+    "GPU build and is not installed, and `use_transformers_continuous_batching` is off by default); "
+    "posttrain uses its built-in engine (continuous batching, slotted KV cache, one prefill per prompt for "
+    "its 8 samples). This is a framework difference the benchmark measures, not a setting.",
+    "posttrain computes old log-probs with an extra forward pass over the batch every step "
+    "(`timing/old_log_prob`), also with one update per batch; TRL skips that pass when num_iterations=1 and "
+    "steps_per_generation == gradient_accumulation_steps (old = detached current log-probs). The update is "
+    "the same (ratio 1), the work is not; posttrain has no switch to skip it.",
+    "posttrain copies the new weights into its rollout engine after each update (`timing/sync`); TRL "
+    "generates with the training model itself.",
+    "posttrain packs sequences for training (model.remove_padding, its default); TRL pads.",
+    "Advantage normalisation: both divide by the group's unbiased std, plus 1e-6 in posttrain and 1e-4 in "
+    "TRL (negligible for 0/1 rewards).",
+    "Sampling random streams differ, so the two frameworks draw different samples from the same seed; "
+    "rewards agree in distribution, not sample by sample. The first step (same weights, same prompts) is "
+    "the check that both score the same model alike.",
+    "Peak RSS is the whole process: it includes each framework's imports (posttrain imports Ray without "
+    "starting it; TRL imports datasets, accelerate) and model loading.",
+]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS, or a child's if larger (ru_maxrss is in KiB on Linux)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024
+
+
+def read_rows(path: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+# ---- the workers (each in its own process) ------------------------------------------------------------------
+
+
+def prepare_worker(spec: dict) -> dict:
+    """Tiny model, task files and SFT warm start under <work>/<preset> (kept between runs)."""
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import SFTConfig
+    from posttrain.data.tasks.arithmetic import corpus, write_arithmetic_dataset
+    from posttrain.demo import SFT_OVERRIDES, TASK
+    from posttrain.models import make_tiny_model
+    from posttrain.trainers.sft import SFTTrainer
+    from posttrain.workers.actor_rollout_ref import quiet_transformers
+
+    quiet_transformers()
+    root = Path(spec["work"]) / spec["preset"]
+    model, data, sft = root / "model", root / "data", root / f"sft{spec['sft_steps']}"
+    if not (model / "config.json").exists():
+        make_tiny_model(spec["preset"], model, corpus(20000, seed=0))
+    if not (data / "test.parquet").exists():
+        write_arithmetic_dataset(data, **TASK)
+    hf = sft / "hf"
+    started = time.perf_counter()
+    if spec["sft_steps"] > 0 and not (hf / "config.json").exists():
+        overrides = [o for o in SFT_OVERRIDES if not o.startswith("trainer.total_steps=")]
+        cfg = load_config(
+            SFTConfig,
+            "sft",
+            [
+                f"model.path={model}",
+                f"data.train_files=[{data / 'train.parquet'}]",
+                f"data.val_files=[{data / 'test.parquet'}]",
+                f"trainer.run_dir={sft}",
+                f"trainer.total_steps={spec['sft_steps']}",
+                *overrides,
+            ],
+        )
+        SFTTrainer(cfg).fit()
+    return {
+        "model": str(hf if spec["sft_steps"] > 0 else model),
+        "train_file": str(data / "train.parquet"),
+        "sft_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def trl_worker(spec: dict) -> dict:
+    """TRL GRPOTrainer on the spec's model and prompts; per-step times, tokens and rewards."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.rewards.manager import RewardManager
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    rows = read_rows(spec["train_file"])
+    records = []
+    for row in rows:
+        messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+        # the same call TRL makes on conversational prompts (and the same template posttrain renders)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        records.append(
+            {
+                "prompt": messages,
+                "data_source": row["data_source"],
+                "ground_truth": str(row["reward_model"]["ground_truth"]),
+                "prompt_tokens": len(ids),
+            }
+        )
+    dataset = Dataset.from_list(records)
+    manager = RewardManager()
+    per_step: list[dict] = []
+
+    def arithmetic_reward(completions, completion_ids, data_source, ground_truth, prompt_tokens, **_):
+        """posttrain's scorer for the task (RewardManager: the built-in `arithmetic` scorer by data_source)."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = manager.score(list(data_source), texts, list(ground_truth)).scores
+        per_step.append(
+            {
+                "reward": sum(scores) / len(scores),
+                "completion_tokens": sum(len(c) for c in completion_ids),
+                "prompt_tokens": sum(prompt_tokens),
+                "samples": len(scores),
+                "prompt_lens": list(prompt_tokens),
+                "response_lens": [len(c) for c in completion_ids],
+            }
+        )
+        return scores
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.logs: list[dict] = []
+            self._t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._t0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    samples = spec["prompts"] * spec["n"]
+    micro = spec["micro_batch"]
+    config = GRPOConfig(
+        output_dir=spec["run_dir"],
+        # one optimizer step per generation batch of prompts x n samples, in micro-batches of `micro`
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples // micro,
+        steps_per_generation=samples // micro,
+        num_iterations=1,
+        num_generations=spec["n"],
+        max_completion_length=spec["max_completion"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        loss_type="dapo",  # = posttrain token-mean: normalised by the token count of the whole batch
+        epsilon=0.2,
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        optim="adamw_torch",
+        max_grad_norm=1.0,
+        max_steps=spec["steps"],
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        shuffle_dataset=False,  # step k sees the same prompts as posttrain's step k
+        use_cpu=True,
+        bf16=False,  # TRL's default is bf16 wherever supported, this CPU included; posttrain's is fp32
+        fp16=False,
+        gradient_checkpointing=False,  # TRL's default is True; posttrain's is off
+        use_vllm=False,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        log_completions=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    trainer.train()
+    steps = []
+    for seconds, tokens in zip(timer.times, per_step, strict=False):
+        steps.append({"seconds": seconds, **tokens})
+    trl_logs = [log for log in timer.logs if "reward" in log]
+    return {
+        "steps": steps,
+        "peak_rss_mb": peak_rss_mb(),
+        "trl_logged_reward": [log["reward"] for log in trl_logs],
+        "trl_logged_step_time": [log.get("step_time") for log in trl_logs],
+        "trl_logged_num_tokens": [log.get("num_tokens") for log in trl_logs],
+    }
+
+
+def posttrain_worker(spec: dict) -> dict:
+    """posttrain GRPO (local backend, one worker) on the spec's model and prompts."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import RLConfig
+    from posttrain.trainers.rl import RLTrainer
+    from posttrain.workers.actor_rollout_ref import quiet_transformers
+
+    quiet_transformers()
+    run_dir = Path(spec["run_dir"])
+    overrides = [
+        f"model.path={spec['model']}",
+        f"data.train_files=[{spec['train_file']}]",
+        "data.val_files=[]",
+        f"data.train_batch_prompts={spec['prompts']}",
+        f"data.max_response_length={spec['max_completion']}",
+        "data.shuffle=false",  # step k sees the same prompts as TRL's step k
+        f"rollout.n={spec['n']}",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=true",
+        "actor.policy_loss=vanilla",
+        "actor.use_kl_loss=false",
+        "actor.loss_agg_mode=token-mean",
+        "actor.clip_ratio_low=0.2",
+        "actor.clip_ratio_high=0.2",
+        f"actor.lr={spec['lr']}",
+        "actor.weight_decay=0.0",
+        "actor.grad_clip=1.0",
+        "actor.warmup_steps=0",
+        "actor.ppo_epochs=1",
+        "actor.mini_batch_size=0",  # the whole step's batch: one optimizer step per generation batch
+        f"actor.micro_batch_size={spec['micro_batch']}",
+        "trainer.backend=local",
+        "trainer.n_workers_per_node=1",
+        f"trainer.threads_per_worker={spec['threads']}",
+        "trainer.device=cpu",
+        f"trainer.total_steps={spec['steps']}",
+        f"trainer.seed={spec['seed']}",
+        "trainer.val_every=0",
+        "trainer.val_before_train=false",
+        "trainer.save_every=0",  # fit() still saves once after the last step, outside the timed steps
+        "trainer.resume=false",
+        "trainer.loggers=[jsonl]",
+        f"trainer.run_dir={run_dir}",
+        *spec["posttrain_overrides"],
+    ]
+    cfg = load_config(RLConfig, "rl", overrides)
+    trainer = RLTrainer(cfg)
+    rows_in_file = len(read_rows(spec["train_file"]))
+    if len(trainer.train_set) != rows_in_file:
+        raise RuntimeError(
+            f"posttrain filtered {rows_in_file - len(trainer.train_set)} prompts: the two frameworks would "
+            "not see the same prompts per step"
+        )
+    lengths = [len(trainer.train_set[i]["input_ids"]) for i in range(len(trainer.train_set))]
+    from posttrain.data import keys
+
+    batch_lens: list[tuple[list[int], list[int]]] = []
+    batch_metrics = trainer.batch_metrics
+
+    def record_lengths(batch):  # per-sample prompt and response lengths of each step, for the FLOP count
+        width = batch[keys.RESPONSE_MASK].shape[1]
+        prompt_lens = batch[keys.ATTENTION_MASK][:, :-width].sum(-1).tolist()
+        batch_lens.append((prompt_lens, batch[keys.RESPONSE_MASK].sum(-1).long().tolist()))
+        return batch_metrics(batch)
+
+    trainer.batch_metrics = record_lengths
+    trainer.fit()
+    metrics: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        metrics.setdefault(row["step"], {}).update(row)
+    per_epoch = len(lengths) // spec["prompts"]  # drop_last, unshuffled: step k takes rows k*B .. k*B+B-1
+    steps = []
+    for step in sorted(metrics):
+        m = metrics[step]
+        if "timing/step" not in m:
+            continue
+        prompt_lens, response_lens = batch_lens[step - 1]
+        k = (step - 1) % per_epoch
+        prompt_tokens = sum(lengths[k * spec["prompts"] : (k + 1) * spec["prompts"]]) * spec["n"]
+        steps.append(
+            {
+                "seconds": m["timing/step"],
+                "reward": m["reward/mean"],
+                "completion_tokens": m["throughput/gen_tokens"],
+                "prompt_tokens": prompt_tokens,
+                "samples": spec["prompts"] * spec["n"],
+                "prompt_lens": prompt_lens,
+                "response_lens": response_lens,
+                "timing": {k: v for k, v in m.items() if k.startswith(("timing/", "perf/", "throughput/"))},
+            }
+        )
+    return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+
+
+WORKERS = {"prepare": prepare_worker, "trl": trl_worker, "posttrain": posttrain_worker}
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+
+
+def spawn(kind: str, spec: dict, log_path: Path) -> tuple[dict | None, str]:
+    """Run one worker in a fresh process; (result, "") or (None, the tail of its log)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path = log_path.with_suffix(".result.json")
+    result_path.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+    }
+    command = [sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec), "--result"]
+    with log_path.open("w") as log:
+        proc = subprocess.run([*command, str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0 or not result_path.exists():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-25:]
+        return None, f"exit code {proc.returncode}; log {log_path}:\n" + "\n".join(tail)
+    return json.loads(result_path.read_text()), ""
+
+
+def step_flops(model_config: dict, step: dict, n: int) -> float:
+    """Model FLOPs of one step, the same count for both frameworks (posttrain.tracking.flops, as posttrain's
+    own perf/mfu): generating the responses (each prompt's prefill once per group of n) and one training
+    pass over prompt + response; posttrain's extra log-prob forward is not counted."""
+    from posttrain.tracking.flops import generation_flops, train_flops
+
+    prompts, responses = step["prompt_lens"], step["response_lens"]
+    total = [p + r for p, r in zip(prompts, responses, strict=True)]
+    return generation_flops(model_config, prompts, responses, n) + train_flops(model_config, total)
+
+
+def summarize_run(run: dict, warmup: int, window: int, model_config: dict, n: int) -> dict:
+    """Throughput over the steps after `warmup`, reward over the last `window` steps, first-step reward."""
+    steps = run["steps"]
+    timed = steps[warmup:] if len(steps) > warmup else steps[-1:]
+    seconds = sum(s["seconds"] for s in timed)
+    gen = sum(s["completion_tokens"] for s in timed)
+    total = gen + sum(s["prompt_tokens"] for s in timed)
+    flops = sum(step_flops(model_config, s, n) for s in timed)
+    last = steps[-window:]
+    return {
+        "seconds_per_step": seconds / len(timed),
+        "gen_tokens_per_s": gen / seconds,
+        "total_tokens_per_s": total / seconds,
+        "peak_rss_mb": run["peak_rss_mb"],
+        "reward_last": sum(s["reward"] for s in last) / len(last),
+        "reward_first_step": steps[0]["reward"],
+        "mean_completion_tokens": sum(s["completion_tokens"] for s in steps)
+        / sum(s["samples"] for s in steps),
+        "model_flops_per_s": flops / seconds,
+        "steps_run": len(steps),
+        "steps_timed": len(timed),
+    }
+
+
+METRICS = (
+    ("seconds_per_step", False),
+    ("gen_tokens_per_s", True),
+    ("total_tokens_per_s", True),
+    ("peak_rss_mb", False),
+    ("reward_last", True),
+    ("reward_first_step", True),
+    ("model_flops_fraction_of_peak", True),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small", help="tiny-model presets (tiny ~1M, small ~10M)")
+    parser.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (num_generations)")
+    parser.add_argument("--max-completion", type=int, default=8, help="max completion tokens")
+    parser.add_argument("--micro-batch", type=int, default=64, help="samples per forward/backward")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sft-steps", type=int, default=None, help="SFT warm-start steps (0 = none); default: the demo's"
+    )
+    parser.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the timing")
+    parser.add_argument("--reward-window", type=int, default=3, help="last steps the reward is averaged on")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--work", default="/tmp/posttrain-bench-vs-trl", help="models, data, run dirs")
+    parser.add_argument("--out", default="vs_trl.json", help="file name under bench/results")
+    parser.add_argument("--frameworks", default="trl,posttrain", help="which to run (both for ratios)")
+    parser.add_argument(
+        "--posttrain-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra posttrain override, e.g. model.remove_padding=false (repeatable; recorded in the JSON)",
+    )
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = WORKERS[args.worker](json.loads(args.spec))
+        Path(args.result).write_text(json.dumps(result))
+        return
+
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(
+            f"bench/vs_trl.py needs {' and '.join(missing)}, which are not installed: "
+            "pip install -e '.[bench]'   (or pip install '.[bench]')"
+        )
+    if args.sft_steps is None:
+        from posttrain.demo import SFT_OVERRIDES
+
+        args.sft_steps = next(
+            int(o.split("=", 1)[1]) for o in SFT_OVERRIDES if o.startswith("trainer.total_steps=")
+        )
+    frameworks = [f for f in FRAMEWORKS if f in args.frameworks.split(",")]
+    samples = args.prompts * args.n
+    if samples % args.micro_batch:
+        sys.exit(f"--micro-batch {args.micro_batch} must divide prompts x n = {samples}")
+
+    import torch
+    import transformers
+    import trl
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    started = time.perf_counter()
+    from posttrain.tracking.flops import measure_matmul_flops
+
+    peaks = [
+        measure_matmul_flops(seconds=3.0, threads=args.threads)
+    ]  # measured again at the end; the larger is used (the machine is shared)
+    print(f"fp32 matmul peak (2048^2, {args.threads} threads): {peaks[0] / 1e9:.1f} GFLOP/s", flush=True)
+    failures, warnings, raw = [], [], {}
+    for preset in args.presets.split(","):
+        prep_spec = {"work": str(work), "preset": preset, "sft_steps": args.sft_steps}
+        print(f"{preset}: model, task and SFT warm start ({args.sft_steps} steps) ...", flush=True)
+        prep, error = spawn("prepare", prep_spec, work / preset / "prepare.log")
+        if prep is None:
+            sys.exit(f"{preset}: preparation failed: {error}")
+        spec = {
+            "model": prep["model"],
+            "train_file": prep["train_file"],
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_completion": args.max_completion,
+            "micro_batch": args.micro_batch,
+            "lr": args.lr,
+            "seed": args.seed,
+            "steps": args.steps,
+            "threads": args.threads,
+            "posttrain_overrides": args.posttrain_set,
+        }
+        model_config = json.loads((Path(prep["model"]) / "config.json").read_text())
+        runs: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
+        summaries: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
+        for repeat in range(args.repeats):
+            for name in frameworks:  # alternate TRL, posttrain, TRL, posttrain ...
+                run_dir = work / preset / "runs" / f"{name}-{repeat}"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                started_run = time.perf_counter()
+                result, error = spawn(name, {**spec, "run_dir": str(run_dir)}, run_dir.with_suffix(".log"))
+                wall = time.perf_counter() - started_run
+                if result is None or not result["steps"]:
+                    error = error or "no training step completed"
+                    failures.append({"preset": preset, "framework": name, "repeat": repeat, "error": error})
+                    print(f"{preset} {name} #{repeat}: FAILED\n{error}", flush=True)
+                    continue
+                result["wall_s"] = wall
+                runs[name].append(result)
+                summaries[name].append(
+                    summarize_run(result, args.warmup_steps, args.reward_window, model_config, args.n)
+                )
+                for step in result["steps"]:  # per-sample lengths: only for the FLOP count
+                    del step["prompt_lens"], step["response_lens"]
+                s = summaries[name][-1]
+                print(
+                    f"{preset} {name} #{repeat}: {s['seconds_per_step']:.2f} s/step, "
+                    f"{s['gen_tokens_per_s']:.0f} gen tok/s, {s['total_tokens_per_s']:.0f} tok/s, "
+                    f"{s['peak_rss_mb']:.0f} MB, reward first {s['reward_first_step']:.3f} "
+                    f"last{args.reward_window} {s['reward_last']:.3f} (wall {wall:.0f} s)",
+                    flush=True,
+                )
+        raw[preset] = {"sft_seconds": prep["sft_seconds"], "runs": runs, "summaries": summaries}
+        first = [r["reward_first_step"] for f in frameworks for r in summaries[f]]
+        if first and statistics.median(first) < 0.1:
+            warnings.append(
+                f"{preset}: the SFT warm start ({prep['model']}) scores {statistics.median(first):.3f} on "
+                "step 1 (the demo's is calibrated for ~0.3): most groups are all-wrong and GRPO gets little "
+                "signal; consider a larger --sft-steps"
+            )
+            print(f"WARNING: {warnings[-1]}", flush=True)
+
+    peaks.append(measure_matmul_flops(seconds=3.0, threads=args.threads))
+    peak = max(peaks)
+    print(f"fp32 matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {peak / 1e9:.1f}", flush=True)
+    rows, table = [], []
+    for preset, data in raw.items():
+        summaries = data["summaries"]
+        for runs in summaries.values():
+            for summary in runs:
+                summary["model_flops_fraction_of_peak"] = summary["model_flops_per_s"] / peak
+        if not summaries["posttrain"]:
+            continue
+        case = f"{preset} arithmetic {args.prompts}x{args.n} t{args.max_completion} {args.steps} steps"
+
+        def med(name: str, key: str, s: dict = summaries) -> float | None:
+            return statistics.median(r[key] for r in s[name]) if s[name] else None
+
+        def spread(name: str, key: str, s: dict = summaries) -> list[float]:
+            values = [r[key] for r in s[name]]
+            return [round(min(values), 4), round(max(values), 4)]
+
+        for metric, higher in METRICS:
+            value, baseline = med("posttrain", metric), med("trl", metric)
+            rows.append(
+                {
+                    "case": case,
+                    "metric": metric,
+                    "value": round(value, 4),
+                    "baseline_name": BASELINE,
+                    "baseline_value": round(baseline, 4) if baseline is not None else None,
+                    "ratio": round(value / baseline, 3) if baseline else None,
+                    "higher_is_better": higher,
+                    "repeats": len(summaries["posttrain"]),
+                    "baseline_repeats": len(summaries["trl"]),
+                    "spread": spread("posttrain", metric),
+                    "baseline_spread": spread("trl", metric) if summaries["trl"] else [],
+                }
+            )
+        table.append((preset, {m: (med("posttrain", m), med("trl", m)) for m, _ in METRICS}))
+
+    result = {
+        "bench": "vs_trl",
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": args.threads,
+            "torch": torch.__version__,
+            "device": "cpu",
+        },
+        "command": "python " + " ".join(sys.argv),
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
+        "matmul_peak_flops": peak,
+        "matmul_peak_flops_start_end": peaks,
+        "settings": {
+            "prompts_per_step": args.prompts,
+            "n": args.n,
+            "max_completion_tokens": args.max_completion,
+            "micro_batch": args.micro_batch,
+            "lr": args.lr,
+            "seed": args.seed,
+            "steps": args.steps,
+            "sft_steps": args.sft_steps,
+            "posttrain_extra_overrides": args.posttrain_set,
+            "warmup_steps_untimed": args.warmup_steps,
+            "reward_window": args.reward_window,
+            "threads": args.threads,
+            "posttrain": "trainer.backend=local n_workers_per_node=1, grpo, use_kl_loss=false, token-mean, "
+            "mini_batch_size=0, ppo_epochs=1, fp32, rollout.name=native",
+            "trl": "GRPOTrainer, beta=0, loss_type=dapo, scale_rewards=group, num_iterations=1, "
+            "steps_per_generation=gradient_accumulation_steps, use_cpu, no vLLM, fp32, "
+            "gradient_checkpointing=False, lr_scheduler constant",
+        },
+        "not_equal": NOT_EQUAL,
+        "failures": failures,
+        "warnings": warnings,
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": rows,
+        "raw": raw,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / args.out).write_text(json.dumps(result, indent=1))
+    print_table(table, args.reward_window)
+    for warning in warnings:
+        print(f"\nWARNING: {warning}")
+    for failure in failures:
+        print(
+            f"\nFAILED: {failure['preset']} {failure['framework']} #{failure['repeat']}: {failure['error']}"
+        )
+    print(f"wrote {RESULTS / args.out} ({result['seconds']} s)")
+
+
+def print_table(table: list[tuple[str, dict]], window: int) -> None:
+    labels = {
+        "seconds_per_step": ("s/step", "{:.2f}"),
+        "gen_tokens_per_s": ("gen tok/s", "{:.0f}"),
+        "total_tokens_per_s": ("tok/s", "{:.0f}"),
+        "peak_rss_mb": ("peak MB", "{:.0f}"),
+        "reward_last": (f"reward last {window}", "{:.3f}"),
+        "reward_first_step": ("reward step 1", "{:.3f}"),
+        "model_flops_fraction_of_peak": ("FLOP/peak", "{:.4f}"),
+    }
+    print(f"\n{'preset':<8}{'metric':<18}{'posttrain':>11}{'TRL':>11}{'posttrain/TRL':>15}")
+    for preset, values in table:
+        for metric, (ours, theirs) in values.items():
+            label, fmt = labels[metric]
+            ratio = f"{ours / theirs:.2f}" if theirs else "-"
+            theirs_s = fmt.format(theirs) if theirs is not None else "-"
+            print(f"{preset:<8}{label:<18}{fmt.format(ours):>11}{theirs_s:>11}{ratio:>15}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Turn a rollout engine's results into the [prompt | response] Batch every trainer stage reads.
+
+Shared by the colocated ActorRolloutRef worker and the standalone Rollout worker (split placement).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.rollout.base import SamplingParams
+
+
+def sample_batch(engine: Any, batch: Batch, sampling: SamplingParams) -> Batch:
+    """Generate one response per prompt row of `batch` with `engine`."""
+    engine.wake()
+    prompt_ids, prompt_mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+    start = time.perf_counter()
+    results = engine.generate(prompts, sampling)
+    seconds = time.perf_counter() - start
+    rows, width = len(results), sampling.max_tokens
+    responses = torch.full((rows, width), engine.pad_id, dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.float32)
+    rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    for i, result in enumerate(results):
+        n = len(result.token_ids)
+        responses[i, :n] = torch.tensor(result.token_ids, dtype=torch.long)
+        response_mask[i, :n] = 1.0
+        rollout_log_probs[i, :n] = torch.tensor(result.log_probs, dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return Batch.from_dict(
+        tensors={
+            keys.PROMPTS: prompt_ids,
+            keys.RESPONSES: responses,
+            keys.RESPONSE_MASK: response_mask,
+            keys.ROLLOUT_LOG_PROBS: rollout_log_probs,
+            keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
+            keys.ATTENTION_MASK: attention_mask,
+            keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        },
+        non_tensors={
+            keys.RESPONSE_TEXT: [r.text for r in results],
+            keys.STOP_REASON: [r.stop_reason for r in results],
+        },
+        meta={"gen_seconds": seconds, keys.TEMPERATURE: sampling.temperature},
+    )
