@@ -1,7 +1,8 @@
 """`posttrain <command>`: train, sft, make-model, data, export, demo.
 
 Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers_per_node=2`).
-Every project error is printed as one line naming the problem, with exit code 2.
+Every project error is printed as one line naming the problem, with exit code 2. `train` stopped by SIGINT or
+SIGTERM saves a checkpoint and exits with 128 + the signal number (130, 143); the same command resumes.
 """
 
 from __future__ import annotations
@@ -18,15 +19,19 @@ from posttrain.errors import PosttrainError
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int:
     from posttrain.config.load import load_config
     from posttrain.config.schema import RLConfig
     from posttrain.trainers.rl import RLTrainer
 
     cfg = load_config(RLConfig, args.config_name, args.overrides)
-    history = RLTrainer(cfg).fit()
+    trainer = RLTrainer(cfg)
+    history = trainer.fit()
+    if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM after a checkpoint: 128 + signal number
+        return 128 + trainer.stop_signal
     if history:
         print(json.dumps({"first": history[0], "last": history[-1]}, indent=1))
+    return 0
 
 
 def _sft(args: argparse.Namespace) -> None:
@@ -150,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     try:
-        args.func(args)
+        return args.func(args) or 0
     except PosttrainError as exc:
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

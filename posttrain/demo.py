@@ -21,7 +21,18 @@ from posttrain.trainers.sft import SFTTrainer
 # The task and the warm start are sized so the SFT model is right on roughly a third of held-out
 # problems; GRPO then has both correct and wrong samples in most groups to learn from.
 TASK = {"n_train": 2200, "n_test": 256, "min_digits": 1, "max_digits": 2, "ops": ("+",), "seed": 0}
-SFT_OVERRIDES = ["trainer.total_steps=400", "optim.lr=3e-3", "optim.batch_size=64", "trainer.loggers=[jsonl]"]
+# Early stop at val NLL 0.55: the point where the model has just begun to carry digits (~35% accuracy), found
+# the same way whatever the numerics (the cosine schedule keeps the drop smooth).
+SFT_OVERRIDES = [
+    "trainer.total_steps=800",
+    "optim.lr=3e-3",
+    "optim.lr_schedule=cosine",
+    "optim.warmup_steps=50",
+    "optim.batch_size=64",
+    "trainer.val_every=20",
+    "trainer.stop_at_val_nll=0.55",
+    "trainer.loggers=[jsonl]",
+]
 RL_OVERRIDES = [
     "actor.lr=2e-4",
     "actor.kl_loss_coef=0.001",

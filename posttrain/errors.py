@@ -22,4 +22,16 @@ class RewardError(PosttrainError):
 
 
 class WorkerError(PosttrainError):
-    """A worker raised or died; the message names the role and rank."""
+    """A worker raised or died; the message names the role and rank.
+
+    `role` and `rank` say which worker (None when the error is not one rank's, e.g. a batch that does not
+    split); `died` is True when its process is gone (killed, crashed), not merely raised.
+    """
+
+    def __init__(
+        self, message: str, *, role: str | None = None, rank: int | None = None, died: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.role = role
+        self.rank = rank
+        self.died = died

@@ -75,10 +75,15 @@ class ActorConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr over the run)
+    min_lr_ratio: float = 0.0
     mini_batch_size: int = 0  # samples per optimizer step (over all workers); 0 = the whole step's batch
     micro_batch_size: int = 64  # samples per forward/backward on one worker
     max_token_len_per_worker: int = 0  # token budget per micro-batch instead of micro_batch_size; 0 = off
     ppo_epochs: int = 1
+    # one optimizer step per batch (ppo_epochs=1, one mini-batch): skip the old-log-prob pass, the update's
+    # own log-probs are the old ones
+    reuse_log_probs_on_policy: bool = True
     policy_loss: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -178,6 +183,8 @@ class TrainerConfig:
     save_every: int = 10  # steps; 0 = only at the end
     max_checkpoints_to_keep: int = 2
     resume: bool = True  # resume from <run_dir>/latest when present
+    max_restarts: int = 0  # after a worker failure: new workers, resume from the last checkpoint; 0 = exit
+    collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers on the node
 
@@ -211,6 +218,8 @@ class SFTOptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     warmup_steps: int = 10
+    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr over trainer.total_steps)
+    min_lr_ratio: float = 0.0
     batch_size: int = 64  # samples per optimizer step (over all workers)
     micro_batch_size: int = 64  # samples per forward/backward on one worker
     max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
@@ -229,6 +238,7 @@ class SFTTrainerConfig:
     loggers: tuple[str, ...] = ("console", "jsonl")
     threads_per_worker: int = 0
     save_hf_dir: str = ""  # where the trained model is written as a HF directory; empty = <run_dir>/hf
+    stop_at_val_nll: float = 0.0  # early stop: end (and export) once a validation's NLL is at most this
 
     @property
     def world_size(self) -> int:

@@ -74,3 +74,10 @@ def stop_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def ray_is_running() -> bool:
+    """Whether this process is connected to Ray (without importing Ray when it is not loaded)."""
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()

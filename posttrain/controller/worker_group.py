@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from posttrain.controller.failures import rank_failure
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port
@@ -38,7 +39,8 @@ def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) ->
 
 
 def gather(results: list[Any]) -> Any:
-    """Concatenate Batches in rank order; average metric dicts over ranks; otherwise return the list."""
+    """Concatenate Batches in rank order; average metric dicts over ranks (`*_max` keys: the maximum);
+    otherwise return the list."""
     if results and all(isinstance(r, Batch) for r in results):
         return Batch.concat(results)
     if results and all(isinstance(r, dict) for r in results):
@@ -46,7 +48,7 @@ def gather(results: list[Any]) -> Any:
         for key in results[0]:
             values = [r[key] for r in results if key in r]
             if all(isinstance(v, int | float) for v in values):
-                merged[key] = sum(values) / len(values)
+                merged[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
             else:
                 merged[key] = values[0]
         return merged
@@ -187,20 +189,16 @@ class RayWorkerGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not done:
                 ranks = sorted(rank_of[r] for r in pending)
-                raise WorkerError(f"{self.role} ranks {ranks}: {method} timed out after {self.timeout_s:g}s")
+                raise WorkerError(
+                    f"{self.role} ranks {ranks}: {method} timed out after {self.timeout_s:g}s",
+                    role=self.role,
+                    rank=ranks[0],
+                )
             rank = rank_of[done[0]]
             try:
                 results[rank] = ray.get(done[0])
-            except RayTaskError as exc:
-                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                lines = str(cause).strip().splitlines()
-                message = lines[-1] if lines else repr(cause)
-                raise WorkerError(
-                    f"{self.role} rank {rank} raised in {method}: {type(cause).__name__}: {message}"
-                ) from None
-            except RayActorError as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise WorkerError(f"{self.role} rank {rank} died during {method}: {reason}") from None
+            except (RayTaskError, RayActorError) as exc:
+                raise rank_failure(self.role, method, rank, exc, pending, rank_of) from None
         return results
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

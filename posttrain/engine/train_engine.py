@@ -57,6 +57,9 @@ class EngineConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at total_steps), after warm-up
+    min_lr_ratio: float = 0.0
+    total_steps: int = 0  # optimizer steps of the run; the cosine schedule needs it
     micro_batch_size: int = 64  # rows per forward/backward on this rank (when max_token_len is 0)
     max_token_len: int = 0  # token budget per micro-batch on this rank (real tokens); 0 = by row count
     remove_padding: bool = True  # pack sequences: no compute on padding (see engine.packing)
@@ -65,6 +68,30 @@ class EngineConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~1/3 more compute)
     offload: bool = False  # parameters, gradients and optimizer in CPU memory (accelerators only)
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(config: EngineConfig) -> Callable[[int], float]:
+    """The learning-rate multiplier per optimizer step: linear warm-up, then constant or cosine decay."""
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"lr_schedule '{config.lr_schedule}' unknown; valid: {', '.join(LR_SCHEDULES)}")
+    if config.lr_schedule == "cosine" and config.total_steps <= config.warmup_steps:
+        raise ConfigError(
+            f"the cosine schedule needs total_steps ({config.total_steps}) > warmup_steps ({config.warmup_steps})"
+        )
+    warmup, total, floor = config.warmup_steps, config.total_steps, config.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -140,10 +167,7 @@ class TrainEngine:
                 weight_decay=config.weight_decay,
                 foreach=False,
             )
-            warmup = config.warmup_steps
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config))
 
     # ---- compute -------------------------------------------------------------------------------
     def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
@@ -246,7 +270,10 @@ class TrainEngine:
             loss.backward()
             loss_sum += float(loss.detach())
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+                if k.endswith("_max"):  # a maximum stays a maximum; everything else is averaged
+                    totals[k] = max(totals.get(k, float("-inf")), float(v))
+                else:
+                    totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
         totals["loss"] = loss_sum
         return totals
 

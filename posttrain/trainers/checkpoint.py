@@ -2,7 +2,10 @@
 
 Layout: `<run>/step_<N>/actor/` (sharded, written by the workers), `<run>/step_<N>/trainer_state.pt`
 (step, dataloader position, driver RNG, config); `<run>/latest` holds the newest complete step's name.
-A crash while saving leaves at most a `.tmp-step_<N>` folder behind, which is ignored and cleaned up.
+A kill at any moment while saving leaves the previous checkpoint loadable: the new one becomes visible by
+a rename once complete, and `latest` moves (another rename) only after that. What a crash can leave behind
+(`.tmp-step_<N>`, a replaced `.old-step_<N>`, a half-deleted `.del-step_<N>`) is restored or cleaned up
+by `latest()`.
 """
 
 from __future__ import annotations
@@ -39,22 +42,42 @@ class CheckpointManager:
         return tmp
 
     def publish(self, tmp: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-        """Write the driver state, rename the folder into place, then point `latest` at it."""
-        torch.save(trainer_state, tmp / STATE_FILE)
+        """Write the driver state, rename the folder into place, then point `latest` at it.
+
+        Saving a step that already has a checkpoint (a stop right after a resume) first moves the old one
+        aside, so a kill between the two renames still finds it (`latest()` puts it back).
+        """
+        state_path = tmp / STATE_FILE
+        torch.save(trainer_state, state_path)
+        _fsync(state_path)
         final = self.run_dir / f"step_{step}"
+        old = self.run_dir / f".old-{final.name}"
         if final.exists():
-            shutil.rmtree(final)
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
         os.replace(tmp, final)
         pointer_tmp = self.run_dir / f".{LATEST}.tmp"
         pointer_tmp.write_text(final.name)
+        _fsync(pointer_tmp)
         os.replace(pointer_tmp, self.run_dir / LATEST)
+        _fsync(self.run_dir)
+        shutil.rmtree(old, ignore_errors=True)
         self._retain(keep=final)
         return final
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None; stale temporary folders are removed."""
-        for stale in self.run_dir.glob(".tmp-step_*"):
+        """The newest complete checkpoint, or None; leftovers of an interrupted save are cleaned up."""
+        for stale in [*self.run_dir.glob(".tmp-step_*"), *self.run_dir.glob(".del-step_*")]:
             shutil.rmtree(stale, ignore_errors=True)
+        for old in self.run_dir.glob(".old-step_*"):  # killed between moving it aside and the rename
+            final = self.run_dir / old.name.removeprefix(".old-")
+            if (final / STATE_FILE).exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(old, final)
         pointer = self.run_dir / LATEST
         if not pointer.exists():
             return None
@@ -69,14 +92,28 @@ class CheckpointManager:
         return torch.load(path / STATE_FILE, weights_only=False)
 
     def _retain(self, keep: Path) -> None:
+        """Delete the oldest checkpoints beyond `max_to_keep`; never `keep` (the one `latest` names)."""
         if self.max_to_keep <= 0:
             return
         steps = sorted(
-            (p for p in self.run_dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1])
+            (p for p in self.run_dir.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()),
+            key=lambda p: int(p.name.split("_")[1]),
         )
-        for old in steps[: max(0, len(steps) - self.max_to_keep)]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+        others = [p for p in steps if p != keep]
+        for old in others[: max(0, len(others) - (self.max_to_keep - 1))]:
+            # renamed first, so a kill halfway through the deletion never leaves a broken `step_N`
+            doomed = self.run_dir / f".del-{old.name}"
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a directory's entries) to disk: a rename is only as durable as what it points at."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:

@@ -101,6 +101,12 @@ class RLGroups:
     def split(self) -> bool:
         return self.sampler is not self.actor
 
+    def placement(self) -> dict[str, list[dict[str, Any]]]:
+        """Which node each rank of each role runs on."""
+        roles = {"actor_rollout_ref": self.actor, "rollout": self.sampler if self.split else None}
+        roles["critic"] = self.critic
+        return {role: group.placement() for role, group in roles.items() if group is not None}
+
     def shutdown(self) -> None:
         for group in {id(g): g for g in (self.actor, self.sampler, self.critic) if g is not None}.values():
             group.shutdown()

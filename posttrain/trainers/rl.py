@@ -6,6 +6,7 @@ Batch across data-parallel ranks. `RLTrainer.step` reads as the loop in ARCHITEC
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -20,17 +21,18 @@ import torch
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
 from posttrain.config.schema import RLConfig
-from posttrain.controller.ray_env import start_ray
+from posttrain.controller.ray_env import ray_is_running, start_ray, stop_ray
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.dataset import PromptDataset, collate_prompts
 from posttrain.data.partition import balanced_partition
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, WorkerError
 from posttrain.models import load_config, load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.trainers.checkpoint import CheckpointManager, rng_state, set_rng_state
+from posttrain.trainers.fault import StopSignals, check_fault_config, kill_point, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
 from posttrain.trainers.placement import RLGroups, split_rollout, start_groups, start_local_groups
 from posttrain.trainers.rewarding import RewardStage
@@ -39,7 +41,9 @@ from posttrain.trainers.setup import (
     check_rl_config,
     critic_spec,
     engine_config,
+    optimizer_steps_per_step,
     policy_loss_options,
+    reuses_update_log_probs,
     threads_per_worker,
     uses_gpu,
     worker_env,
@@ -89,6 +93,7 @@ def model_fingerprint(path: str) -> dict[str, Any]:
 class RLTrainer:
     def __init__(self, cfg: RLConfig) -> None:
         check_rl_config(cfg)
+        check_fault_config(cfg.trainer)
         self.cfg = cfg
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -123,6 +128,8 @@ class RLTrainer:
         self.val_sampling = replace(
             self.sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0
         )
+        # one optimizer step per batch: the update's own log-probs, before any change, are the old ones
+        self.reuse_update_log_probs = reuses_update_log_probs(cfg)
         self.loss = LossSpec("ppo", policy_loss_options(cfg.actor))
         self.critic_loss = LossSpec(
             "value", {"cliprange_value": cfg.critic.cliprange_value, "loss_agg_mode": cfg.actor.loss_agg_mode}
@@ -137,12 +144,21 @@ class RLTrainer:
         self.critic: Any = None
         self.perf: PerfMeter | None = None  # throughput and MFU metrics; set up in fit()
         self.history: list[dict[str, float]] = []
+        self.restarts = 0  # worker failures recovered from in this fit()
+        self.stop_signal: int | None = None  # set when SIGINT/SIGTERM stopped fit() early
+        self._published = False  # a checkpoint of this run exists: a restart resumes it even without `resume`
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
-        """Train to `trainer.total_steps`, resuming from the newest checkpoint; returns validation history."""
+        """Train to `trainer.total_steps`, resuming from the newest checkpoint; returns validation history.
+
+        SIGINT/SIGTERM finish the current step, save a checkpoint and return early (`stop_signal` is set).
+        A worker failure restarts the workers from the last checkpoint up to `trainer.max_restarts` times,
+        then raises a WorkerError naming the role and rank (see trainers/fault.py).
+        """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        owns_ray = cfg.trainer.backend == "ray" and not ray_is_running()
         self._start_workers()
         tracker = Tracker(
             cfg.trainer.loggers,
@@ -152,28 +168,66 @@ class RLTrainer:
             console_keys=CONSOLE_KEYS,
             console_only_keys=True,
         )
+        stop, finished = StopSignals(), False
         try:
-            self._maybe_resume()
-            if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
-                self._log_validation(tracker)
-            while self.step_count < cfg.trainer.total_steps:
-                metrics = self.step()
-                self.step_count += 1
-                last = self.step_count == cfg.trainer.total_steps
-                if (
-                    self.val_set is not None
-                    and cfg.trainer.val_every
-                    and (self.step_count % cfg.trainer.val_every == 0 or last)
-                ):
-                    metrics.update(self.validate())
-                    self.history.append({"step": self.step_count, **_val_only(metrics)})
-                tracker.log(metrics, self.step_count)
-                if (cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0) or last:
-                    self.save_checkpoint()
+            with stop:
+                self._maybe_resume()
+                run_with_restarts(
+                    partial(self._train, tracker, stop), self._recover, cfg.trainer.max_restarts
+                )
+            finished = True
+        except WorkerError as exc:  # one line: who failed, why, and where the next start resumes
+            hint = self._resume_hint()
+            raise WorkerError(f"{exc}; {hint}", role=exc.role, rank=exc.rank, died=exc.died) from None
         finally:
             tracker.close()
             self._stop_workers()
+            if owns_ray and (stop.requested or not finished):
+                stop_ray()
+        if stop.requested:
+            self.stop_signal = stop.signum
+            print(f"stopped by {stop.name} after step {self.step_count}; {self._resume_hint()}", flush=True)
         return self.history
+
+    def _train(self, tracker: Tracker, stop: StopSignals) -> None:
+        """Validation before training, then steps up to `trainer.total_steps` or a stop request."""
+        cfg = self.cfg
+        if self.actor is None:  # after a worker failure: new workers, the state of the last checkpoint
+            self._start_workers()
+            self._maybe_resume(after_failure=True)
+        if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
+            self._log_validation(tracker)
+        while self.step_count < cfg.trainer.total_steps and not stop.requested:
+            metrics = self.step()
+            self.step_count += 1
+            last = self.step_count == cfg.trainer.total_steps
+            if (
+                self.val_set is not None
+                and cfg.trainer.val_every
+                and (self.step_count % cfg.trainer.val_every == 0 or last)
+            ):
+                metrics.update(self.validate())
+                self.history.append({"step": self.step_count, **_val_only(metrics)})
+            metrics["fault/restarts"] = float(self.restarts)
+            tracker.log(metrics, self.step_count)
+            saving = cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0
+            if saving or last or stop.requested:
+                self.save_checkpoint()
+
+    def _recover(self, error: WorkerError, restarts: int) -> None:
+        """After a worker failure: tear every group down (survivors stuck in a collective included)."""
+        self._stop_workers()
+        self.restarts = restarts
+
+    def _resume_hint(self) -> str:
+        try:
+            latest = self.checkpoints.latest()
+        except ConfigError as exc:
+            return str(exc)
+        if latest is None:
+            return "no checkpoint to resume from"
+        how = "the same command" if self.cfg.trainer.resume else "the same command with trainer.resume=true"
+        return f"{how} resumes from {latest}"
 
     def _start_workers(self) -> None:
         """The worker groups of every role, placed as `resources` says; and the throughput meter."""
@@ -186,6 +240,9 @@ class RLTrainer:
                 betas=cfg.actor.betas,
                 grad_clip=cfg.actor.grad_clip,
                 warmup_steps=cfg.actor.warmup_steps,
+                lr_schedule=cfg.actor.lr_schedule,
+                min_lr_ratio=cfg.actor.min_lr_ratio,
+                total_steps=cfg.trainer.total_steps * optimizer_steps_per_step(cfg),
                 micro_batch_size=cfg.actor.micro_batch_size,
                 max_token_len=cfg.actor.max_token_len_per_worker,
             ),
@@ -205,6 +262,11 @@ class RLTrainer:
                 cfg, spec, critic, uses_gpu(cfg.trainer.device), worker_env(spec.threads)
             )
         self.actor, self.sampler, self.critic = self.groups.actor, self.groups.sampler, self.groups.critic
+        placement = self.groups.placement()
+        (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+        log.info(
+            "placement: %s", {role: [p.get("node_ip") for p in ranks] for role, ranks in placement.items()}
+        )
         self.perf = PerfMeter.from_config(cfg, threads=spec.threads)
 
     def _stop_workers(self) -> None:
@@ -225,8 +287,9 @@ class RLTrainer:
                 batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
                 gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, [])
-            with timed(timings, "old_log_prob"):
-                batch = batch.union(self.actor.call("forward", forward_batch, "actor", self._temp))
+            if not self.reuse_update_log_probs:
+                with timed(timings, "old_log_prob"):
+                    batch = batch.union(self.actor.call("forward", forward_batch, "actor", self._temp))
             if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 with timed(timings, "ref"):
                     batch = batch.union(self.actor.call("forward", forward_batch, "ref", self._temp))
@@ -271,9 +334,10 @@ class RLTrainer:
     def update(self, batch: Batch) -> dict[str, float]:
         """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""
         extra = [keys.REF_LOG_PROB] if self.cfg.actor.use_kl_loss else []
+        update_keys = [k for k in UPDATE_KEYS if k in batch.keys()]
         return self._minibatch_updates(
             self.actor,
-            batch.select(UPDATE_KEYS + extra, []),
+            batch.select(update_keys + extra, []),
             self.loss,
             self.cfg.actor.ppo_epochs,
             "actor",
@@ -290,6 +354,7 @@ class RLTrainer:
     ) -> dict[str, float]:
         mini = self.cfg.actor.mini_batch_size or len(batch)
         sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
         count = 0
         for _ in range(epochs):
             for mb in batch.split(mini):
@@ -298,25 +363,33 @@ class RLTrainer:
                 metrics = group.call("forward_backward", mb, loss, *args)
                 metrics.update(group.call("optim_step"))
                 for k, v in metrics.items():
-                    name = k if k.startswith(f"{prefix}/") else f"{prefix}/{k}"
-                    sums[name] = sums.get(name, 0.0) + v
+                    name = k if k.startswith((f"{prefix}/", "rollout/")) else f"{prefix}/{k}"
+                    if name.endswith("_max"):
+                        maxima[name] = max(maxima.get(name, float("-inf")), v)
+                    else:
+                        sums[name] = sums.get(name, 0.0) + v
                 count += 1
-        return {k: v / count for k, v in sums.items()}
+        return {**{k: v / count for k, v in sums.items()}, **maxima}
 
     def batch_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch[keys.RESPONSE_MASK]
         scores = torch.tensor(list(batch["score"]), dtype=torch.float32)
         lengths = mask.sum(-1)
-        diff = (batch[keys.ROLLOUT_LOG_PROBS] - batch[keys.OLD_LOG_PROBS]).abs() * mask
         gen_tokens = float(mask.sum())
+        logprob_diff = {}  # when the update reuses its own log-probs, it reports these itself
+        if keys.OLD_LOG_PROBS in batch:
+            diff = (batch[keys.ROLLOUT_LOG_PROBS] - batch[keys.OLD_LOG_PROBS]).abs() * mask
+            logprob_diff = {
+                "rollout/logprob_diff_max": float(diff.max()),
+                "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
+            }
         return {
+            **logprob_diff,
             "reward/mean": float(scores.mean()),
             "acc": float((scores >= 1.0).float().mean()),
             "reward/errors": float(batch.meta.get("reward_errors", 0)),
             "response_length/mean": float(lengths.mean()),
             "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
-            "rollout/logprob_diff_max": float(diff.max()),
-            "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
             "throughput/gen_tokens": gen_tokens,
             "epoch": float(self.loader.epoch),
         }
@@ -355,27 +428,25 @@ class RLTrainer:
             "model": model_fingerprint(self.cfg.model.path),
             "config": to_dict(self.cfg),
         }
+        kill_point("saving", self.step_count)  # test-only: a kill with the shards written, not published
         path = self.checkpoints.publish(tmp, self.step_count, state)
+        self._published = True
         log.info("saved checkpoint %s", path)
+        kill_point("saved", self.step_count)
         return path
 
-    def _maybe_resume(self) -> None:
-        if not self.cfg.trainer.resume:
+    def _maybe_resume(self, after_failure: bool = False) -> None:
+        """Load the newest checkpoint: at start when `trainer.resume`; after a worker failure, also when this
+        run wrote it. After a failure with nothing to load, the run starts over from step 0."""
+        if after_failure:
+            self._reset_progress()
+        if not (self.cfg.trainer.resume or (after_failure and self._published)):
             return
         latest = self.checkpoints.latest()
         if latest is None:
             return
         state = self.checkpoints.load_state(latest)
-        if state["world_size"] != self.cfg.trainer.world_size:
-            raise ConfigError(
-                f"checkpoint {latest} was written by {state['world_size']} workers; this run has "
-                f"{self.cfg.trainer.world_size} workers"
-            )
-        fingerprint = model_fingerprint(self.cfg.model.path)
-        if state["model"] != fingerprint:
-            raise ConfigError(
-                f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}"
-            )
+        self._check_compatible(latest, state)
         self.actor.call("load_state", str(latest))
         if self.critic is not None:
             self.critic.call("load_state", str(latest))
@@ -386,8 +457,44 @@ class RLTrainer:
         self.loader.load_state_dict(state["dataloader"])
         set_rng_state(state["rng"])
         self.step_count = state["step"]
+        self.history = [h for h in self.history if h["step"] <= self.step_count]
         log.info("resumed from %s at step %d", latest, self.step_count)
         print(f"resumed from {latest} at step {self.step_count}", flush=True)
+
+    def _check_compatible(self, latest: Path, state: dict[str, Any]) -> None:
+        """The checkpoint must be of this model (architecture, LoRA, critic); another world size is resharded."""
+        fingerprint = model_fingerprint(self.cfg.model.path)
+        if state["model"] != fingerprint:
+            raise ConfigError(
+                f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}"
+            )
+        saved = state.get("config", {})
+        lora = saved.get("model", {}).get("lora", {}).get("rank", 0)
+        if lora != self.cfg.model.lora.rank:
+            raise ConfigError(
+                f"checkpoint {latest} was trained with model.lora.rank={lora}; this run has "
+                f"model.lora.rank={self.cfg.model.lora.rank}"
+            )
+        if (latest / "critic").exists() != self.cfg.critic.enable:
+            has = "has" if (latest / "critic").exists() else "has no"
+            raise ConfigError(
+                f"checkpoint {latest} {has} critic; this run has critic.enable={self.cfg.critic.enable}"
+            )
+        if state["world_size"] != self.cfg.trainer.world_size:
+            message = (
+                f"checkpoint {latest} was written by {state['world_size']} workers, this run has "
+                f"{self.cfg.trainer.world_size}: weights and optimizer state are resharded, but per-worker "
+                "sampler RNG states are not, so the run will not repeat the original one exactly"
+            )
+            log.warning(message)
+
+    def _reset_progress(self) -> None:
+        """Step 0 state of the driver: seed, dataloader, KL controller, validation history."""
+        seed_everything(self.cfg.trainer.seed)
+        self.step_count = 0
+        self.loader.load_state_dict({"epoch": 0, "position": 0})
+        self.rewards = RewardStage(self.cfg)
+        self.history = []
 
 
 def balance_across_workers(batch: Batch, workers: int) -> tuple[Batch, dict[str, float]]:

@@ -258,6 +258,21 @@ def check_algorithm(cfg: RLConfig, estimator: Callable) -> None:
         raise ConfigError("reward.overlong_buffer_len must be >= 0 (0 = off)")
 
 
+def optimizer_steps_per_step(cfg: RLConfig) -> int:
+    """Actor optimizer steps per RL step: ppo_epochs x mini-batches."""
+    samples = cfg.data.train_batch_prompts * cfg.rollout.n
+    return cfg.actor.ppo_epochs * (samples // (cfg.actor.mini_batch_size or samples))
+
+
+def reuses_update_log_probs(cfg: RLConfig) -> bool:
+    """Whether the separate old-log-prob pass can be skipped: with one optimizer step per batch the policy
+    has not changed when the update computes its log-probs, so they are the old ones (same weights, same
+    tokens). KL in the reward needs them before the update, so it keeps the pass."""
+    samples = cfg.data.train_batch_prompts * cfg.rollout.n
+    one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, samples)
+    return cfg.actor.reuse_log_probs_on_policy and one_step and not cfg.algorithm.use_kl_in_reward
+
+
 def threads_per_worker(requested: int, n_workers: int) -> int:
     return requested or max(1, (os.cpu_count() or 1) // n_workers)
 

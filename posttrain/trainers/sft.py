@@ -85,6 +85,9 @@ class SFTTrainer:
                 betas=cfg.optim.betas,
                 grad_clip=cfg.optim.grad_clip,
                 warmup_steps=cfg.optim.warmup_steps,
+                lr_schedule=cfg.optim.lr_schedule,
+                min_lr_ratio=cfg.optim.min_lr_ratio,
+                total_steps=cfg.trainer.total_steps,
                 micro_batch_size=cfg.optim.micro_batch_size,
                 max_token_len=cfg.optim.max_token_len_per_worker,
             ),
@@ -122,6 +125,13 @@ class SFTTrainer:
                 ):
                     metrics["val/nll"] = self.validate(group)
                 tracker.log(metrics, step)
+                if metrics.get("val/nll", float("inf")) <= cfg.trainer.stop_at_val_nll:
+                    print(
+                        f"sft: stopped at step {step}: val/nll {metrics['val/nll']:.3f} <= "
+                        f"trainer.stop_at_val_nll {cfg.trainer.stop_at_val_nll}",
+                        flush=True,
+                    )
+                    break
             group.call("export_hf", str(self.hf_dir))
         finally:
             tracker.close()

@@ -6,6 +6,7 @@ in-process. Its public methods are the explicit API's verbs; batches arrive alre
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -166,6 +167,13 @@ class ActorRolloutRefWorker:
             torch.set_rng_state(rng["torch"])
             if self.rollout is not None and rng["rollout"] is not None:
                 self.rollout.generator.set_state(rng["rollout"])
+        else:  # a checkpoint of a smaller world size: this rank keeps its own seed
+            logging.getLogger(__name__).warning(
+                "%s has no RNG state for rank %d (written by fewer workers); rank %d keeps its fresh seed",
+                path,
+                self.rank,
+                self.rank,
+            )
         self.sync_sampler()
 
     def export_hf(self, out_dir: str, merged: bool = True) -> None:

@@ -65,9 +65,11 @@ def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(log_probs.dtype)
         totals = _totals(mb, mask)
+        on_policy = keys.OLD_LOG_PROBS not in mb  # one optimizer step per batch: these are the old ones
+        old_log_probs = log_probs.detach() if on_policy else mb[keys.OLD_LOG_PROBS]
         loss, metrics = policy_loss(
             log_probs,
-            mb[keys.OLD_LOG_PROBS],
+            old_log_probs,
             mb[keys.ADVANTAGES],
             mask,
             loss_agg_mode=agg_mode,
@@ -78,6 +80,10 @@ def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = float(loss.detach())  # rank-averaged by the group: the true loss
+        if on_policy and keys.ROLLOUT_LOG_PROBS in mb:
+            diff = (log_probs.detach() - mb[keys.ROLLOUT_LOG_PROBS]).abs() * mask
+            metrics["rollout/logprob_diff_max"] = float(diff.max())
+            metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
         if use_kl:
             kl_value, kl_metrics = kl_loss(
                 log_probs,

@@ -68,7 +68,9 @@ def test_uneven_split_is_rejected(group: RayWorkerGroup) -> None:
 
 
 def test_missing_resources_fail_fast_with_what_exists(tiny_model_dir: Path, ray_cluster: None) -> None:
-    with pytest.raises(WorkerError, match=r"pool 'actor': asked for 1 node\(s\) with 64 CPU each .* free per node"):
+    with pytest.raises(
+        WorkerError, match=r"pool 'actor': asked for 1 node\(s\) with 64 CPU each .* free per node"
+    ):
         RayWorkerGroup(ActorRolloutRefWorker, spec(tiny_model_dir), world_size=64, role="actor")
 
 

@@ -48,3 +48,37 @@ def test_a_latest_pointing_nowhere_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "latest").write_text("step_9")
     with pytest.raises(ConfigError, match="step_9, which is incomplete or missing"):
         CheckpointManager(tmp_path).latest()
+
+
+def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, max_to_keep=1)
+    save(manager, 1)
+    save(manager, 2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
+    # a higher-numbered leftover (e.g. of an earlier run with trainer.resume=false) does not push it out
+    (tmp_path / "step_9").mkdir()
+    save(manager, 3)
+    assert manager.latest() == tmp_path / "step_3"
+    assert (tmp_path / "step_3" / "actor" / "shard").read_text() == "3"
+
+
+def test_saving_a_step_again_is_safe_against_a_kill_between_the_renames(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    save(manager, 2)
+    save(manager, 2)  # e.g. a stop right after a resume saves the same step again
+    assert manager.latest() == tmp_path / "step_2" and not list(tmp_path.glob(".old-*"))
+    # the process dies after moving the old step_2 aside, before the new one is renamed into place
+    (tmp_path / "step_2").rename(tmp_path / ".old-step_2")
+    (tmp_path / ".tmp-step_2").mkdir()
+    assert manager.latest() == tmp_path / "step_2"
+    assert manager.load_state(tmp_path / "step_2") == {"step": 2}
+    assert not list(tmp_path.glob(".*-step_*")), "leftovers are cleaned up"
+
+
+def test_a_kill_before_latest_moves_keeps_the_previous_one_current(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    save(manager, 1)
+    pointer = (tmp_path / "latest").read_text()
+    save(manager, 2)
+    (tmp_path / "latest").write_text(pointer)  # as if killed after the folder rename, before the pointer
+    assert manager.latest() == tmp_path / "step_1"

@@ -1,0 +1,96 @@
+"""One rank's failure, as Ray reports it, turned into a one-line `WorkerError` naming role, rank and cause.
+
+When a rank's process dies inside a collective, its peers fail too (gloo: "Connection closed by peer"),
+sometimes before Ray has noticed the death. The death is the cause worth reporting, so a peer's error is
+held back for a short grace period while the other ranks' results come in.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from posttrain.errors import WorkerError
+
+# How long a rank's error waits for news of a dead peer before it is reported as the cause.
+PEER_DEATH_GRACE_S = 3.0
+
+
+def death_reason(exc: Exception) -> str:
+    """Why Ray says an actor is gone, in a few words: its pid and host, and the exit Ray saw."""
+    text = str(exc)
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: ([\w.:-]+)", text)
+    where = f"process {pid.group(1)}" if pid else "its process"
+    if ip:
+        where += f" on {ip.group(1)}"
+    if "ray.kill" in text or "killed by `ray.kill`" in text:
+        return f"{where} was killed by ray.kill"
+    exit_type = re.search(r"Worker exit type: (\w+)", text)
+    if exit_type and exit_type.group(1) in ("SYSTEM_ERROR", "NODE_OUT_OF_MEMORY", "USER_ERROR"):
+        cause = {
+            "SYSTEM_ERROR": "killed by a signal (e.g. SIGKILL, the OOM killer) or crashed",
+            "NODE_OUT_OF_MEMORY": "killed by Ray's memory monitor (node out of memory)",
+            "USER_ERROR": "exited with an error",
+        }[exit_type.group(1)]
+        return f"{where} exited unexpectedly: {cause}"
+    because = re.search(r"The actor is dead because ([^.]+)", text)
+    if because:
+        return f"{where}: {because.group(1)}"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"{where}: {first}"
+
+
+def raised_message(exc: Any) -> str:
+    """`Type: last line` of the exception a rank raised (Ray wraps it in a RayTaskError)."""
+    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[-1] if lines else repr(cause)}"
+
+
+def rank_failure(
+    role: str, method: str, rank: int, exc: Exception, pending: list[Any], rank_of: dict[Any, int]
+) -> WorkerError:
+    """The error to raise for `rank`'s failure in `method`: a dead peer among `pending` is preferred."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError):
+        return WorkerError(
+            f"{role} rank {rank} died during {method}: {death_reason(exc)}", role=role, rank=rank, died=True
+        )
+    dead = _dead_peer(pending, rank_of)
+    if dead is not None:
+        peer, peer_exc = dead
+        return WorkerError(
+            f"{role} rank {peer} died during {method}: {death_reason(peer_exc)} "
+            f"(rank {rank} then failed: {_short(raised_message(exc))})",
+            role=role,
+            rank=peer,
+            died=True,
+        )
+    return WorkerError(f"{role} rank {rank} raised in {method}: {raised_message(exc)}", role=role, rank=rank)
+
+
+def _dead_peer(pending: list[Any], rank_of: dict[Any, int]) -> tuple[int, Exception] | None:
+    """The first rank among `pending` that Ray reports dead within the grace period, with its error."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    remaining = list(pending)
+    while remaining and (left := deadline - time.monotonic()) > 0:
+        done, remaining = ray.wait(remaining, num_returns=1, timeout=left)
+        if not done:
+            break
+        try:
+            ray.get(done[0])
+        except RayActorError as exc:
+            return rank_of[done[0]], exc
+        except Exception:  # another peer's own error: keep looking for a death
+            continue
+    return None
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
