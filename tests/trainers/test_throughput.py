@@ -87,6 +87,7 @@ def test_a_real_step_logs_throughput_shares_and_mfu(
         [
             "algorithm=ppo",  # critic: values and update_critic run too
             "actor.use_kl_loss=true",  # and the reference pass
+            "actor.reuse_log_probs_on_policy=false",  # keep the old-log-prob pass
             f"model.path={tiny_model_dir}",
             f"data.train_files=[{arithmetic_data['train']}]",
             f"trainer.run_dir={run}",
