@@ -9,6 +9,7 @@ FSDP group spanning nodes, ranks ordered node by node).
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +95,7 @@ class ResourcePool:
         self.group = placement_group(
             [dict(spec.bundle) for _ in range(spec.world_size)],
             strategy="PACK",
-            name=f"posttrain-{spec.name}",
+            name=f"posttrain-{spec.name}-{uuid.uuid4().hex[:8]}",  # names are cluster-wide
             bundle_label_selector=selectors,
         )
         ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)

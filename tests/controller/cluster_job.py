@@ -104,7 +104,7 @@ def main() -> None:
     model, train, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     modes = sys.argv[4:] or ["rl", "equivalence"]
     out.mkdir(parents=True, exist_ok=True)
-    cluster = start_cluster(str(out / "ray"))
+    cluster = start_cluster(f"/tmp/ptc-{os.getpid()}")  # short: Ray socket paths must stay < 108 bytes
     import ray
 
     ray.init(address=cluster.address)
