@@ -21,7 +21,7 @@ def start_cluster(tmpdir: str):
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     for _ in range(2):
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=4)  # logical CPUs: room for a pool while the last one is freed
     cluster.wait_for_nodes()
     return cluster
 
