@@ -43,7 +43,7 @@ RL_OVERRIDES = [
     "trainer.save_every=20",
     "trainer.loggers=[console,jsonl,tensorboard]",
 ]
-DEFAULT_RL_STEPS = 60
+DEFAULT_RL_STEPS = 100
 
 
 def run_demo(
