@@ -315,7 +315,8 @@ class RLTrainer:
     def sync_sampler(self) -> None:
         """New weights to the sampler: in-process when colocated, else from actor rank 0 via the object store."""
         if self.groups is not None and self.groups.split:
-            self.sampler.call("load_weights", self.actor.call("rollout_weights")[0])
+            gathered = self.actor.call("rollout_weights")  # rank 0's dict (a list when other ranks gave None)
+            self.sampler.call("load_weights", gathered if isinstance(gathered, dict) else gathered[0])
         else:
             self.actor.call("sync_sampler")
 
