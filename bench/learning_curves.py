@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import RESULTS, machine_info, write_result
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
@@ -35,7 +35,6 @@ from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.workers.actor_rollout_ref import quiet_transformers
 
-RESULTS = Path(__file__).parent / "results"
 ALGORITHMS = ("ppo", "grpo", "dapo")
 
 
@@ -142,12 +141,7 @@ def main() -> None:
         )
     result = {
         "bench": "learning_curves",
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "device": "cpu",
-        },
+        "machine": machine_info(torch.get_num_threads()),
         "command": "python " + " ".join(sys.argv),
         "start_val_acc": start_acc,
         "token_budget": budget,
@@ -155,8 +149,7 @@ def main() -> None:
         "rows": rows,
         "curves": curves,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "learning_curves.json").write_text(json.dumps(result, indent=1))
+    write_result("learning_curves.json", result)
     plot(curves, budget, RESULTS / "learning_curves.png")
     print(f"\nheld-out greedy accuracy at {int(budget)} generated tokens (start {start_acc:.3f}):")
     print(f"{'algorithm':<10}{'median':>8}{'min':>8}{'max':>8}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import statistics
 import subprocess
@@ -25,19 +24,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS, machine_info, write_result
 
-RESULTS = Path(__file__).parent / "results"
+from posttrain.tracking.flops import measure_matmul_flops
+
 MODELS = Path("/tmp/posttrain-bench-models")
-
-
-def matmul_peak_flops(size: int = 2048, seconds: float = 3.0) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return 2 * size**3 * count / (time.perf_counter() - start)
 
 
 def model_dir(preset: str) -> Path:
@@ -131,7 +122,7 @@ def main() -> None:
         )
         return
 
-    peak = matmul_peak_flops()
+    peak = measure_matmul_flops(seconds=3.0, threads=args.threads)
     print(f"fp32 matmul peak (2048^2, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s", flush=True)
     rows, table = [], []
     for preset in args.presets.split(","):
@@ -197,18 +188,12 @@ def main() -> None:
         )
     result = {
         "bench": "rollout",
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": args.threads,
-            "torch": torch.__version__,
-            "device": "cpu",
-        },
+        "machine": machine_info(args.threads),
         "command": "python " + " ".join(sys.argv),
         "matmul_peak_flops": peak,
         "rows": rows,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(
         f"\n{'preset':<8}{'native tok/s':>13}{'hf tok/s':>10}{'ratio':>7}{'native s':>10}{'hf s':>7}"
         f"{'native MB':>11}{'hf MB':>8}{'FLOP/peak':>10}{'mean len':>9}"

@@ -156,7 +156,7 @@ def start_groups(
                 role=role,
                 device=device,
                 env_vars=env_vars,
-                timeout_s=t.collective_timeout_s if hasattr(t, "collective_timeout_s") else 600.0,
+                timeout_s=t.collective_timeout_s,
                 pool=pools[pool],
                 share=1.0 / tenants[pool],
             )

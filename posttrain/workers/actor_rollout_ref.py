@@ -52,6 +52,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def prepare_worker_process(threads: int, seed: int) -> None:
+    """What every worker does first: its thread budget (0 = leave as is), quiet loads, its own seed."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    quiet_transformers()
+    seed_everything(seed)
+
+
 class ActorRolloutRefWorker:
     """One SPMD rank of the actor: training engine, rollout engine, and (optionally) the frozen reference."""
 
@@ -59,12 +67,9 @@ class ActorRolloutRefWorker:
 
     def __init__(self, spec: ActorRolloutRefSpec, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
-        if spec.threads > 0:
-            torch.set_num_threads(spec.threads)
-        quiet_transformers()
+        prepare_worker_process(spec.threads, spec.seed + 1000 * dist_info.rank)
         self.spec = spec
         self.rank = dist_info.rank
-        seed_everything(spec.seed + 1000 * dist_info.rank)
         self.actor = TrainEngine(spec.engine, dist_info)
         self.dp_size = self.actor.dp_size
         # with LoRA the reference is the actor's own base model with the adapter disabled: no second copy

@@ -10,13 +10,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
-from posttrain.workers.actor_rollout_ref import quiet_transformers, seed_everything
+from posttrain.workers.actor_rollout_ref import prepare_worker_process
 from posttrain.workers.losses import LossSpec, build_loss
 
 
@@ -32,12 +30,9 @@ class CriticWorker:
 
     def __init__(self, spec: CriticSpec, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
-        if spec.threads > 0:
-            torch.set_num_threads(spec.threads)
-        quiet_transformers()
+        prepare_worker_process(spec.threads, spec.seed + 1000 * dist_info.rank + 17)
         # The token-classification head returns its logits as a view; nothing modifies them in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        seed_everything(spec.seed + 1000 * dist_info.rank + 17)
         self.rank = dist_info.rank
         self.engine = TrainEngine(spec.engine, dist_info)
         self.dp_size = self.engine.dp_size

@@ -22,7 +22,7 @@ from posttrain.engine.distributed import DistInfo, resolve_device
 from posttrain.engine.train_engine import DTYPES
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
-from posttrain.workers.actor_rollout_ref import quiet_transformers, seed_everything
+from posttrain.workers.actor_rollout_ref import prepare_worker_process
 from posttrain.workers.sampling import sample_batch
 
 
@@ -42,11 +42,8 @@ class RolloutWorker:
 
     def __init__(self, spec: RolloutSpec, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
-        if spec.threads > 0:
-            torch.set_num_threads(spec.threads)
-        quiet_transformers()
+        prepare_worker_process(spec.threads, spec.seed + 1000 * dist_info.rank)
         self.rank = dist_info.rank
-        seed_everything(spec.seed + 1000 * dist_info.rank)
         # the same seed a colocated sampler of this rank gets, so placement does not change the samples
         self.engine = make_rollout_engine(
             spec.name,
