@@ -67,7 +67,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -76,7 +75,8 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from common import RESULTS, machine_info, write_result
+
 FRAMEWORKS = ("trl", "posttrain")
 BASELINE = "trl_grpo_trainer"
 
@@ -640,12 +640,7 @@ def main() -> None:
 
     result = {
         "bench": "vs_trl",
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": args.threads,
-            "torch": torch.__version__,
-            "device": "cpu",
-        },
+        "machine": machine_info(args.threads),
         "command": "python " + " ".join(sys.argv),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
         "matmul_peak_flops": peak,
@@ -676,8 +671,7 @@ def main() -> None:
         "rows": rows,
         "raw": raw,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print_table(table, args.reward_window)
     for warning in warnings:
         print(f"\nWARNING: {warning}")
