@@ -37,6 +37,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
     remove_padding: bool = True  # pack sequences for training and log-prob passes (no compute on padding)
     pack_row_tokens: int = 256  # tokens per packed row; attention is dense within a row on sdpa/eager
+    share_prompt: bool = True  # packed: the n samples of a prompt share one pass over it (sdpa/eager)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     offload: bool = False  # parameters, gradients and optimizer step in CPU memory (GPU machines only)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -17,6 +17,7 @@ from torch import nn
 
 from posttrain.data.partition import first_fit_decreasing
 from posttrain.engine.log_probs import chunked_log_probs_and_entropy, token_log_probs
+from posttrain.engine.shared_prompt import additive_mask, has_shared_prompts, pack_shared_prompts
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,17 @@ def pack(
     return PackedLayout(packed_ids, positions, flat_pos)
 
 
-def packed_model_output(model: nn.Module, layout: PackedLayout) -> torch.Tensor:
+def packed_model_output(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim)."""
     out = model(
-        input_ids=layout.input_ids,
-        attention_mask=None,
-        position_ids=layout.position_ids,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
         use_cache=False,
     ).logits
     return out.reshape(-1, out.shape[-1])
@@ -73,15 +79,39 @@ def unpack_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out.masked_scatter(valid, values)
 
 
-def _response_positions(layout: PackedLayout, response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Valid response cells (B, R) and the flat positions of the logits that predict them.
+@dataclass(frozen=True)
+class PackingOptions:
+    """How response outputs are computed: row width, shared prompts (and how the mask is given)."""
 
-    A response token always follows at least one prompt token of its own sequence, so position - 1 is
-    inside the same sequence.
+    row_tokens: int = 256
+    share_prompt: bool = False  # one prompt pass per group of rows with the same prompt (shared_prompt)
+    eager_mask_dtype: torch.dtype | None = None  # set for attn_implementation=eager: additive float mask
+
+
+def response_outputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    options: PackingOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outputs (N, dim) at the positions that predict each real response token, valid cells (B, R)).
+
+    A response token always follows at least one prompt token of its own sequence, so the position
+    before it is inside the same sequence (plain packing) or is the prompt's last token (shared prompts).
     """
+    if options.share_prompt and has_shared_prompts(input_ids, attention_mask, response_width):
+        shared = pack_shared_prompts(input_ids, attention_mask, response_width, options.row_tokens)
+        mask = shared.attention_mask
+        if options.eager_mask_dtype is not None:
+            mask = additive_mask(mask, options.eager_mask_dtype)
+        valid = shared.predict_pos >= 0
+        out = packed_model_output(model, shared.input_ids, shared.position_ids, mask)
+        return out[shared.predict_pos[valid]], valid
+    layout = pack(input_ids, attention_mask, options.row_tokens)
     total = layout.flat_pos.shape[1]
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
-    return valid, target_pos - 1
+    return packed_model_output(model, layout.input_ids, layout.position_ids)[target_pos - 1], valid
 
 
 def packed_response_log_probs(
@@ -89,7 +119,7 @@ def packed_response_log_probs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_width: int,
-    row_tokens: int,
+    options: PackingOptions,
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -97,12 +127,10 @@ def packed_response_log_probs(
 
     Only the logits that predict response tokens go through the (vocab-wide) softmax.
     """
-    layout = pack(input_ids, attention_mask, row_tokens)
-    valid, logit_pos = _response_positions(layout, response_width)
-    logits = packed_model_output(model, layout)[logit_pos]
+    logits, valid = response_outputs(model, input_ids, attention_mask, response_width, options)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    targets = layout.input_ids.reshape(-1)[logit_pos + 1]
+    targets = input_ids[:, input_ids.shape[1] - response_width :][valid]
     if with_entropy:
         log_probs, entropy = chunked_log_probs_and_entropy(logits[None], targets[None])
         return unpack_rows(log_probs[0], valid), unpack_rows(entropy[0], valid)
@@ -114,13 +142,11 @@ def packed_response_values(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_width: int,
-    row_tokens: int,
+    options: PackingOptions,
 ) -> torch.Tensor:
     """`log_probs.response_values` on packed sequences: the value head's output before each response token."""
-    layout = pack(input_ids, attention_mask, row_tokens)
-    valid, value_pos = _response_positions(layout, response_width)
-    values = packed_model_output(model, layout)[value_pos, 0].float()
-    return unpack_rows(values, valid)
+    values, valid = response_outputs(model, input_ids, attention_mask, response_width, options)
+    return unpack_rows(values[:, 0].float(), valid)
 
 
 def packed_next_token_log_probs(
@@ -130,6 +156,6 @@ def packed_next_token_log_probs(
     layout = pack(input_ids, attention_mask, row_tokens)
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
-    logits = packed_model_output(model, layout)[target_pos - 1]
+    logits = packed_model_output(model, layout.input_ids, layout.position_ids)[target_pos - 1]
     targets = layout.input_ids.reshape(-1)[target_pos]
     return unpack_rows(token_log_probs(logits, targets), has_context)

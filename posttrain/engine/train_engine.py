@@ -31,10 +31,12 @@ from posttrain.engine.fsdp import apply_fsdp, full_named_tensors
 from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
 from posttrain.engine.packing import (
+    PackingOptions,
     packed_next_token_log_probs,
     packed_response_log_probs,
     packed_response_values,
 )
+from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_value_model
 
@@ -64,6 +66,7 @@ class EngineConfig:
     max_token_len: int = 0  # token budget per micro-batch on this rank (real tokens); 0 = by row count
     remove_padding: bool = True  # pack sequences: no compute on padding (see engine.packing)
     pack_row_tokens: int = 256  # tokens per packed row (attention is dense within a row on sdpa)
+    share_prompt: bool = True  # packed rows with the same prompt run it once (see engine.shared_prompt)
     compute_dtype: str = ""  # mixed precision: e.g. bfloat16 compute over `dtype` master weights
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~1/3 more compute)
     offload: bool = False  # parameters, gradients and optimizer in CPU memory (accelerators only)
@@ -109,6 +112,7 @@ def check_device_support(config: EngineConfig, device: torch.device) -> None:
         if not bf16_supported(device):
             setting = "model.compute_dtype" if config.compute_dtype == "bfloat16" else "model.dtype"
             raise ConfigError(f"{setting}=bfloat16 but device {device} has no bfloat16 support")
+    check_share_prompt(config.share_prompt, config.remove_padding, config.attn_implementation)
     if config.offload and device.type == "cpu":
         raise ConfigError(
             "offload=true needs an accelerator: on a CPU device parameters and optimizer already live in "
@@ -210,24 +214,29 @@ class TrainEngine:
             self.model, mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
         ), None
 
+    def _packing_options(self) -> PackingOptions:
+        eager = self.config.attn_implementation == "eager"
+        mask_dtype = DTYPES[self.config.compute_dtype or self.config.dtype] if eager else None
+        return PackingOptions(self.config.pack_row_tokens, self.config.share_prompt, mask_dtype)
+
     def _packed_log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids, mask, row_tokens = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], self.config.pack_row_tokens
+        ids, mask = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK]
+        if keys.RESPONSES not in mb:
+            return packed_next_token_log_probs(self.model, ids, mask, self.config.pack_row_tokens), None
+        width = mb[keys.RESPONSES].shape[1]
         if self.config.head == "value":
-            width = mb[keys.RESPONSES].shape[1]
-            return packed_response_values(self.model, ids, mask, width, row_tokens), None
-        if keys.RESPONSES in mb:
-            return packed_response_log_probs(
-                self.model,
-                ids,
-                mask,
-                response_width=mb[keys.RESPONSES].shape[1],
-                row_tokens=row_tokens,
-                temperature=temperature,
-                with_entropy=with_entropy,
-            )
-        return packed_next_token_log_probs(self.model, ids, mask, row_tokens), None
+            return packed_response_values(self.model, ids, mask, width, self._packing_options()), None
+        return packed_response_log_probs(
+            self.model,
+            ids,
+            mask,
+            response_width=width,
+            options=self._packing_options(),
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
 
     @torch.no_grad()
     def compute_log_prob(

@@ -22,6 +22,7 @@ from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.lora import check_target_modules
+from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model
@@ -41,6 +42,7 @@ def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineCo
         "attn_implementation": model.attn_implementation,
         "remove_padding": model.remove_padding,
         "pack_row_tokens": model.pack_row_tokens,
+        "share_prompt": model.share_prompt,
         "gradient_checkpointing": model.gradient_checkpointing,
         "offload": model.offload,
         "lora": model.lora,
@@ -80,6 +82,7 @@ def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int
             raise ConfigError(f"{key} '{value}' unknown; valid: {shown}")
     if model.pack_row_tokens <= 0:
         raise ConfigError(f"model.pack_row_tokens must be > 0, got {model.pack_row_tokens}")
+    check_share_prompt(model.share_prompt, model.remove_padding, model.attn_implementation)
     for name, budget in budgets.items():
         if budget < 0 or 0 < budget < longest:
             raise ConfigError(

@@ -37,6 +37,11 @@ def check_sft_config(cfg: SFTConfig) -> None:
         {"optim.max_token_len_per_worker": cfg.optim.max_token_len_per_worker},
     )
     check_files(cfg.data.train_files, "data.train_files")
+    if cfg.model.share_prompt:
+        raise ConfigError(
+            "model.share_prompt=true is for RL, where n samples share a prompt; SFT has one response per "
+            "prompt: set model.share_prompt=false"
+        )
     if cfg.optim.batch_size % cfg.trainer.world_size:
         raise ConfigError(
             f"optim.batch_size={cfg.optim.batch_size} must be divisible by the {cfg.trainer.world_size} workers"

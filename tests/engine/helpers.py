@@ -37,6 +37,25 @@ def synthetic_rl_batch(
     )
 
 
+def grouped_rl_batch(
+    prompts: int, n: int, prompt_width: int = 9, response_width: int = 7, vocab: int = 1000, seed: int = 0
+) -> Batch:
+    """`prompts` x `n` rows where the n rows of a prompt share it (as a GRPO rollout), in shuffled order."""
+    batch = synthetic_rl_batch(prompts * n, prompt_width, response_width, vocab, seed)
+    ids, mask = batch[keys.INPUT_IDS].clone(), batch[keys.ATTENTION_MASK].clone()
+    for i in range(prompts * n):
+        source = (i // n) * n
+        ids[i, :prompt_width], mask[i, :prompt_width] = (
+            ids[source, :prompt_width],
+            mask[source, :prompt_width],
+        )
+    batch.set(keys.INPUT_IDS, ids)
+    batch.set(keys.ATTENTION_MASK, mask)
+    batch.set(keys.POSITION_IDS, (mask.cumsum(-1) - 1).clamp(min=0))
+    order = torch.randperm(prompts * n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return batch.index(order)
+
+
 def with_global_totals(batch: Batch) -> Batch:
     batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.RESPONSE_MASK].sum())
     batch.meta[keys.GLOBAL_SEQS] = len(batch)

@@ -12,6 +12,7 @@ from posttrain.data import keys
 from posttrain.data.partition import balanced_partition, first_fit_decreasing, split_to_count
 from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
 from posttrain.engine.packing import (
+    PackingOptions,
     pack,
     packed_next_token_log_probs,
     packed_response_log_probs,
@@ -45,7 +46,7 @@ def test_packed_log_probs_and_entropy_equal_padded(tiny_model_dir: Path, row_tok
     ids, mask, pos = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS]
     padded, padded_ent = response_log_probs(model, ids, mask, pos, 7, temperature=0.7, with_entropy=True)
     packed, packed_ent = packed_response_log_probs(
-        model, ids, mask, 7, row_tokens, temperature=0.7, with_entropy=True
+        model, ids, mask, 7, PackingOptions(row_tokens), temperature=0.7, with_entropy=True
     )
     response_mask = batch[keys.RESPONSE_MASK].bool()
     torch.testing.assert_close(packed[response_mask], padded[response_mask], atol=2e-5, rtol=0)
@@ -64,7 +65,7 @@ def test_packed_values_equal_padded(tiny_model_dir: Path) -> None:
     ids, mask, pos = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS]
     response_mask = batch[keys.RESPONSE_MASK].bool()
     padded = response_values(model, ids, mask, pos, 6)
-    packed = packed_response_values(model, ids, mask, 6, 32)
+    packed = packed_response_values(model, ids, mask, 6, PackingOptions(32))
     torch.testing.assert_close(packed[response_mask], padded[response_mask], atol=2e-5, rtol=0)
 
 
@@ -84,7 +85,7 @@ def loss_and_grads(eng: TrainEngine, batch) -> tuple[float, torch.Tensor]:
 
 def test_packed_training_and_token_budget_equal_padded(tiny_model_dir: Path) -> None:
     batch = synthetic_rl_batch(rows=10, prompt_width=9, response_width=7, vocab=1000, seed=5)
-    padded = engine(tiny_model_dir, remove_padding=False)
+    padded = engine(tiny_model_dir, remove_padding=False, share_prompt=False)
     loss, grads = loss_and_grads(padded, batch)
     for overrides in ({"remove_padding": True}, {"remove_padding": True, "max_token_len": 24}):
         packed = engine(tiny_model_dir, **overrides)

@@ -1,0 +1,108 @@
+"""Shared-prompt packing: one pass over a group's prompt, the same numbers as running every row alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.data import keys
+from posttrain.engine.log_probs import response_log_probs, response_values
+from posttrain.engine.packing import PackingOptions, packed_response_log_probs, packed_response_values
+from posttrain.engine.shared_prompt import group_rows_by_prompt, pack_shared_prompts
+from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.errors import ConfigError
+from posttrain.models import load_causal_lm, load_value_model
+
+from .helpers import grouped_rl_batch, with_global_totals
+from .test_packing import loss_and_grads
+
+
+def test_layout_runs_each_prompt_once_and_isolates_the_responses() -> None:
+    # two rows share prompt [5, 6] (left-padded), one row has prompt [7]
+    ids = torch.tensor([[0, 5, 6, 11, 12, 0], [0, 5, 6, 13, 0, 0], [0, 0, 7, 14, 15, 16]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
+    assert group_rows_by_prompt(ids[:, :3], mask[:, :3].bool()) == [[0, 1], [2]]
+    layout = pack_shared_prompts(ids, mask, response_width=3, row_tokens=6)
+    # units: [5 6 | 11 12 | 13] (5 tokens) and [7 | 14 15 16] (4 tokens): one row each at width 6
+    assert layout.input_ids.tolist() == [[5, 6, 11, 12, 13, 0], [7, 14, 15, 16, 0, 0]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2, 0], [0, 1, 2, 3, 0, 1]]
+    attend = layout.attention_mask[0, 0]
+    assert attend[4].tolist() == [True, True, False, False, True, False]  # response 2 sees the prompt, itself
+    assert attend[3].tolist() == [True, True, True, True, False, False]  # response 1: prompt + its tokens
+    assert attend[1].tolist() == [True, True, False, False, False, False]  # prompt: causal on the prompt
+    assert not layout.attention_mask[0, 0, :5, 5].any()  # nothing attends to the filler
+    # the prompt's last output (flat 1) predicts the first token of both responses
+    assert layout.predict_pos.tolist() == [[1, 2, -1], [1, -1, -1], [6, 7, 8]]
+
+
+def test_groups_too_long_for_a_row_are_split_with_a_prompt_copy_each() -> None:
+    ids = torch.tensor([[5, 6, 11, 12], [5, 6, 13, 14], [5, 6, 15, 16]])
+    mask = torch.ones_like(ids)
+    layout = pack_shared_prompts(ids, mask, response_width=2, row_tokens=6)
+    assert layout.input_ids.shape == (2, 6)
+    assert sorted(layout.input_ids.flatten().tolist()).count(5) == 2  # the prompt twice, not three times
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("row_tokens", [1, 64])
+def test_shared_log_probs_entropy_and_gradients_equal_padded(
+    tiny_model_dir: Path, attn: str, row_tokens: int
+) -> None:
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_dir, attn_implementation=attn)
+    batch = grouped_rl_batch(prompts=3, n=4, seed=7)
+    ids, mask, pos = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS]
+    valid = batch[keys.RESPONSE_MASK].bool()
+    weights = torch.randn(valid.shape)
+
+    def run(shared: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if shared:
+            options = PackingOptions(row_tokens, True, torch.float32 if attn == "eager" else None)
+            lp, ent = packed_response_log_probs(model, ids, mask, 7, options, 0.7, with_entropy=True)
+        else:
+            lp, ent = response_log_probs(model, ids, mask, pos, 7, 0.7, with_entropy=True)
+        ((lp + 0.1 * ent) * weights * valid).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        return lp.detach(), ent.detach(), grads
+
+    shared_lp, shared_ent, shared_grads = run(True)
+    lp, ent, grads = run(False)
+    torch.testing.assert_close(shared_lp[valid], lp[valid], atol=2e-5, rtol=0)
+    torch.testing.assert_close(shared_ent[valid], ent[valid], atol=2e-5, rtol=0)
+    assert (shared_lp[~valid] == 0).all()
+    torch.testing.assert_close(shared_grads, grads, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_values_equal_padded(tiny_model_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = load_value_model(tiny_model_dir)
+    batch = grouped_rl_batch(prompts=2, n=3, seed=8)
+    ids, mask, pos = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], batch[keys.POSITION_IDS]
+    valid = batch[keys.RESPONSE_MASK].bool()
+    padded = response_values(model, ids, mask, pos, 7)
+    shared = packed_response_values(model, ids, mask, 7, PackingOptions(32, share_prompt=True))
+    torch.testing.assert_close(shared[valid], padded[valid], atol=2e-5, rtol=0)
+
+
+def test_engine_with_shared_prompts_trains_like_the_padded_engine(tiny_model_dir: Path) -> None:
+    batch = with_global_totals(grouped_rl_batch(prompts=4, n=4, seed=9))
+    base = EngineConfig(model_path=str(tiny_model_dir), lr=1e-3, grad_clip=1e9, micro_batch_size=64)
+    padded = TrainEngine(replace(base, remove_padding=False, share_prompt=False))
+    loss, grads = loss_and_grads(padded, batch)
+    for overrides in ({}, {"max_token_len": 40}):  # the budget splits groups across micro-batches
+        shared = TrainEngine(replace(base, share_prompt=True, **overrides))
+        shared_loss, shared_grads = loss_and_grads(shared, batch)
+        assert shared_loss == pytest.approx(loss, abs=1e-6)
+        torch.testing.assert_close(shared_grads, grads, atol=2e-6, rtol=1e-4)
+
+
+def test_settings_that_cannot_share_prompts_are_rejected(tiny_model_dir: Path) -> None:
+    base = EngineConfig(model_path=str(tiny_model_dir), share_prompt=True)
+    with pytest.raises(ConfigError, match="needs model.remove_padding=true"):
+        TrainEngine(replace(base, remove_padding=False))
+    with pytest.raises(ConfigError, match="attn_implementation=flash_attention_2"):
+        TrainEngine(replace(base, attn_implementation="flash_attention_2"))
