@@ -35,7 +35,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     compute_dtype: torch.dtype | None = None,
     offload: bool = False,
 ) -> FSDPModule:
@@ -43,8 +43,12 @@ def apply_fsdp(
 
     `compute_dtype` (e.g. bf16) casts the gathered parameters for compute while the sharded master weights,
     gradient reduction and optimizer stay in the model's dtype. `offload` keeps parameters, gradients and
-    the optimizer step in CPU memory (accelerators only).
+    the optimizer step in CPU memory (accelerators only). `reshard_after_forward` defaults to True on
+    several ranks (memory) and False on one, where a "shard" is the whole tensor and resharding would only
+    add a copy per pass (callers then reshard with `reshard_all` when they are done).
     """
+    if reshard_after_forward is None:
+        reshard_after_forward = mesh.size() > 1
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if compute_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -53,6 +57,13 @@ def apply_fsdp(
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model  # type: ignore[return-value]
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered (unsharded) parameter, so the sharded ones are the only copy again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

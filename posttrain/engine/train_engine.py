@@ -27,7 +27,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.partition import first_fit_decreasing, split_to_count
 from posttrain.engine.distributed import DistInfo, init_distributed
-from posttrain.engine.fsdp import apply_fsdp, full_named_tensors
+from posttrain.engine.fsdp import apply_fsdp, full_named_tensors, reshard_all
 from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
 from posttrain.engine.packing import (
@@ -251,9 +251,13 @@ class TrainEngine:
         self.model.eval()
         outs, order = [], []
         with self.model.disable_adapter() if disable_adapter else contextlib.nullcontext():
-            for rows in self._micro_batch_rows(batch):
-                outs.append(self._log_probs(batch.index(rows).to(self.device), temperature, False)[0].cpu())
-                order += rows
+            try:
+                for rows in self._micro_batch_rows(batch):
+                    mb = batch.index(rows).to(self.device)
+                    outs.append(self._log_probs(mb, temperature, False)[0].cpu())
+                    order += rows
+            finally:
+                reshard_all(self.model)  # one rank keeps parameters gathered between passes (apply_fsdp)
         self.model.train(was_training)
         if not outs:
             return torch.empty(0)
@@ -270,19 +274,27 @@ class TrainEngine:
         micro_batches = self._micro_batches(batch)
         totals: dict[str, float] = {}
         loss_sum = 0.0
-        for i, mb in enumerate(micro_batches):
-            mb = mb.to(self.device)
-            # reduce-scatter gradients only once, after the last micro-batch
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
-            loss, metrics = loss_fn(log_probs, entropy, mb)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            for k, v in metrics.items():
-                if k.endswith("_max"):  # a maximum stays a maximum; everything else is averaged
-                    totals[k] = max(totals.get(k, float("-inf")), float(v))
-                else:
-                    totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+        # on one rank, parameters stay gathered from the first forward to the last backward (no copies)
+        keep_gathered = self.dp_size == 1
+        try:
+            for i, mb in enumerate(micro_batches):
+                mb = mb.to(self.device)
+                last = i == len(micro_batches) - 1
+                # reduce-scatter gradients only once, after the last micro-batch
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last or not keep_gathered)
+                log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
+                loss, metrics = loss_fn(log_probs, entropy, mb)
+                loss.backward()
+                loss_sum += float(loss.detach())
+                for k, v in metrics.items():
+                    if k.endswith("_max"):  # a maximum stays a maximum; everything else is averaged
+                        totals[k] = max(totals.get(k, float("-inf")), float(v))
+                    else:
+                        totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+        finally:
+            self.model.set_reshard_after_backward(True)
+            reshard_all(self.model)
         totals["loss"] = loss_sum
         return totals
 
