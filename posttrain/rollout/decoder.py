@@ -73,12 +73,6 @@ class SlotKVCache:
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
-    def copy_prefix(self, src_slot: int, dst_slots: torch.Tensor, length: int) -> None:
-        """Share a prefilled prompt: copy its first `length` positions into other slots."""
-        assert self.k is not None and self.v is not None
-        self.k[:, dst_slots, :, :length] = self.k[:, src_slot : src_slot + 1, :, :length]
-        self.v[:, dst_slots, :, :length] = self.v[:, src_slot : src_slot + 1, :, :length]
-
 
 @dataclass
 class DecoderRunner:
@@ -111,9 +105,19 @@ class DecoderRunner:
 
     @torch.no_grad()
     def prefill(
-        self, cache: SlotKVCache, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
+        self,
+        cache: SlotKVCache,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Right-padded prompts (B, P) into `slots`; returns the logits after each prompt's last token."""
+        """Right-padded prompts (B, P) into the cache; returns the logits after each prompt's last token.
+
+        Prompt `rows[j]` is written to slot `slots[j]` (default: row j to slot j), so the n samples of one
+        prompt share its single prefill without a later copy.
+        """
+        rows = torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows
         batch, width = tokens.shape
         device = tokens.device
         positions = torch.arange(width, device=device).expand(batch, width)
@@ -128,8 +132,8 @@ class DecoderRunner:
             residual = h
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer.self_attn, x, cos, sin)
-            cache.k[i, slots, :, :width] = k  # type: ignore[index]
-            cache.v[i, slots, :, :width] = v  # type: ignore[index]
+            cache.k[i, slots, :, :width] = k[rows]  # type: ignore[index]
+            cache.v[i, slots, :, :width] = v[rows]  # type: ignore[index]
             out = self._attend(q, k, v, mask).transpose(1, 2).reshape(batch, width, -1)
             h = residual + layer.self_attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))

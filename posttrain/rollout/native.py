@@ -259,17 +259,13 @@ class NativeRolloutEngine:
         )
         for i, group in enumerate(groups):
             tokens[i, : lengths[i]] = torch.tensor(group[0].request.prompt_ids, device=self.device)
-        first_slots = torch.tensor([g[0].slot for g in groups], device=self.device)
-        logits = self.runner.prefill(self.cache, tokens, lengths, first_slots)
+        members = [seq for group in groups for seq in group]
+        rows = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=self.device)
+        slots = torch.tensor([seq.slot for seq in members], device=self.device)
+        # one prefill per distinct prompt, its keys/values written to the slot of every sample of it
+        logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows)
         self.stats["prefill_tokens"] += int(lengths.sum())
-        rows, members = [], []
-        for i, group in enumerate(groups):
-            if len(group) > 1:
-                others = torch.tensor([s.slot for s in group[1:]], device=self.device)
-                self.cache.copy_prefix(group[0].slot, others, int(lengths[i]))
-            rows.extend([i] * len(group))
-            members.extend(group)
-        self._append_tokens(members, logits[torch.tensor(rows, device=self.device)], running, free)
+        self._append_tokens(members, logits[rows], running, free)
 
     def _decode_step(self, running: list[_Sequence], free: list[int]) -> None:
         tokens = torch.tensor([s.tokens[-1] for s in running], device=self.device)
