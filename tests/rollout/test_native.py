@@ -9,7 +9,7 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine
 
 
@@ -162,3 +162,24 @@ def test_prompt_longer_than_context_names_the_request(engine: NativeRolloutEngin
     too_long = [5] * engine.max_context
     with pytest.raises(ValueError, match="request 1: prompt of"):
         engine.generate([[5, 6], too_long], SamplingParams(max_tokens=4))
+
+
+def test_no_scheduler_thread_outlives_its_work(engine: NativeRolloutEngine, tiny_model_dir: Path) -> None:
+    """An idle thread that ran torch ops slows the trainer's OpenMP compute: none may linger."""
+    import threading
+    import time
+
+    from posttrain.rollout.native import THREAD_NAME
+
+    def scheduler_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+    batch = prompts(tiny_model_dir, 3)
+    engine.generate(batch, SamplingParams(temperature=1.0, max_tokens=4))
+    assert scheduler_threads() == []  # the batch API ran the scheduler in the calling thread
+    future = engine.submit(GenerationRequest(batch[0], SamplingParams(temperature=0.0, max_tokens=4)))
+    assert future.result(timeout=30).token_ids
+    deadline = time.monotonic() + 5
+    while scheduler_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler_threads() == []
