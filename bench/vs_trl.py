@@ -190,6 +190,13 @@ def main() -> None:
     parser.add_argument(
         "--sft-steps", type=int, default=None, help="SFT warm-start steps (0 = none); default: the demo's"
     )
+    parser.add_argument(
+        "--sft-set",
+        action="append",
+        default=[],
+        metavar="PRESET:KEY=VALUE",
+        help="extra SFT override for one preset, e.g. small:optim.lr=1e-3 (repeatable; cached separately)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the timing")
     parser.add_argument("--reward-window", type=int, default=3, help="last steps the reward is averaged on")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -237,7 +244,13 @@ def main() -> None:
     print(f"fp32 matmul peak (2048^2, {args.threads} threads): {peaks[0] / 1e9:.1f} GFLOP/s", flush=True)
     failures, warnings, raw = [], [], {}
     for preset in args.presets.split(","):
-        prep_spec = {"work": str(work), "preset": preset, "sft_steps": args.sft_steps}
+        sft_overrides = [o.split(":", 1)[1] for o in args.sft_set if o.split(":", 1)[0] == preset]
+        prep_spec = {
+            "work": str(work),
+            "preset": preset,
+            "sft_steps": args.sft_steps,
+            "sft_overrides": sft_overrides,
+        }
         print(f"{preset}: model, task and SFT warm start ({args.sft_steps} steps) ...", flush=True)
         prep, error = spawn("prepare", prep_spec, work / preset / "prepare.log")
         if prep is None:
@@ -285,7 +298,12 @@ def main() -> None:
                     f"last{args.reward_window} {s['reward_last']:.3f} (wall {wall:.0f} s)",
                     flush=True,
                 )
-        raw[preset] = {"sft_seconds": prep["sft_seconds"], "runs": runs, "summaries": summaries}
+        raw[preset] = {
+            "sft_seconds": prep["sft_seconds"],
+            "sft_overrides": sft_overrides,
+            "runs": runs,
+            "summaries": summaries,
+        }
         first = [r["reward_first_step"] for f in frameworks for r in summaries[f]]
         if first and statistics.median(first) < 0.1:
             warnings.append(
@@ -350,6 +368,7 @@ def main() -> None:
             "seed": args.seed,
             "steps": args.steps,
             "sft_steps": args.sft_steps,
+            "sft_extra_overrides": args.sft_set,
             "posttrain_extra_overrides": args.posttrain_set,
             "warmup_steps_untimed": args.warmup_steps,
             "reward_window": args.reward_window,

@@ -8,6 +8,7 @@ Each worker prints its framework's own log and writes its per-step figures as JS
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import time
@@ -39,7 +40,9 @@ def prepare_worker(spec: dict) -> dict:
 
     quiet_transformers()
     root = Path(spec["work"]) / spec["preset"]
-    model, data, sft = root / "model", root / "data", root / f"sft{spec['sft_steps']}"
+    extra = list(spec.get("sft_overrides", []))
+    tag = "-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
+    model, data, sft = root / "model", root / "data", root / f"sft{spec['sft_steps']}{tag}"
     if not (model / "config.json").exists():
         make_tiny_model(spec["preset"], model, corpus(20000, seed=0))
     if not (data / "test.parquet").exists():
@@ -58,6 +61,7 @@ def prepare_worker(spec: dict) -> dict:
                 f"trainer.run_dir={sft}",
                 f"trainer.total_steps={spec['sft_steps']}",
                 *overrides,
+                *extra,
             ],
         )
         SFTTrainer(cfg).fit()

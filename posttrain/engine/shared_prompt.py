@@ -49,20 +49,27 @@ class SharedPromptLayout:
     predict_pos: torch.Tensor  # (B, R) flat packed index of the output predicting each response token; -1 pad
 
 
-def group_rows_by_prompt(input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Row indices grouped by identical prompt tokens (real tokens only), in order of first appearance."""
+def _real_tokens(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real (unmasked) token ids, as Python lists (one conversion for the whole batch)."""
+    return [
+        [t for t, m in zip(ids, keep, strict=True) if m]
+        for ids, keep in zip(input_ids.tolist(), mask.tolist(), strict=True)
+    ]
+
+
+def group_rows_by_prompt(prompts: list[list[int]]) -> list[list[int]]:
+    """Row indices grouped by identical prompt tokens, in order of first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
-    for i in range(input_ids.shape[0]):
-        key = tuple(input_ids[i][prompt_mask[i]].tolist())
-        groups.setdefault(key, []).append(i)
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
     return list(groups.values())
 
 
 def has_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> bool:
     """Whether any two rows carry the same prompt (otherwise sharing saves nothing)."""
     prompt_width = input_ids.shape[1] - response_width
-    prompt_mask = attention_mask[:, :prompt_width].bool()
-    return len(group_rows_by_prompt(input_ids[:, :prompt_width], prompt_mask)) < input_ids.shape[0]
+    prompts = _real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    return len(group_rows_by_prompt(prompts)) < input_ids.shape[0]
 
 
 def _units(
@@ -91,60 +98,69 @@ def pack_shared_prompts(
 
     Rows are grouped by identical real prompt tokens; a group whose prompt + responses exceed the row width
     (max(`row_tokens`, longest prompt + response)) is split into several units, each with the prompt.
+    The layout is built in Python lists and turned into tensors once (it runs before every pass).
     """
     device = input_ids.device
     batch, total = input_ids.shape
     prompt_width = total - response_width
-    mask = attention_mask.bool()
-    prompt_mask, response_mask = mask[:, :prompt_width], mask[:, prompt_width:]
-    prompt_lens = prompt_mask.sum(1).tolist()
-    response_lens = response_mask.sum(1).tolist()
+    prompts = _real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    responses = _real_tokens(input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
+    response_cells = [
+        [c for c, m in enumerate(keep) if m] for keep in attention_mask[:, prompt_width:].tolist()
+    ]
+    prompt_lens, response_lens = [len(p) for p in prompts], [len(r) for r in responses]
     width = max([row_tokens, *(p + r for p, r in zip(prompt_lens, response_lens, strict=True))])
-    groups = group_rows_by_prompt(input_ids[:, :prompt_width], prompt_mask)
-    units = _units(groups, prompt_lens, response_lens, width)
+    units = _units(group_rows_by_prompt(prompts), prompt_lens, response_lens, width)
     unit_lens = [prompt_lens[u[0]] + sum(response_lens[i] for i in u) for u in units]
     bins = first_fit_decreasing(unit_lens, width)
 
-    ids = torch.zeros((len(bins), width), dtype=input_ids.dtype, device=device)
-    positions = torch.zeros((len(bins), width), dtype=torch.long, device=device)
-    # per packed token: which unit it belongs to and which branch (0 = prompt, k = k-th response)
-    unit_of = torch.full((len(bins), width), -1, dtype=torch.long, device=device)
-    branch_of = torch.zeros((len(bins), width), dtype=torch.long, device=device)
-    predict_pos = torch.full((batch, response_width), -1, dtype=torch.long, device=device)
+    # per packed token: id, position, unit, branch (0 = prompt, k = k-th response of the unit)
+    ids: list[int] = []
+    positions: list[int] = []
+    unit_of: list[int] = []
+    branch_of: list[int] = []
+    cell_rows: list[int] = []  # predict_pos[cell_rows[j], cell_cols[j]] = cell_pos[j]
+    cell_cols: list[int] = []
+    cell_pos: list[int] = []
     for row, members in enumerate(bins):
-        offset = 0
+        row_start = len(ids)
         for u in members:
-            rows = units[u]
-            first = rows[0]
-            prompt = input_ids[first, :prompt_width][prompt_mask[first]]
-            p = prompt.numel()
-            ids[row, offset : offset + p] = prompt
-            positions[row, offset : offset + p] = torch.arange(p, device=device)
-            unit_of[row, offset : offset + p] = u
-            last_prompt = row * width + offset + p - 1
-            offset += p
-            for k, i in enumerate(rows, start=1):
+            prompt = prompts[units[u][0]]
+            p = len(prompt)
+            ids += prompt
+            positions += range(p)
+            unit_of += [u] * p
+            branch_of += [0] * p
+            last_prompt = len(ids) - 1
+            for k, i in enumerate(units[u], start=1):
                 r = response_lens[i]
-                if r == 0:
-                    continue
-                ids[row, offset : offset + r] = input_ids[i, prompt_width:][response_mask[i]]
-                positions[row, offset : offset + r] = torch.arange(p, p + r, device=device)
-                unit_of[row, offset : offset + r] = u
-                branch_of[row, offset : offset + r] = k
+                start = len(ids)
+                ids += responses[i]
+                positions += range(p, p + r)
+                unit_of += [u] * r
+                branch_of += [k] * r
                 # the prompt's last output predicts response token 0; token j's output predicts j + 1
-                flat = row * width + offset + torch.arange(r, device=device)
-                cells = response_mask[i].nonzero().flatten()
-                predict_pos[i, cells] = torch.cat([flat.new_tensor([last_prompt]), flat[:-1]])
-                offset += r
-        # filler: its own causal run (branch 0 of a unit id no real token has), never attended to by others
-        unit_of[row, offset:] = len(units) + row
-        positions[row, offset:] = torch.arange(width - offset, device=device)
+                cell_rows += [i] * r
+                cell_cols += response_cells[i]
+                cell_pos += [last_prompt, *range(start, start + r - 1)][:r]
+        # filler: its own causal run (a unit id no real token has), never attended to by others
+        filler = width - (len(ids) - row_start)
+        ids += [0] * filler
+        positions += range(filler)
+        unit_of += [len(units) + row] * filler
+        branch_of += [0] * filler
 
+    def grid(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device).view(len(bins), width)
+
+    unit, branch = grid(unit_of), grid(branch_of)
+    predict_pos = torch.full((batch, response_width), -1, dtype=torch.long, device=device)
+    predict_pos[cell_rows, cell_cols] = torch.tensor(cell_pos, dtype=torch.long, device=device)
     causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-    same_unit = unit_of[:, :, None] == unit_of[:, None, :]
-    key_visible = (branch_of[:, None, :] == 0) | (branch_of[:, :, None] == branch_of[:, None, :])
+    same_unit = unit[:, :, None] == unit[:, None, :]
+    key_visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
     attend = same_unit & key_visible & causal
-    return SharedPromptLayout(ids, positions, attend[:, None], predict_pos)
+    return SharedPromptLayout(grid(ids).to(input_ids.dtype), grid(positions), attend[:, None], predict_pos)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -169,7 +169,7 @@ class TrainEngine:
                 lr=config.lr,
                 betas=config.betas,
                 weight_decay=config.weight_decay,
-                foreach=False,
+                fused=True,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config))
 

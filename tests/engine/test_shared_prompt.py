@@ -24,7 +24,7 @@ def test_layout_runs_each_prompt_once_and_isolates_the_responses() -> None:
     # two rows share prompt [5, 6] (left-padded), one row has prompt [7]
     ids = torch.tensor([[0, 5, 6, 11, 12, 0], [0, 5, 6, 13, 0, 0], [0, 0, 7, 14, 15, 16]])
     mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
-    assert group_rows_by_prompt(ids[:, :3], mask[:, :3].bool()) == [[0, 1], [2]]
+    assert group_rows_by_prompt([[5, 6], [5, 6], [7]]) == [[0, 1], [2]]
     layout = pack_shared_prompts(ids, mask, response_width=3, row_tokens=6)
     # units: [5 6 | 11 12 | 13] (5 tokens) and [7 | 14 15 16] (4 tokens): one row each at width 6
     assert layout.input_ids.tolist() == [[5, 6, 11, 12, 13, 0], [7, 14, 15, 16, 0, 0]]
