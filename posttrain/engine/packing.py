@@ -62,15 +62,35 @@ def packed_model_output(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim)."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    ).logits
-    return out.reshape(-1, out.shape[-1])
+    """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim).
+
+    `keep` (flat positions): only those rows of the result, in that order. With an LM head the hidden
+    states are gathered before the head, so the (vocab-wide) logits exist only for the kept positions:
+    less compute and far less memory with a large vocabulary.
+    """
+    head = model.get_output_embeddings() if keep is not None else None
+    handle = None
+    if head is not None:
+
+        def select(module: nn.Module, args: tuple) -> tuple:
+            hidden = args[0]
+            return (hidden.reshape(-1, hidden.shape[-1])[keep][None], *args[1:])
+
+        handle = head.register_forward_pre_hook(select)
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    out = out.reshape(-1, out.shape[-1])
+    return out if keep is None or head is not None else out[keep]
 
 
 def unpack_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -106,12 +126,12 @@ def response_outputs(
         if options.eager_mask_dtype is not None:
             mask = additive_mask(mask, options.eager_mask_dtype)
         valid = shared.predict_pos >= 0
-        out = packed_model_output(model, shared.input_ids, shared.position_ids, mask)
-        return out[shared.predict_pos[valid]], valid
+        keep = shared.predict_pos[valid]
+        return packed_model_output(model, shared.input_ids, shared.position_ids, mask, keep), valid
     layout = pack(input_ids, attention_mask, options.row_tokens)
     total = layout.flat_pos.shape[1]
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
-    return packed_model_output(model, layout.input_ids, layout.position_ids)[target_pos - 1], valid
+    return packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1), valid
 
 
 def packed_response_log_probs(
@@ -156,6 +176,6 @@ def packed_next_token_log_probs(
     layout = pack(input_ids, attention_mask, row_tokens)
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
-    logits = packed_model_output(model, layout.input_ids, layout.position_ids)[target_pos - 1]
+    logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1)
     targets = layout.input_ids.reshape(-1)[target_pos]
     return unpack_rows(token_log_probs(logits, targets), has_context)

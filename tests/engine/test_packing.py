@@ -140,3 +140,19 @@ def test_balanced_partition_equal_counts_and_near_equal_sums() -> None:
     assert max(sums) - min(sums) <= max(lengths) // 4  # far tighter than a contiguous split
     uneven = balanced_partition([5, 4, 3, 2, 1], 2)
     assert sorted(len(p) for p in uneven) == [2, 3]
+
+
+def test_kept_positions_get_logits_without_the_full_logit_grid(tiny_model_dir: Path) -> None:
+    from posttrain.engine.packing import packed_model_output
+
+    model = load_causal_lm(tiny_model_dir)
+    batch = synthetic_rl_batch(rows=5, prompt_width=9, response_width=7, vocab=1000, seed=2)
+    layout = pack(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], row_tokens=32)
+    keep = torch.tensor([7, 3, 20, 0])
+    seen: list[tuple[int, ...]] = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    kept = packed_model_output(model, layout.input_ids, layout.position_ids, keep=keep)
+    handle.remove()
+    full = packed_model_output(model, layout.input_ids, layout.position_ids)
+    assert seen == [(1, 4, model.config.vocab_size)]  # the head ran on the 4 kept positions only
+    torch.testing.assert_close(kept, full[keep], atol=1e-5, rtol=0)
