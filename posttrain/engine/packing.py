@@ -17,7 +17,12 @@ from torch import nn
 
 from posttrain.data.partition import first_fit_decreasing
 from posttrain.engine.log_probs import chunked_log_probs_and_entropy, token_log_probs
-from posttrain.engine.shared_prompt import additive_mask, has_shared_prompts, pack_shared_prompts
+from posttrain.engine.shared_prompt import (
+    additive_mask,
+    has_shared_prompts,
+    pack_shared_prompts,
+    real_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -36,25 +41,37 @@ class PackedLayout:
 def pack(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int, filler_id: int = 0
 ) -> PackedLayout:
-    """Lay the real tokens of each row end to end in rows of max(`row_tokens`, longest sequence)."""
-    mask = attention_mask.bool()
-    lengths = mask.sum(1).tolist()
+    """Lay the real tokens of each row end to end in rows of max(`row_tokens`, longest sequence).
+
+    Built in Python lists and turned into tensors once (it runs before every pass).
+    """
+    device = input_ids.device
+    tokens, columns = real_tokens(input_ids, attention_mask)
+    lengths = [len(cols) for cols in columns]
     width = max([row_tokens, *lengths]) if lengths else row_tokens
     bins = first_fit_decreasing(lengths, width)
-    packed_ids = torch.full((len(bins), width), filler_id, dtype=input_ids.dtype, device=input_ids.device)
-    positions = torch.zeros((len(bins), width), dtype=torch.long, device=input_ids.device)
-    flat_pos = torch.full(mask.shape, -1, dtype=torch.long, device=input_ids.device)
-    for row, members in enumerate(bins):
-        offset = 0
+    ids: list[int] = []
+    positions: list[int] = []
+    cell_rows: list[int] = []  # flat_pos[cell_rows[j], cell_cols[j]] = cell_pos[j]
+    cell_cols: list[int] = []
+    cell_pos: list[int] = []
+    for members in bins:
+        row_start = len(ids)
         for i in members:
-            n = lengths[i]
-            packed_ids[row, offset : offset + n] = input_ids[i][mask[i]]
-            positions[row, offset : offset + n] = torch.arange(n, device=input_ids.device)
-            flat_pos[i, mask[i]] = row * width + offset + torch.arange(n, device=input_ids.device)
-            offset += n
+            cell_rows += [i] * lengths[i]
+            cell_cols += columns[i]
+            cell_pos += range(len(ids), len(ids) + lengths[i])
+            ids += tokens[i]
+            positions += range(lengths[i])
         # the filler is one more "sequence" counting from 0, so it never joins the one before it
-        positions[row, offset:] = torch.arange(width - offset, device=input_ids.device)
-    return PackedLayout(packed_ids, positions, flat_pos)
+        filler = width - (len(ids) - row_start)
+        ids += [filler_id] * filler
+        positions += range(filler)
+    flat_pos = torch.full(input_ids.shape, -1, dtype=torch.long, device=device)
+    flat_pos[cell_rows, cell_cols] = torch.tensor(cell_pos, dtype=torch.long, device=device)
+    packed_ids = torch.tensor(ids, dtype=input_ids.dtype, device=device).view(len(bins), width)
+    packed_positions = torch.tensor(positions, dtype=torch.long, device=device).view(len(bins), width)
+    return PackedLayout(packed_ids, packed_positions, flat_pos)
 
 
 def packed_model_output(

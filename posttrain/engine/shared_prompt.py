@@ -49,12 +49,11 @@ class SharedPromptLayout:
     predict_pos: torch.Tensor  # (B, R) flat packed index of the output predicting each response token; -1 pad
 
 
-def _real_tokens(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """Each row's real (unmasked) token ids, as Python lists (one conversion for the whole batch)."""
-    return [
-        [t for t, m in zip(ids, keep, strict=True) if m]
-        for ids, keep in zip(input_ids.tolist(), mask.tolist(), strict=True)
-    ]
+def real_tokens(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's real (unmasked) token ids and their column indices, as Python lists (one conversion)."""
+    columns = [[c for c, m in enumerate(keep) if m] for keep in mask.tolist()]
+    tokens = [[row[c] for c in cols] for row, cols in zip(input_ids.tolist(), columns, strict=True)]
+    return tokens, columns
 
 
 def group_rows_by_prompt(prompts: list[list[int]]) -> list[list[int]]:
@@ -68,7 +67,7 @@ def group_rows_by_prompt(prompts: list[list[int]]) -> list[list[int]]:
 def has_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> bool:
     """Whether any two rows carry the same prompt (otherwise sharing saves nothing)."""
     prompt_width = input_ids.shape[1] - response_width
-    prompts = _real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    prompts, _ = real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
     return len(group_rows_by_prompt(prompts)) < input_ids.shape[0]
 
 
@@ -103,11 +102,8 @@ def pack_shared_prompts(
     device = input_ids.device
     batch, total = input_ids.shape
     prompt_width = total - response_width
-    prompts = _real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
-    responses = _real_tokens(input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
-    response_cells = [
-        [c for c, m in enumerate(keep) if m] for keep in attention_mask[:, prompt_width:].tolist()
-    ]
+    prompts, _ = real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    responses, response_cells = real_tokens(input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
     prompt_lens, response_lens = [len(p) for p in prompts], [len(r) for r in responses]
     width = max([row_tokens, *(p + r for p, r in zip(prompt_lens, response_lens, strict=True))])
     units = _units(group_rows_by_prompt(prompts), prompt_lens, response_lens, width)
