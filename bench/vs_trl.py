@@ -46,9 +46,10 @@ throughput figures (first-call allocations). Tokens counted per step: completion
 both frameworks train on it) and prompt tokens (each of the 8 samples counts its prompt). Rewards: the mean
 training reward of step 1 (same weights and prompts in both: the check that the set-up matches) and of the
 last `--reward-window` steps. Model FLOP/s is counted the same way for both with posttrain.tracking.flops
-(generation with each prompt's prefill once per group, plus one training pass; posttrain's extra log-prob
-pass not counted) and given as a fraction of this machine's fp32 matmul peak, measured at the start and
-at the end (the larger is used).
+(generation with each prompt's prefill once per group, plus one training pass over every sample's prompt and
+completion) and given as a fraction of this machine's fp32 matmul peak, measured at the start and at the end
+(the larger is used). It is the same unit of work for both, not the work done: posttrain's training pass
+runs each group's prompt once (model.share_prompt), so its fraction can approach or pass 1.
 
     pip install -e '.[bench]'                        # TRL; the script installs nothing
     python bench/vs_trl.py                           # tiny and small presets, 10 steps, 3 repeats
