@@ -250,7 +250,9 @@ class SFTTrainerConfig:
 class SFTConfig:
     """Supervised fine-tuning: the same engine, cross-entropy on response tokens."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(share_prompt=False)
+    )  # one response per prompt
     data: DataConfig = field(default_factory=lambda: DataConfig(max_response_length=32))
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

@@ -17,6 +17,10 @@ from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port
 from posttrain.errors import WorkerError
 
+# Worker processes get at least this long to start (spawn, imports, model loading) whatever the
+# collective timeout: a short collective timeout must not fail a start on a loaded machine.
+START_TIMEOUT_S = 300.0
+
 
 def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) -> list[tuple[list, dict]]:
     """Per-rank (args, kwargs): each Batch is chunked into `world_size` equal parts, everything else copied."""
@@ -157,7 +161,9 @@ class RayWorkerGroup:
                 ).remote()
                 for rank in range(self.world_size)
             ]
-            master_addr, master_port = self._get([self.workers[0].rendezvous.remote()], "start")[0]
+            master_addr, master_port = self._get(
+                [self.workers[0].rendezvous.remote()], "start", max(timeout_s, START_TIMEOUT_S)
+            )[0]
             infos = [
                 DistInfo(
                     rank=rank,
@@ -172,12 +178,13 @@ class RayWorkerGroup:
             self._get(
                 [w.start.remote(worker_cls, spec, info) for w, info in zip(self.workers, infos, strict=True)],
                 "start",
+                max(timeout_s, START_TIMEOUT_S),
             )
         except Exception:
             self.shutdown()
             raise
 
-    def _get(self, refs: list[Any], method: str) -> list[Any]:
+    def _get(self, refs: list[Any], method: str, timeout_s: float | None = None) -> list[Any]:
         """Results in rank order; the first failure (whichever rank) is raised at once, naming the rank."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -185,12 +192,13 @@ class RayWorkerGroup:
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
+        timeout = timeout_s or self.timeout_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not done:
                 ranks = sorted(rank_of[r] for r in pending)
                 raise WorkerError(
-                    f"{self.role} ranks {ranks}: {method} timed out after {self.timeout_s:g}s",
+                    f"{self.role} ranks {ranks}: {method} timed out after {timeout:g}s",
                     role=self.role,
                     rank=ranks[0],
                 )

@@ -37,3 +37,22 @@ def test_sft_lowers_nll_and_exports(tiny_model_dir: Path, arithmetic_data: dict,
     model = load_causal_lm(trainer.hf_dir)
     assert load_tokenizer(trainer.hf_dir).eos_token == "<|im_end|>"
     assert sum(p.numel() for p in model.parameters()) > 900_000
+
+
+def test_sft_rejects_shared_prompts(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
+    import pytest
+
+    from posttrain.errors import ConfigError
+
+    cfg = load_config(
+        SFTConfig,
+        "sft",
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.train_files=[{arithmetic_data['train']}]",
+            f"trainer.run_dir={tmp_path}",
+            "model.share_prompt=true",
+        ],
+    )
+    with pytest.raises(ConfigError, match="share_prompt=true is for RL"):
+        SFTTrainer(cfg)
