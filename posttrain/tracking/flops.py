@@ -42,13 +42,16 @@ def matmul_params(config: Mapping[str, Any], head: str = "lm") -> int:
     hidden, layers, ffn, heads, kv_heads, head_dim = _dims(config)
     attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
     mlp = 3 * hidden * ffn
+    return layers * (attention + mlp) + head_params(config, head)
+
+
+def head_params(config: Mapping[str, Any], head: str = "lm") -> int:
+    """Weights of the output head: `lm` hidden x vocab, `value` hidden x 1."""
     if head == "lm":
-        out = hidden * int(config["vocab_size"])
-    elif head == "value":
-        out = hidden
-    else:
-        raise ValueError(f"unknown head {head!r}; valid: lm, value")
-    return layers * (attention + mlp) + out
+        return int(config["hidden_size"]) * int(config["vocab_size"])
+    if head == "value":
+        return int(config["hidden_size"])
+    raise ValueError(f"unknown head {head!r}; valid: lm, value")
 
 
 def _attention_flops_per_pair(config: Mapping[str, Any]) -> int:
@@ -57,19 +60,59 @@ def _attention_flops_per_pair(config: Mapping[str, Any]) -> int:
 
 
 def _matmul_and_attention(
-    config: Mapping[str, Any], seq_lens: Sequence[int] | torch.Tensor, head: str
+    config: Mapping[str, Any],
+    seq_lens: Sequence[int] | torch.Tensor,
+    head: str,
+    prompt_lens: Sequence[int] | torch.Tensor | None,
+    samples_per_prompt: int,
 ) -> tuple[float, float]:
     lens = torch.as_tensor(seq_lens, dtype=torch.float64)
-    pairs = float((lens * (lens + 1) / 2).sum())
-    return 2.0 * matmul_params(config, head) * float(lens.sum()), _attention_flops_per_pair(config) * pairs
+    if prompt_lens is None:
+        pairs = float((lens * (lens + 1) / 2).sum())
+        attention = _attention_flops_per_pair(config) * pairs
+        return 2.0 * matmul_params(config, head) * float(lens.sum()), attention
+    prompts = torch.as_tensor(prompt_lens, dtype=torch.float64)
+    return _prompt_and_response_work(config, prompts, lens - prompts, samples_per_prompt, head)
+
+
+def _prompt_and_response_work(
+    config: Mapping[str, Any],
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    samples_per_prompt: int,
+    head: str,
+) -> tuple[float, float]:
+    """(matmul, attention) FLOPs that turn prompts into the distributions of their responses' tokens.
+
+    Each prompt's P positions run once per group; then each sample needs R - 1 more positions (its last
+    token is never an input), position p attending p + 1 keys; the head runs at the R positions that
+    predict a response token. Generating and scoring a response are the same work.
+    """
+    n = float(samples_per_prompt)
+    body = matmul_params(config, head) - head_params(config, head)
+    steps = (responses - 1).clamp(min=0)
+    positions = float(prompts.sum()) / n + float(steps.sum())
+    pairs = float((prompts * (prompts + 1) / 2).sum()) / n
+    pairs += float((steps * (prompts + 1) + steps * (steps - 1) / 2).sum())
+    matmul = 2.0 * body * positions + 2.0 * head_params(config, head) * float(responses.sum())
+    return matmul, _attention_flops_per_pair(config) * pairs
 
 
 def forward_flops(
-    config: Mapping[str, Any], seq_lens: Sequence[int] | torch.Tensor, head: str = "lm"
+    config: Mapping[str, Any],
+    seq_lens: Sequence[int] | torch.Tensor,
+    head: str = "lm",
+    prompt_lens: Sequence[int] | torch.Tensor | None = None,
+    samples_per_prompt: int = 1,
 ) -> float:
-    """Forward FLOPs of sequences of `seq_lens` real tokens, every position through the head:
-    sum_T [2 * N_matmul * T + 4 * n_layers * heads * head_dim * T(T+1)/2]."""
-    return sum(_matmul_and_attention(config, seq_lens, head))
+    """Forward FLOPs of sequences of `seq_lens` real tokens.
+
+    Without `prompt_lens` every position runs through the head:
+    sum_T [2 * N_matmul * T + 4 * n_layers * heads * head_dim * T(T+1)/2]. With them (an RL pass scoring
+    responses), the work the scores need: each prompt once per group of `samples_per_prompt` samples, the head
+    only at the positions that predict a response token: the same work as `generation_flops`.
+    """
+    return sum(_matmul_and_attention(config, seq_lens, head, prompt_lens, samples_per_prompt))
 
 
 def train_flops(
@@ -77,10 +120,12 @@ def train_flops(
     seq_lens: Sequence[int] | torch.Tensor,
     head: str = "lm",
     frozen_weights: bool = False,
+    prompt_lens: Sequence[int] | torch.Tensor | None = None,
+    samples_per_prompt: int = 1,
 ) -> float:
-    """Forward + backward FLOPs of one training pass: 3 x forward, or with `frozen_weights` (LoRA)
-    2 x the matmul part (no weight gradients) + 3 x the attention part."""
-    matmul, attention = _matmul_and_attention(config, seq_lens, head)
+    """Forward + backward FLOPs of one training pass (positions counted as in `forward_flops`): 3 x forward,
+    or with `frozen_weights` (LoRA) 2 x the matmul part (no weight gradients) + 3 x the attention part."""
+    matmul, attention = _matmul_and_attention(config, seq_lens, head, prompt_lens, samples_per_prompt)
     return (2.0 if frozen_weights else 3.0) * matmul + 3.0 * attention
 
 
@@ -99,14 +144,7 @@ def generation_flops(
     """
     prompts = torch.as_tensor(prompt_lens, dtype=torch.float64)
     responses = torch.as_tensor(response_lens, dtype=torch.float64)
-    head = int(config["hidden_size"]) * int(config["vocab_size"])
-    body = matmul_params(config, "lm") - head
-    per_pair = _attention_flops_per_pair(config)
-    prefill = 2.0 * body * float(prompts.sum()) + per_pair * float((prompts * (prompts + 1) / 2).sum())
-    steps = (responses - 1).clamp(min=0)  # decode positions P .. P + R - 2
-    decode_pairs = float((steps * (prompts + 1) + steps * (steps - 1) / 2).sum())
-    decode = 2.0 * body * float(steps.sum()) + per_pair * decode_pairs
-    return prefill / samples_per_prompt + decode + 2.0 * head * float(responses.sum())
+    return sum(_prompt_and_response_work(config, prompts, responses, samples_per_prompt, "lm"))
 
 
 def measure_matmul_flops(

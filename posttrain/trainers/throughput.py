@@ -2,7 +2,9 @@
 
 MFU = model FLOPs of a phase / (phase seconds x peak FLOP/s per worker x workers); FLOPs as defined in
 `posttrain.tracking.flops` (causal attention pairs, backward = 2 x forward, no recomputation). Generation
-counts each prompt's prefill once per group of `rollout.n` samples. The peak is
+and the passes that score responses (log-probs, values, updates) count each prompt once per group of
+`rollout.n` samples and the head only where a response token is predicted: the work the step needs, not what
+an implementation happens to run (so `model.share_prompt=false` shows as a lower MFU). The peak is
 `trainer.peak_flops_per_worker`, or measured once at start-up with a short matmul loop on the workers' device
 type and thread count.
 """
@@ -88,8 +90,10 @@ class PerfMeter:
         lens = mask.sum(-1)
         tokens = float(lens.sum())
         responses = batch[keys.RESPONSE_MASK].sum(-1)
-        forward = forward_flops(self.actor_model, lens)
-        gen = generation_flops(self.actor_model, mask[:, :-width].sum(-1), responses, self.samples_per_prompt)
+        prompts = mask[:, :-width].sum(-1)
+        shape = {"prompt_lens": prompts, "samples_per_prompt": self.samples_per_prompt}
+        forward = forward_flops(self.actor_model, lens, **shape)
+        gen = generation_flops(self.actor_model, prompts, responses, self.samples_per_prompt)
         # dynamic sampling's dropped rounds and ReMax's greedy pass generated more than the batch holds
         gen *= gen_tokens / max(float(responses.sum()), 1.0)
         work = {
@@ -98,14 +102,15 @@ class PerfMeter:
             "ref": (tokens, forward),
             "update_actor": (
                 self.actor_epochs * tokens,
-                self.actor_epochs * train_flops(self.actor_model, lens, frozen_weights=self.actor_frozen),
+                self.actor_epochs
+                * train_flops(self.actor_model, lens, frozen_weights=self.actor_frozen, **shape),
             ),
         }
         if self.critic_model is not None:
-            work["values"] = (tokens, forward_flops(self.critic_model, lens, head="value"))
+            work["values"] = (tokens, forward_flops(self.critic_model, lens, head="value", **shape))
             work["update_critic"] = (
                 self.critic_epochs * tokens,
-                self.critic_epochs * train_flops(self.critic_model, lens, head="value"),
+                self.critic_epochs * train_flops(self.critic_model, lens, head="value", **shape),
             )
         return {phase: w for phase, w in work.items() if timings.get(f"timing/{phase}", 0.0) > 0}
 

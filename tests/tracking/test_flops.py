@@ -49,6 +49,20 @@ def test_hand_counted_forward_train_and_generation_flops() -> None:
     assert forward_flops(HAND, [3, 1]) == matmul + attention == 8768
     assert train_flops(HAND, [3, 1]) == 3 * (matmul + attention)
     assert train_flops(HAND, [3, 1], frozen_weights=True) == 2 * matmul + 3 * attention
+    # scoring passes: prompt 3 shared by 2 samples with responses 2 and 1. Body: 3 prompt positions once + 1
+    # (the 2-token response's first token; last tokens are never inputs); pairs: 6 (prompt, once) + 4; head: the
+    # 3 positions that predict a response token
+    scored = 2 * BODY * 4 + PAIR * (6 + 4) + 2 * HEAD * 3
+    shared = {"prompt_lens": [3, 3], "samples_per_prompt": 2}
+    assert forward_flops(HAND, [5, 4], **shared) == scored
+    assert scored == generation_flops(HAND, [3, 3], [2, 1], samples_per_prompt=2), "scoring = generating"
+    body_part = 2 * BODY * 4 + 2 * HEAD * 3
+    assert train_flops(HAND, [5, 4], **shared) == 3 * scored
+    assert train_flops(HAND, [5, 4], frozen_weights=True, **shared) == 2 * body_part + 3 * (
+        scored - body_part
+    )
+    # without sharing, each sample's prompt counts
+    assert forward_flops(HAND, [5, 4], prompt_lens=[3, 3]) == scored + 2 * BODY * 3 + PAIR * 6
     # prompt 3, response 2: positions 0..3 run through the body (the last token is never fed back),
     # the head runs for the 2 generated tokens only
     one = 2 * BODY * 4 + PAIR * (1 + 2 + 3 + 4) + 2 * HEAD * 2

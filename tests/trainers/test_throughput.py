@@ -53,13 +53,14 @@ def test_metrics_of_a_known_step() -> None:
     assert m["timing_share/adv"] == 0.25 / 4.0
     assert sum(v for k, v in m.items() if k.startswith("timing_share/")) == pytest.approx(3.25 / 4.0)
     lens = torch.tensor([5, 4])
+    shape = {"prompt_lens": [3, 3], "samples_per_prompt": 2}  # the shared prompt counted once
     flops = {
         "gen": generation_flops(MODEL, [3, 3], [2, 1], samples_per_prompt=2),
-        "old_log_prob": forward_flops(MODEL, lens),
-        "ref": forward_flops(MODEL, lens),
-        "values": forward_flops(MODEL, lens, head="value"),
-        "update_critic": train_flops(MODEL, lens, head="value"),
-        "update_actor": 2 * train_flops(MODEL, lens),
+        "old_log_prob": forward_flops(MODEL, lens, **shape),
+        "ref": forward_flops(MODEL, lens, **shape),
+        "values": forward_flops(MODEL, lens, head="value", **shape),
+        "update_critic": train_flops(MODEL, lens, head="value", **shape),
+        "update_actor": 2 * train_flops(MODEL, lens, **shape),
     }
     for phase, f in flops.items():
         assert m[f"perf/mfu/{phase}"] == pytest.approx(f / (0.5 * 2e6)), phase
