@@ -44,7 +44,7 @@ RL_OVERRIDES = [
     "trainer.save_every=20",
     "trainer.loggers=[console,jsonl,tensorboard]",
 ]
-DEFAULT_RL_STEPS = 200
+DEFAULT_RL_STEPS = 300
 
 
 def run_demo(

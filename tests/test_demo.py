@@ -10,11 +10,11 @@ from posttrain.demo import run_demo
 
 
 @pytest.mark.slow
-def test_demo_raises_held_out_accuracy_by_20_points(tmp_path: Path, ray_cluster: None) -> None:
+def test_demo_raises_held_out_accuracy_by_30_points(tmp_path: Path, ray_cluster: None) -> None:
     summary = run_demo(tmp_path / "demo", n_workers=2)
     before, after = summary["before"]["val/acc"], summary["after_acc_last3"]
     assert before <= 0.45, f"the warm start must leave room to learn (before={before:.1%})"
-    # measured +28 to +32 points over 200 steps from warm starts at 27% and 50%; 20 leaves room for noise
-    assert after - before >= 0.20, f"accuracy {before:.1%} -> {after:.1%} (mean of the last 3 validations)"
+    # measured +44 points over 300 steps from the 27% warm start (+32 after 200)
+    assert after - before >= 0.30, f"accuracy {before:.1%} -> {after:.1%} (mean of the last 3 validations)"
     assert summary["train_reward_last5"] > summary["train_reward_first5"]
     assert summary["total_seconds"] < 15 * 60
