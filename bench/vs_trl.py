@@ -133,13 +133,15 @@ def spawn(kind: str, spec: dict, log_path: Path) -> tuple[dict | None, str]:
 
 def step_flops(model_config: dict, step: dict, n: int) -> float:
     """Model FLOPs of one step, the same count for both frameworks (posttrain.tracking.flops, as posttrain's
-    own perf/mfu): generating the responses (each prompt's prefill once per group of n) and one training
-    pass over prompt + response; posttrain's extra log-prob forward is not counted."""
+    own perf/mfu): generating the responses and one training pass over them, each prompt once per group of
+    n and the head where a response token is predicted (the work the step needs, whatever either framework
+    runs); posttrain's extra log-prob forward is not counted."""
     from posttrain.tracking.flops import generation_flops, train_flops
 
     prompts, responses = step["prompt_lens"], step["response_lens"]
     total = [p + r for p, r in zip(prompts, responses, strict=True)]
-    return generation_flops(model_config, prompts, responses, n) + train_flops(model_config, total)
+    training = train_flops(model_config, total, prompt_lens=prompts, samples_per_prompt=n)
+    return generation_flops(model_config, prompts, responses, n) + training
 
 
 def summarize_run(run: dict, warmup: int, window: int, model_config: dict, n: int) -> dict:
