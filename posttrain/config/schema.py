@@ -185,6 +185,7 @@ class TrainerConfig:
     max_checkpoints_to_keep: int = 2
     resume: bool = True  # resume from <run_dir>/latest when present
     max_restarts: int = 0  # after a worker failure: new workers, resume from the last checkpoint; 0 = exit
+    restart_wait_s: float = 120.0  # a restart waits this long for the failed workers' resources to be freed
     collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers on the node

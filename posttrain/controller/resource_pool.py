@@ -9,6 +9,7 @@ FSDP group spanning nodes, ranks ordered node by node).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -118,8 +119,8 @@ class ResourcePool:
         remove_placement_group(self.group)
 
 
-def make_pools(specs: list[PoolSpec], timeout_s: float = 30.0) -> dict[str, ResourcePool]:
-    """Reserve every pool, choosing nodes for all before placing any, so pools never compete for a node."""
+def choose_all_nodes(specs: list[PoolSpec]) -> dict[str, list[str]]:
+    """Nodes for every pool at once, each pool counting what the pools before it take from a node."""
     taken: dict[str, dict[str, float]] = {}
     chosen: dict[str, list[str]] = {}
     for spec in specs:
@@ -129,6 +130,36 @@ def make_pools(specs: list[PoolSpec], timeout_s: float = 30.0) -> dict[str, Reso
             used = taken.setdefault(node, {})
             for k, v in spec.bundle.items():
                 used[k] = used.get(k, 0.0) + v * spec.workers_per_node
+    return chosen
+
+
+def wait_for_room(specs: list[PoolSpec], wait_s: float, poll_s: float = 0.5) -> dict[str, list[str]]:
+    """`choose_all_nodes`, retried for up to `wait_s` seconds while the cluster lacks room.
+
+    After a worker failure the old groups' resources come back only once Ray has seen their processes end
+    and their placement groups removed (both asynchronous), so a restart waits for them instead of failing
+    at once; `wait_s=0` is the fail-fast check of a first start.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return choose_all_nodes(specs)
+        except WorkerError as exc:
+            if time.monotonic() >= deadline:
+                if wait_s <= 0:
+                    raise
+                raise WorkerError(f"{exc} (still no room after waiting {wait_s:g}s)") from None
+        time.sleep(poll_s)
+
+
+def make_pools(
+    specs: list[PoolSpec], timeout_s: float = 30.0, wait_s: float = 0.0
+) -> dict[str, ResourcePool]:
+    """Reserve every pool, choosing nodes for all before placing any, so pools never compete for a node.
+
+    `wait_s`: how long to wait for room (resources still held by groups being torn down) before failing.
+    """
+    chosen = wait_for_room(specs, wait_s)
     pools: dict[str, ResourcePool] = {}
     try:
         for spec in specs:

@@ -8,10 +8,12 @@ same interface, for tests and the degenerate single-process case. A worker error
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from posttrain.controller.failures import rank_failure
+from posttrain.controller.pause_points import pause_if_asked
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port
@@ -93,8 +95,11 @@ class WorkerHost:
     Building the worker after placement lets rank 0's node address be the rendezvous of the group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "worker") -> None:
+        self.role = role
+        self.rank = 0
         self.worker: Any = None
+        self.calls: Counter[str] = Counter()  # calls per verb in this process (for test pause points)
 
     def rendezvous(self) -> tuple[str, int]:
         import ray
@@ -108,12 +113,15 @@ class WorkerHost:
         return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
 
     def start(self, worker_cls: Callable[..., Any], spec: Any, info: DistInfo) -> None:
+        self.rank = info.rank
         self.worker = worker_cls(spec, info)
 
     def ping(self) -> dict[str, Any]:
         return self.worker.ping() if hasattr(self.worker, "ping") else {"pid": os.getpid()}
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls[method] += 1
+        pause_if_asked(self.role, method, self.rank, self.calls[method])
         return getattr(self.worker, method)(*args, **kwargs)
 
 
@@ -158,7 +166,7 @@ class RayWorkerGroup:
                     max_restarts=0,
                     scheduling_strategy=self.pool.scheduling(rank),
                     runtime_env={"env_vars": env_vars or {}},
-                ).remote()
+                ).remote(role)
                 for rank in range(self.world_size)
             ]
             master_addr, master_port = self._get(

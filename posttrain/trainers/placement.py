@@ -133,8 +133,13 @@ def start_groups(
     critic_spec: Any,
     use_gpu: bool,
     env_vars: dict[str, str],
+    wait_s: float = 0.0,
 ) -> RLGroups:
-    """Reserve the pools, then start every role's group on its pool (Ray backend)."""
+    """Reserve the pools, then start every role's group on its pool (Ray backend).
+
+    `wait_s`: how long to wait for the cluster to have room (a restart waits for the failed groups'
+    resources to come back); 0 fails at once when it has none.
+    """
     t, r = cfg.trainer, cfg.resources
     gpus = t.gpus_per_worker if use_gpu else 0.0
     specs = {TRAINER_POOL: PoolSpec(TRAINER_POOL, t.nnodes, t.n_workers_per_node, t.cpus_per_worker, gpus)}
@@ -144,7 +149,7 @@ def start_groups(
     tenants = Counter([TRAINER_POOL] + ([r.critic] if critic_spec is not None else []))
     if split_rollout(cfg):
         tenants[r.rollout] += 1
-    pools = make_pools([specs[name] for name in specs if name in tenants])
+    pools = make_pools([specs[name] for name in specs if name in tenants], wait_s=wait_s)
     device = "cuda" if use_gpu else "cpu"
     groups = RLGroups(actor=None, sampler=None, pools=pools)
     try:

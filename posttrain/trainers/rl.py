@@ -193,7 +193,7 @@ class RLTrainer:
         """Validation before training, then steps up to `trainer.total_steps` or a stop request."""
         cfg = self.cfg
         if self.actor is None:  # after a worker failure: new workers, the state of the last checkpoint
-            self._start_workers()
+            self._start_workers(wait_s=cfg.trainer.restart_wait_s)
             self._maybe_resume(after_failure=True)
         if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
             self._log_validation(tracker)
@@ -229,8 +229,11 @@ class RLTrainer:
         how = "the same command" if self.cfg.trainer.resume else "the same command with trainer.resume=true"
         return f"{how} resumes from {latest}"
 
-    def _start_workers(self) -> None:
-        """The worker groups of every role, placed as `resources` says; and the throughput meter."""
+    def _start_workers(self, wait_s: float = 0.0) -> None:
+        """The worker groups of every role, placed as `resources` says; and the throughput meter.
+
+        `wait_s`: how long to wait for the cluster's room (after a failure, the old groups' resources).
+        """
         cfg = self.cfg
         spec = ActorRolloutRefSpec(
             engine=engine_config(
@@ -259,7 +262,7 @@ class RLTrainer:
         else:
             start_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.tmpdir)
             self.groups = start_groups(
-                cfg, spec, critic, uses_gpu(cfg.trainer.device), worker_env(spec.threads)
+                cfg, spec, critic, uses_gpu(cfg.trainer.device), worker_env(spec.threads), wait_s=wait_s
             )
         self.actor, self.sampler, self.critic = self.groups.actor, self.groups.sampler, self.groups.critic
         placement = self.groups.placement()

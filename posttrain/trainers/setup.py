@@ -17,6 +17,7 @@ from posttrain.config.schema import (
     RayConfig,
     RLConfig,
 )
+from posttrain.controller.pause_points import PAUSE_ENV
 from posttrain.controller.ray_env import cluster_has_gpus, start_ray
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
@@ -314,8 +315,12 @@ def critic_spec(cfg: RLConfig, threads: int) -> CriticSpec:
 
 
 def worker_env(threads: int) -> dict[str, str]:
-    """Environment of every worker process: its thread budget, no tokenizer thread pools."""
-    return {"OMP_NUM_THREADS": str(threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+    """Environment of every worker process: its thread budget, no tokenizer thread pools (and the test-only
+    pause points of controller/pause_points.py when the driver has them)."""
+    env = {"OMP_NUM_THREADS": str(threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+    if PAUSE_ENV in os.environ:
+        env[PAUSE_ENV] = os.environ[PAUSE_ENV]
+    return env
 
 
 def uses_gpu(device: str) -> bool:
