@@ -1,8 +1,9 @@
 """`posttrain <command>`: train, sft, make-model, data, export, demo.
 
 Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers_per_node=2`).
-Every project error is printed as one line naming the problem, with exit code 2. `train` stopped by SIGINT or
-SIGTERM saves a checkpoint and exits with 128 + the signal number (130, 143); the same command resumes.
+Every project error is printed as one line naming the problem (a reward function that keeps failing adds its
+traceback and the resume hint), with exit code 2. `train` stopped by SIGINT or SIGTERM saves a checkpoint and
+exits with 128 + the signal number (130, 143); the same command resumes.
 """
 
 from __future__ import annotations

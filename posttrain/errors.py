@@ -18,7 +18,8 @@ class ModelError(PosttrainError):
 
 
 class RewardError(PosttrainError):
-    """A reward function cannot be loaded or returned an unusable value."""
+    """A reward function cannot be loaded or returned an unusable value, or its scores failed too often
+    (rewards/health.py: the message then carries the first failure's traceback)."""
 
 
 class WorkerError(PosttrainError):

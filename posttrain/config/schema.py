@@ -142,6 +142,12 @@ class RewardConfig:
     gsm8k_method: str = "strict"  # strict | flexible
     overlong_buffer_len: int = 0  # DAPO overlong shaping: tokens before max_response_length; 0 = off
     overlong_penalty_factor: float = 1.0
+    # a custom function runs in a child process; a call longer than this is killed and fails; 0 = in-process
+    timeout_s: float = 10.0
+    # the run stops when more than this share of a step's scores fail for max_error_steps steps in a row
+    # (and at once when every score of a step, or of a validation, fails); 1 = only that
+    max_error_rate: float = 0.5
+    max_error_steps: int = 3
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import inspect
 import logging
 import math
 import numbers
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError, RewardError
+from posttrain.rewards.isolation import CallFailure, IsolatedFunction
 from posttrain.rewards.registry import default_compute_score, get_scorer
 
 logger = logging.getLogger(__name__)
@@ -30,32 +32,38 @@ class RewardResult:
 
     `scores[i]` is row i's score (0.0 where scoring failed). `extra[key][i]` is the value of `key` in row
     i's dict return (None for rows that returned a plain number, failed, or lacked that key). `n_errors`
-    counts the failed rows; `errors` keeps the first few messages, each naming the row and data_source.
+    counts the failed rows; `errors` keeps the first few messages, each naming the row and data_source;
+    `first_traceback` is the first failed row's full traceback (for a call that timed out, the stack where
+    it was stopped) after a line naming its row and data_source; "" when no row failed.
     """
 
     scores: list[float]
     extra: dict[str, list] = field(default_factory=dict)
     n_errors: int = 0
     errors: list[str] = field(default_factory=list)
+    first_traceback: str = ""
 
 
 class RewardManager:
     """Scores responses with a user `compute_score` or, by default, the built-in scorer of each data_source.
 
     `compute_score` has verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float |
-    dict`; it is called with keyword arguments. `scorer_kwargs` maps a data_source to options of its
-    built-in scorer (e.g. {"openai/gsm8k": {"method": "flexible"}}); they are checked against the scorer's
-    signature here, at start, and apply only to the built-in scorers (a user function takes its own).
+    dict`; it is called with keyword arguments, in this process, or in a child process with a per-call
+    timeout when it is an `IsolatedFunction` (rewards/isolation.py). `scorer_kwargs` maps a data_source to
+    options of its built-in scorer (e.g. {"openai/gsm8k": {"method": "flexible"}}); they are checked against
+    the scorer's signature here, at start, and apply only to the built-in scorers (a user function takes its
+    own).
 
-    A row whose scorer raises or returns something that is not a finite number counts as 0.0 and is
-    reported (`RewardResult.n_errors`, one summarising warning per batch): one bad response must not stop
-    a training run. Two things still raise, because they would silently zero every reward: a data_source
-    with no built-in scorer (RewardError) and a ConfigError from a scorer (e.g. an unknown gsm8k method).
+    A row whose scorer raises, times out or returns something that is not a finite number counts as 0.0
+    and is reported (`RewardResult.n_errors`, one summarising warning per batch): one bad response must not
+    stop a training run (whether too many do is the trainer's call: rewards/health.py). Two things raise,
+    because they would silently zero every reward: a data_source with no built-in scorer (RewardError) and a
+    ConfigError from a scorer (e.g. an unknown gsm8k method).
     """
 
     def __init__(
         self,
-        compute_score: Callable[..., Any] | None = None,
+        compute_score: Callable[..., Any] | IsolatedFunction | None = None,
         scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         scorer_kwargs = dict(scorer_kwargs or {})
@@ -96,22 +104,47 @@ class RewardManager:
             for data_source in set(data_sources):
                 get_scorer(data_source)
 
+        rows = [
+            {
+                "data_source": data_sources[i],
+                "solution_str": responses[i],
+                "ground_truth": ground_truths[i],
+                "extra_info": extra_infos[i],
+            }
+            for i in range(n)
+        ]
+        isolated = self._compute_score if isinstance(self._compute_score, IsolatedFunction) else None
+        outputs = isolated.map(rows) if isolated is not None else None
+
         scores: list[float] = []
         extra: dict[str, list] = {}
         errors: list[str] = []
+        first_traceback = ""
         n_errors = 0
         for i in range(n):
             data_source = data_sources[i]
+            failure: CallFailure | Exception | None = None
             try:
-                value, row_extra = self._score_row(
-                    data_source, responses[i], ground_truths[i], extra_infos[i]
-                )
+                out = outputs[i] if outputs is not None else self._call(rows[i])
+                if isinstance(out, CallFailure):
+                    failure = out
+                else:
+                    value, row_extra = _to_score(out)
             except ConfigError:
                 raise
             except Exception as exc:
+                failure = exc
+            if failure is not None:
                 n_errors += 1
+                if isinstance(failure, CallFailure):
+                    message, text = failure.message, failure.traceback
+                else:
+                    message, text = f"{type(failure).__name__}: {failure}", None
                 if len(errors) < MAX_ERROR_MESSAGES:
-                    errors.append(f"row {i} ({data_source}): {type(exc).__name__}: {exc}")
+                    errors.append(f"row {i} ({data_source}): {message}")
+                if not first_traceback:
+                    text = text or "".join(traceback.format_exception(failure))
+                    first_traceback = f"row {i} (data_source {data_source!r}):\n{text}"
                 value, row_extra = 0.0, {}
             scores.append(value)
             for key, item in row_extra.items():
@@ -127,37 +160,36 @@ class RewardManager:
                 n,
                 "; ".join(errors),
             )
-        return RewardResult(scores=scores, extra=extra, n_errors=n_errors, errors=errors)
+        return RewardResult(
+            scores=scores, extra=extra, n_errors=n_errors, errors=errors, first_traceback=first_traceback
+        )
 
-    def _score_row(
-        self, data_source: str, response: str, ground_truth: Any, extra_info: Mapping[str, Any] | None
-    ) -> tuple[float, dict[str, Any]]:
+    def close(self) -> None:
+        """Stop the scoring process of an isolated `compute_score` (a later `score` starts another)."""
+        if isinstance(self._compute_score, IsolatedFunction):
+            self._compute_score.close()
+
+    def _call(self, row: dict[str, Any]) -> Any:
+        """One row's raw return, in this process."""
         if self._compute_score is None:
-            out = default_compute_score(
-                data_source,
-                response,
-                ground_truth,
-                extra_info=extra_info,
-                **self._scorer_kwargs.get(data_source, {}),
+            data_source = row["data_source"]
+            return default_compute_score(**row, **self._scorer_kwargs.get(data_source, {}))
+        return self._compute_score(**row)
+
+
+def _to_score(out: Any) -> tuple[float, dict[str, Any]]:
+    """A scorer's return (a number, or a dict with "score" and extra values) as (score, extra)."""
+    row_extra: dict[str, Any] = {}
+    if isinstance(out, Mapping):
+        if "score" not in out:
+            raise RewardError(
+                f"scorer returned a dict without a 'score' key (keys: {', '.join(map(str, out))})"
             )
-        else:
-            out = self._compute_score(
-                data_source=data_source,
-                solution_str=response,
-                ground_truth=ground_truth,
-                extra_info=extra_info,
-            )
-        row_extra: dict[str, Any] = {}
-        if isinstance(out, Mapping):
-            if "score" not in out:
-                raise RewardError(
-                    f"scorer returned a dict without a 'score' key (keys: {', '.join(map(str, out))})"
-                )
-            row_extra = {str(k): v for k, v in out.items() if k != "score"}
-            out = out["score"]
-        if not isinstance(out, numbers.Real) or not math.isfinite(float(out)):
-            raise RewardError(f"scorer returned {out!r} ({type(out).__name__}), expected a finite number")
-        return float(out), row_extra
+        row_extra = {str(k): v for k, v in out.items() if k != "score"}
+        out = out["score"]
+    if not isinstance(out, numbers.Real) or not math.isfinite(float(out)):
+        raise RewardError(f"scorer returned {out!r} ({type(out).__name__}), expected a finite number")
+    return float(out), row_extra
 
 
 def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

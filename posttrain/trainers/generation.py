@@ -49,7 +49,11 @@ def remax_baselines(
 def generate_step_batch(
     cfg: RLConfig, actor: Any, loader: PromptDataLoader, sampling: SamplingParams, rewards: RewardStage
 ) -> tuple[Batch, dict[str, float]]:
-    """The step's scored rollouts: `train_batch_prompts` groups of `rollout.n` samples."""
+    """The step's scored rollouts: `train_batch_prompts` groups of `rollout.n` samples.
+
+    Ends with the reward stage's verdict on the step's failed scores (`RewardStage.end_step`): a RewardError
+    stops the run here, before any update on those scores.
+    """
     n, want = cfg.rollout.n, cfg.data.train_batch_prompts
     metrics: dict[str, float] = {}
     if not cfg.algorithm.dynamic_sampling:
@@ -60,6 +64,7 @@ def generate_step_batch(
             baselines, greedy_tokens = remax_baselines(actor, prompts, sampling, rewards, n)
             batch.set(keys.REWARD_BASELINES, baselines)
             metrics["throughput/gen_tokens_total"] += greedy_tokens
+        metrics.update(rewards.end_step())
         return batch, metrics
 
     kept: list[Batch] = []
@@ -89,5 +94,6 @@ def generate_step_batch(
             rounds,
         )
         pieces += [b for b in dropped if len(b)]
+    metrics.update(rewards.end_step())
     # whole groups stay together: rows are in group order and every round holds want * n rows
     return Batch.concat(pieces).index(slice(0, want * n)), metrics

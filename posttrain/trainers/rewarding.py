@@ -2,10 +2,14 @@
 
 `score` turns decoded responses into `token_level_scores`; `apply_kl` turns scores into
 `token_level_rewards` (minus coef * KL to the reference when `algorithm.use_kl_in_reward`).
+Failed scores are watched: `begin_step`/`end_step` bracket a training step's scoring and apply the stop
+policy of rewards/health.py (`check_validation` for a validation); the first failure's traceback is
+printed once, to stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -15,6 +19,9 @@ from posttrain.algorithms.reward_shaping import overlong_penalty
 from posttrain.config.schema import RLConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.errors import ConfigError
+from posttrain.rewards.health import RewardHealth, StepFailures
+from posttrain.rewards.isolation import IsolatedFunction
 from posttrain.rewards.manager import RewardManager, RewardResult, scores_to_token_level
 from posttrain.rewards.user import load_reward_function
 
@@ -22,13 +29,26 @@ from posttrain.rewards.user import load_reward_function
 class RewardStage:
     def __init__(self, cfg: RLConfig) -> None:
         self.cfg = cfg
-        custom = (
-            load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
-            if cfg.reward.custom_function_path
-            else None
-        )
-        scorer_kwargs = {"openai/gsm8k": {"method": cfg.reward.gsm8k_method}} if custom is None else None
+        reward = cfg.reward
+        if reward.timeout_s < 0:
+            raise ConfigError(
+                f"reward.timeout_s must be >= 0 (0 = call the reward function in the driver, without a "
+                f"timeout), got {reward.timeout_s}"
+            )
+        self.health = RewardHealth(reward.max_error_rate, reward.max_error_steps)
+        custom: Any = None
+        if reward.custom_function_path:
+            # loaded here as well: a file that does not import is a ConfigError now, not at the first step
+            custom = load_reward_function(reward.custom_function_path, reward.custom_function_name)
+            if reward.timeout_s > 0:
+                custom = IsolatedFunction(
+                    reward.custom_function_path, reward.custom_function_name, reward.timeout_s
+                )
+        scorer_kwargs = {"openai/gsm8k": {"method": reward.gsm8k_method}} if custom is None else None
         self.manager = RewardManager(custom, scorer_kwargs)
+        self.step = 0  # the training step being scored (begin_step)
+        self._tally = StepFailures(0, 0)  # the rows this step scored so far
+        self._traceback_shown = False
         algo = cfg.algorithm
         self.kl_controller = (
             make_kl_controller(algo.kl_ctrl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
@@ -44,9 +64,52 @@ class RewardStage:
             list(batch[keys.EXTRA_INFO]),
         )
 
+    # ---- failed scores ---------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Training step `step` starts: its scoring is counted from here to `end_step`."""
+        self.step = step
+        self._tally = StepFailures(0, 0)
+
+    def end_step(self) -> dict[str, float]:
+        """The step's `reward/errors` and `reward/error_rate` over every row it scored (all rounds of dynamic
+        sampling, ReMax's greedy baselines); RewardError (with the first failure's traceback) when the stop
+        policy says the run must stop."""
+        tally, self._tally = self._tally, StepFailures(0, 0)
+        self.health.observe_step(self.step, tally)
+        self._show_first_traceback(tally.first_traceback)
+        return {"reward/errors": float(tally.errors), "reward/error_rate": tally.rate}
+
+    def check_validation(self, result: RewardResult) -> dict[str, float]:
+        """A validation's error rate; RewardError when every one of its scores failed."""
+        failures = StepFailures(0, 0).add(result)
+        self.health.observe_validation(self.step, failures)
+        self._show_first_traceback(result.first_traceback)
+        return {"val/reward_error_rate": failures.rate}
+
+    @property
+    def failing_since(self) -> int | None:
+        """The first step of an open failing window (error rate over `reward.max_error_rate`), else None."""
+        return self.health.failing_since
+
+    def _show_first_traceback(self, first: str) -> None:
+        # once per run: each step's warning (rewards/manager.py) has the counts and first messages
+        if first and not self._traceback_shown:
+            self._traceback_shown = True
+            print(
+                f"reward: a score failed and counts as 0.0 (shown once; reward/errors counts them): "
+                f"{first.rstrip()}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """Stop the scoring process of a custom reward function (a later call starts another)."""
+        self.manager.close()
+
     def score(self, batch: Batch) -> Batch:
         """`token_level_scores` (with overlong shaping), raw `score` per row, and the error count in meta."""
         result = self.score_texts(batch)
+        self._tally = self._tally.add(result)
         scores = torch.tensor(result.scores, dtype=torch.float32)
         shaped = scores
         if self.cfg.reward.overlong_buffer_len > 0:
@@ -83,8 +146,14 @@ class RewardStage:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None}
+        # the failing window too: a checkpoint written while one is open (the last step's, or a SIGTERM's)
+        # resumes counting it
+        return {
+            "kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
+            "health": self.health.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.kl_controller is not None and state.get("kl_controller") is not None:
             self.kl_controller.load_state_dict(state["kl_controller"])
+        self.health.load_state_dict(state.get("health", {}))

@@ -27,7 +27,7 @@ from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.dataset import PromptDataset, collate_prompts
 from posttrain.data.partition import balanced_partition
-from posttrain.errors import ConfigError, WorkerError
+from posttrain.errors import ConfigError, RewardError, WorkerError
 from posttrain.models import load_config, load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
@@ -63,6 +63,7 @@ CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
 CONSOLE_KEYS = (
     "acc",
     "reward/mean",
+    "reward/error_rate",
     "val/acc",
     "val/reward",
     "actor/pg_loss",
@@ -179,6 +180,8 @@ class RLTrainer:
         except WorkerError as exc:  # one line: who failed, why, and where the next start resumes
             hint = self._resume_hint()
             raise WorkerError(f"{exc}; {hint}", role=exc.role, rank=exc.rank, died=exc.died) from None
+        except RewardError as exc:  # e.g. too many failed scores: the first one's traceback, where to resume
+            raise RewardError(f"{exc}\n{self._resume_hint()}") from None
         finally:
             tracker.close()
             self._stop_workers()
@@ -197,7 +200,9 @@ class RLTrainer:
             self._maybe_resume(after_failure=True)
         if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
             self._log_validation(tracker)
+        deferred = False  # a periodic checkpoint skipped while reward failures were over the rate
         while self.step_count < cfg.trainer.total_steps and not stop.requested:
+            self.rewards.begin_step(self.step_count + 1)
             metrics = self.step()
             self.step_count += 1
             last = self.step_count == cfg.trainer.total_steps
@@ -211,8 +216,17 @@ class RLTrainer:
             metrics["fault/restarts"] = float(self.restarts)
             tracker.log(metrics, self.step_count)
             saving = cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0
-            if saving or last or stop.requested:
+            failing = self.rewards.failing_since
+            if saving and failing is not None and not (last or stop.requested):
+                # not a checkpoint of steps trained on failing rewards: should the run stop for them, the
+                # resume hint points before them; written as soon as a step is under the rate again
+                deferred = True
+                log.warning(
+                    "step %d: checkpoint deferred (reward errors since step %d)", self.step_count, failing
+                )
+            elif saving or last or stop.requested or (deferred and failing is None):
                 self.save_checkpoint()
+                deferred = False
 
     def _recover(self, error: WorkerError, restarts: int) -> None:
         """After a worker failure: tear every group down (survivors stuck in a collective included)."""
@@ -391,7 +405,6 @@ class RLTrainer:
             **logprob_diff,
             "reward/mean": float(scores.mean()),
             "acc": float((scores >= 1.0).float().mean()),
-            "reward/errors": float(batch.meta.get("reward_errors", 0)),
             "response_length/mean": float(lengths.mean()),
             "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
             "throughput/gen_tokens": gen_tokens,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from posttrain.data import keys
@@ -29,17 +27,22 @@ def validate(
     rewards: RewardStage,
     limit: int,
 ) -> dict[str, float]:
-    """`val/acc` is the share of responses scoring >= 1 (a correct answer), per data source too."""
+    """`val/acc` is the share of responses scoring >= 1 (a correct answer), per data source too.
+
+    A validation in which every score failed raises a RewardError (rewards/health.py)."""
     count = min(limit or len(dataset), len(dataset))
     items = [dataset[i] for i in range(count)]
     batch = collate_prompts(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
     out = actor.call("sample", pad_rows(batch, actor.world_size), sampling).index(slice(0, len(batch)))
     out = out.union(batch.select(tensor_keys=[]))
-    scores = torch.tensor(rewards.score_texts(out).scores)
+    result = rewards.score_texts(out)
+    error_rate = rewards.check_validation(result)  # RewardError when every score failed
+    scores = torch.tensor(result.scores)
     metrics = {
         "val/acc": float((scores >= 1.0).float().mean()),
         "val/reward": float(scores.mean()),
         "val/response_length": float(out[keys.RESPONSE_MASK].sum(-1).mean()),
+        **error_rate,
     }
     sources = out[keys.DATA_SOURCE]
     for source in sorted(set(sources)):

@@ -69,6 +69,22 @@ def test_raising_user_scorer_counts_as_zero_with_one_warning(caplog):
     assert len(warnings) == 1 and "2 of 4 rows failed" in warnings[0].getMessage()
 
 
+def test_the_first_failure_keeps_its_full_traceback_with_row_and_data_source():
+    def parse(text):
+        raise ValueError(f"cannot parse {text!r}")
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0 if solution_str == "ok" else parse(solution_str)
+
+    result = RewardManager(compute_score=compute_score).score(["a", "b", "c"], ["ok", "x", "y"], ["g"] * 3)
+    header, trace = result.first_traceback.split("\n", 1)
+    assert header == "row 1 (data_source 'b'):"
+    assert trace.startswith("Traceback (most recent call last):")
+    assert "in compute_score" in trace and "in parse" in trace
+    assert trace.rstrip().endswith("ValueError: cannot parse 'x'")
+    assert RewardManager(compute_score=compute_score).score(["a"], ["ok"], ["g"]).first_traceback == ""
+
+
 def test_error_messages_are_capped_but_all_counted():
     manager = RewardManager(compute_score=lambda **kw: 1 / 0)
     result = manager.score(["s"] * 20, ["r"] * 20, ["g"] * 20)

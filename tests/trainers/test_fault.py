@@ -310,7 +310,8 @@ def test_worker_killed_without_restarts_exits_with_one_line_naming_role_and_rank
     assert time.monotonic() - start < 120, "no hang"
     err = capsys.readouterr().err
     assert code == 2 and killed["rank"] == 1
-    assert "Traceback" not in err
+    # no traceback of the failure; the only one is the reward function's first error, shown once by design
+    assert err.count("Traceback") == err.count("reward: a score failed and counts as 0.0") <= 1
     errors = [line for line in err.splitlines() if line.startswith("posttrain train: error:")]
     assert len(errors) == 1, err  # (log lines may come before it, depending on logging handlers)
     error = errors[0]
