@@ -33,7 +33,7 @@ from posttrain.demo import RL_OVERRIDES, SFT_OVERRIDES, TASK
 from posttrain.models import make_tiny_model
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
-from posttrain.workers.actor_rollout_ref import quiet_transformers
+from posttrain.workers.process import quiet_transformers
 
 ALGORITHMS = ("ppo", "grpo", "dapo")
 

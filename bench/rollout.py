@@ -45,7 +45,7 @@ def worker(engine_name: str, path: str, prompts: int, n: int, max_tokens: int, t
     """One measured run in this (fresh) process; prints a JSON line."""
     from posttrain.rollout import make_rollout_engine
     from posttrain.rollout.base import SamplingParams
-    from posttrain.workers.actor_rollout_ref import quiet_transformers
+    from posttrain.workers.process import quiet_transformers
 
     quiet_transformers()
     torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ take one optimizer step per generation batch:
 | updates per batch           | ppo_epochs=1, mini_batch_size=0 (whole)    | num_iterations=1, steps_per_generation=4   |
 | micro-batch                 | actor.micro_batch_size=64                  | per_device_train_batch_size=64, grad acc 4 |
 | optimizer                   | AdamW lr 2e-4, betas (0.9, 0.999), wd 0    | adamw_torch, same; lr_scheduler constant   |
-| gradient clipping           | actor.grad_clip=1.0                        | max_grad_norm=1.0                          |
+| gradient clipping           | actor.optim.grad_clip=1.0                  | max_grad_norm=1.0                          |
 | precision                   | fp32 (model.dtype default)                 | fp32: bf16=False, fp16=False               |
 | device, threads             | trainer.backend=local, 1 worker, 2 threads | use_cpu=True, no vLLM, 2 threads           |
 | seed                        | trainer.seed                               | seed, data_seed                            |

@@ -36,7 +36,7 @@ def prepare_worker(spec: dict) -> dict:
     from posttrain.demo import SFT_OVERRIDES, TASK
     from posttrain.models import make_tiny_model
     from posttrain.trainers.sft import SFTTrainer
-    from posttrain.workers.actor_rollout_ref import quiet_transformers
+    from posttrain.workers.process import quiet_transformers
 
     quiet_transformers()
     root = Path(spec["work"]) / spec["preset"]
@@ -218,7 +218,7 @@ def posttrain_worker(spec: dict) -> dict:
     from posttrain.config.load import load_config
     from posttrain.config.schema import RLConfig
     from posttrain.trainers.rl import RLTrainer
-    from posttrain.workers.actor_rollout_ref import quiet_transformers
+    from posttrain.workers.process import quiet_transformers
 
     quiet_transformers()
     run_dir = Path(spec["run_dir"])
@@ -240,10 +240,10 @@ def posttrain_worker(spec: dict) -> dict:
         "actor.loss_agg_mode=token-mean",
         "actor.clip_ratio_low=0.2",
         "actor.clip_ratio_high=0.2",
-        f"actor.lr={spec['lr']}",
-        "actor.weight_decay=0.0",
-        "actor.grad_clip=1.0",
-        "actor.warmup_steps=0",
+        f"actor.optim.lr={spec['lr']}",
+        "actor.optim.weight_decay=0.0",
+        "actor.optim.grad_clip=1.0",
+        "actor.optim.warmup_steps=0",
         "actor.ppo_epochs=1",
         "actor.mini_batch_size=0",  # the whole step's batch: one optimizer step per generation batch
         f"actor.micro_batch_size={spec['micro_batch']}",

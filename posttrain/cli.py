@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from posttrain.workers.actor_rollout_ref import quiet_transformers
+    from posttrain.workers.process import quiet_transformers
 
     quiet_transformers()
     try:

@@ -35,7 +35,7 @@ SFT_OVERRIDES = [
     "trainer.loggers=[jsonl]",
 ]
 RL_OVERRIDES = [
-    "actor.lr=2e-4",
+    "actor.optim.lr=2e-4",
     "actor.kl_loss_coef=0.001",
     "data.train_batch_prompts=32",
     "data.max_response_length=8",

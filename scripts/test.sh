@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check posttrain tests bench
 .venv/bin/ruff format --check -q posttrain tests bench
+.venv/bin/mypy posttrain/trainers posttrain/controller  # strict on the driver side (pyproject.toml)
 exec .venv/bin/python -m pytest "$@"

@@ -13,10 +13,10 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
 def test_unknown_key_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "actor.lrr=1"]) == 2
+    assert main(["train", "actor.optim.lrr=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
-    assert "unknown config key 'actor.lrr'; did you mean 'actor.lr'" in err
+    assert "unknown config key 'actor.optim.lrr'; did you mean 'actor.optim.lr'" in err
 
 
 def test_missing_model_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

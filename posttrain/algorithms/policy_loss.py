@@ -1,24 +1,30 @@
-"""Policy losses: per-token surrogate objectives aggregated with the caller's loss_agg_mode.
+"""Policy losses: per-token surrogate objectives, and the one place they become the scalar for backward.
 
 Every registered policy loss shares one calling convention:
 
-    loss, metrics = fn(log_prob, old_log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
-                       global_tokens=None, global_seqs=None, dp_size=1, rollout_log_probs=None,
-                       tis_cap=0.0, **own_options)
+    pg_losses, metrics = fn(log_prob, old_log_prob, advantages, response_mask, **own_options)
 
-where the tensors are (B, R), `loss` is a scalar ready for backward (see `aggregation.aggregate_loss` for
-the global totals) and `metrics` maps names to python floats computed over this micro-batch. Every loss
-reports `pg_clipfrac` (0 where no clipping exists), `ppo_kl` (token mean of old_log_prob - log_prob),
-`ratio_mean` and `ratio_max` (over valid tokens of the ratio the loss uses). No loss overrides the
-aggregation mode it is given, even where the paper recommends another one (said in its docstring).
+where the tensors are (B, R) and `pg_losses` is the (B, R) per-token loss (its padding entries are ignored).
+A loss's own options are keyword-only, with the loss's documented defaults in its signature (see
+`own_options`): a caller passes only the options a user set, so an option left unset means the loss's own
+default. `metrics` maps names to python floats over this micro-batch's valid tokens; every loss reports
+`pg_clipfrac` (0 where no clipping exists), `ppo_kl` (token mean of old_log_prob - log_prob), `ratio_mean`
+and `ratio_max` (over valid tokens of the ratio the loss uses).
 
-`rollout_log_probs` / `tis_cap` switch on truncated importance sampling (see `truncated_is_weights`).
+`compute_policy_loss` is the caller's side, once per micro-batch: it weighs the per-token losses by the
+truncated importance-sampling weights (`truncated_is_weights`) and aggregates them with `aggregate_loss`
+under the caller's loss_agg_mode and mini-batch totals. No loss aggregates on its own, so none can override
+the mode it is given, even where the paper recommends another one (its docstring says which).
 
 This module holds the shared pieces and the PPO loss; `policy_loss_variants` (gspo, sapo, cispo, dro, gpg)
 and `policy_loss_cov` (clip_cov, kl_cov) hold the others. Pure: no I/O, no distributed code.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -32,6 +38,47 @@ from posttrain.errors import ConfigError
 LOG_RATIO_CLAMP = 20.0
 
 Total = int | float | torch.Tensor | None
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+def own_options(loss_fn: PolicyLoss) -> dict[str, Any]:
+    """A policy loss's own options and their defaults: its keyword-only parameters."""
+    params = inspect.signature(loss_fn).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def compute_policy_loss(
+    loss_fn: PolicyLoss,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    options: Mapping[str, Any] | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: Total = None,
+    global_seqs: Total = None,
+    dp_size: int = 1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The scalar policy loss of one micro-batch: loss_fn's per-token losses, weighed, then aggregated.
+
+        loss = aggregate(w * loss_fn(log_prob, old_log_prob, advantages, response_mask, **options))
+
+    with w the truncated IS weights (1 when tis_cap == 0) and `aggregate_loss` under `loss_agg_mode` with the
+    mini-batch totals (see `aggregation` for `global_tokens`, `global_seqs`, `dp_size`). Adds
+    `tis_weight_mean` and `tis_capped_frac` (fraction of tokens whose weight hit the cap) when TIS is on.
+    """
+    pg_losses, metrics = loss_fn(log_prob, old_log_prob, advantages, response_mask, **dict(options or {}))
+    tis_weights = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
+    if tis_weights is not None:
+        pg_losses = pg_losses * tis_weights
+        with torch.no_grad():
+            metrics["tis_weight_mean"] = masked_mean(tis_weights, response_mask).item()
+            metrics["tis_capped_frac"] = masked_mean((tis_weights >= tis_cap).float(), response_mask).item()
+    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
+    return loss, metrics
 
 
 def token_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
@@ -96,31 +143,6 @@ def policy_metrics(
         }
 
 
-def finish_policy_loss(
-    pg_losses: torch.Tensor,
-    response_mask: torch.Tensor,
-    tis_weights: torch.Tensor | None,
-    metrics: dict[str, float],
-    *,
-    tis_cap: float,
-    loss_agg_mode: str,
-    global_tokens: Total,
-    global_seqs: Total,
-    dp_size: int,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Apply the TIS weights (if any) to the per-token losses and aggregate them under the caller's mode.
-
-    Adds `tis_weight_mean` and `tis_capped_frac` (fraction of tokens whose weight hit the cap) when TIS is on.
-    """
-    if tis_weights is not None:
-        pg_losses = pg_losses * tis_weights
-        with torch.no_grad():
-            metrics["tis_weight_mean"] = masked_mean(tis_weights, response_mask).item()
-            metrics["tis_capped_frac"] = masked_mean((tis_weights >= tis_cap).float(), response_mask).item()
-    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
-    return loss, metrics
-
-
 @register_policy_loss("vanilla")
 def ppo_clip_loss(
     log_prob: torch.Tensor,
@@ -128,12 +150,6 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
@@ -150,13 +166,13 @@ def ppo_clip_loss(
     lets low-probability tokens grow and keeps entropy from collapsing. The dual clip bounds the loss of a
     negative-advantage token whose ratio has exploded; where it is active the gradient is zero.
 
+    Defaults: the symmetric 0.2 of the PPO paper and verl, and verl's dual-clip bound 3.0.
     Metrics besides the common ones: `pg_clipfrac` is the fraction of tokens where the clipped term was
     taken, `pg_clipfrac_lower` the fraction where the dual clip was active.
     """
     if clip_ratio_c <= 1.0:
         raise ConfigError(f"clip_ratio_c must be > 1.0 for the dual-clip PPO loss, got {clip_ratio_c}")
     check_clip_range("vanilla", clip_ratio_low, clip_ratio_high)
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
 
@@ -172,17 +188,7 @@ def ppo_clip_loss(
     with torch.no_grad():
         dual_active = (clip_losses > dual_bound) & negative
         metrics["pg_clipfrac_lower"] = masked_mean(dual_active.float(), response_mask).item()
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics
 
 
 def kl_loss(
@@ -190,19 +196,14 @@ def kl_loss(
     ref_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     kind: str = "low_var_kl",
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL-to-reference penalty used as a loss term (GRPO's "KL in loss", Shao et al. 2024).
+    """KL-to-reference penalty used as a loss term (GRPO's "KL in loss", Shao et al. 2024), per token.
 
-    loss = aggregate(kl_penalty(log_prob, ref_log_prob, kind)) with the same aggregation and global totals
-    as the policy loss, so `pg_loss + kl_coef * kl_loss` stays split-invariant. The caller scales by kl_coef.
+    Returns the (B, R) estimate kl_penalty(log_prob, ref_log_prob, kind); the caller aggregates it with the
+    same mode and global totals as the policy loss, so `pg_loss + kl_coef * kl_loss` stays split-invariant.
     Metric `kl_loss`: token mean of the estimate over this micro-batch (independent of the split).
     """
     kl = kl_penalty(log_prob, ref_log_prob, kind)
-    loss = aggregate_loss(kl, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
     with torch.no_grad():
         metrics = {"kl_loss": masked_mean(kl, response_mask).item()}
-    return loss, metrics
+    return kl, metrics

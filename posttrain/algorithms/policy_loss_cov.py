@@ -15,14 +15,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.aggregation import masked_mean
-from posttrain.algorithms.policy_loss import (
-    Total,
-    check_clip_range,
-    finish_policy_loss,
-    policy_metrics,
-    token_log_ratio,
-    truncated_is_weights,
-)
+from posttrain.algorithms.policy_loss import check_clip_range, policy_metrics, token_log_ratio
 from posttrain.algorithms.registry import register_policy_loss
 from posttrain.errors import ConfigError
 
@@ -45,12 +38,6 @@ def clip_cov_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_cov_ratio: float = 2e-4,
@@ -73,7 +60,6 @@ def clip_cov_loss(
         raise ConfigError(f"clip_cov: clip_cov_ratio must be > 0, got {clip_cov_ratio}")
     if clip_cov_lb >= clip_cov_ub:
         raise ConfigError(f"clip_cov: need clip_cov_lb < clip_cov_ub, got {clip_cov_lb}, {clip_cov_ub}")
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
     losses_unclipped = -advantages * ratio
@@ -95,17 +81,7 @@ def clip_cov_loss(
 
     metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=ppo_clipped)
     metrics["clip_cov_frac"] = masked_mean((keep == 0).float(), response_mask).item()
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics
 
 
 @register_policy_loss("kl_cov")
@@ -115,19 +91,15 @@ def kl_cov_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     kl_cov_ratio: float = 2e-4,
     ppo_kl_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al. 2025): unclipped policy gradient, plus a KL penalty on the top-covariance tokens.
 
     Per token L = -A * r; on the max(1, floor(kl_cov_ratio * valid tokens)) valid tokens of largest
-    covariance, L = -A * r + ppo_kl_coef * |log r|. No clipping, so `pg_clipfrac` is 0. Defaults are verl's.
+    covariance, L = -A * r + ppo_kl_coef * |log r|. No clipping, so `pg_clipfrac` is 0. Defaults: verl's
+    kl_cov_ratio; ppo_kl_coef=1 is the paper's recipe (verl's recipe/entropy/*_kl_cov.sh) and the fallback
+    inside verl's loss, while verl's config default is 0.1.
 
     Metrics: `kl_cov_frac` the fraction of valid tokens penalised, `ppo_kl_abs` the token mean of |log r|
     (what verl reports as ppo_kl for this loss; `ppo_kl` here keeps its common meaning).
@@ -136,7 +108,6 @@ def kl_cov_loss(
         raise ConfigError(f"kl_cov: kl_cov_ratio must be in (0, 1], got {kl_cov_ratio}")
     if ppo_kl_coef < 0.0:
         raise ConfigError(f"kl_cov: ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
 
@@ -154,14 +125,4 @@ def kl_cov_loss(
     metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=None)
     metrics["kl_cov_frac"] = masked_mean(penalised.float(), response_mask).item()
     metrics["ppo_kl_abs"] = masked_mean(abs_kl.detach(), response_mask).item()
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics

@@ -1,22 +1,15 @@
 """Policy losses that change the ratio or its clip: gspo, sapo, cispo, dro, gpg.
 
-Each follows the calling convention in `policy_loss` (same positional tensors, same keyword-only
-aggregation and truncated-importance-sampling arguments, same metrics) and registers under the name users
-know from verl and tinker. Pure: no I/O, no distributed code.
+Each follows the calling convention in `policy_loss` (the same positional tensors, its own options as
+keyword-only arguments with its documented defaults, a (B, R) per-token loss and the common metrics) and
+registers under the name users know from verl and tinker. Pure: no I/O, no distributed code.
 """
 
 from __future__ import annotations
 
 import torch
 
-from posttrain.algorithms.policy_loss import (
-    Total,
-    check_clip_range,
-    finish_policy_loss,
-    policy_metrics,
-    token_log_ratio,
-    truncated_is_weights,
-)
+from posttrain.algorithms.policy_loss import check_clip_range, policy_metrics, token_log_ratio
 from posttrain.algorithms.registry import register_policy_loss
 from posttrain.errors import ConfigError
 
@@ -31,12 +24,6 @@ def gspo_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -48,13 +35,14 @@ def gspo_loss(
 
         L_i,t = max(-A_i,t * s_i,t, -A_i,t * clip(s_i,t, 1 - clip_ratio_low, 1 + clip_ratio_high))
 
-    The clip range is the paper's (3e-4, 4e-4): a sequence ratio moves far less than a token ratio. The
-    paper and verl aggregate with "seq-mean-token-mean"; the caller's `loss_agg_mode` is honoured, so set
-    it to that to reproduce them. log s_i,t is capped at 10 before exp (as verl). `pg_clipfrac` counts
-    tokens whose sequence was clipped; `ratio_mean` / `ratio_max` are over s_i, weighted by tokens.
+    Defaults: the paper's clip range (3e-4, 4e-4) (Sec. 5.1): a sequence ratio moves far less than a token
+    ratio. verl's gspo has no range of its own (it reads actor.clip_ratio_*, 0.2 by default); its GSPO
+    example sets these same two values. The paper and verl aggregate with "seq-mean-token-mean" (verl
+    forces it); here the caller's `loss_agg_mode` is honoured, so set it to that to reproduce them (the
+    gspo recipe does). log s_i,t is capped at 10 before exp (as verl). `pg_clipfrac` counts tokens whose
+    sequence was clipped; `ratio_mean` / `ratio_max` are over s_i, weighted by tokens.
     """
     check_clip_range("gspo", clip_ratio_low, clip_ratio_high)
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     mask = response_mask.to(log_ratio.dtype)
     seq_log_ratio = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
@@ -66,17 +54,7 @@ def gspo_loss(
     pg_losses = torch.maximum(losses_unclipped, losses_clipped)
 
     metrics = policy_metrics(response_mask, log_ratio, seq_ratio, clipped=losses_clipped > losses_unclipped)
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics
 
 
 @register_policy_loss("sapo")
@@ -86,12 +64,6 @@ def sapo_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -103,12 +75,12 @@ def sapo_loss(
 
     At r = 1 the gate's slope is 1, so the on-policy gradient equals the plain policy gradient; away from
     r = 1 the gradient decays smoothly instead of dropping to zero. A larger tau_neg damps negative-advantage
-    updates faster (defaults as verl: 1.0, 1.05). verl aggregates with "seq-mean-token-mean"; the caller's
+    updates faster. Defaults tau_pos=1.0, tau_neg=1.05: the paper's (Qwen3-30B-A3B-Base), which are also
+    verl's `actor.tau_pos` / `actor.tau_neg`. verl forces "seq-mean-token-mean"; here the caller's
     `loss_agg_mode` is honoured. There is no hard clip, so `pg_clipfrac` is 0.
     """
     if tau_pos <= 0.0 or tau_neg <= 0.0:
         raise ConfigError(f"sapo: tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
@@ -116,17 +88,7 @@ def sapo_loss(
     pg_losses = -gate * advantages
 
     metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=None)
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics
 
 
 @register_policy_loss("cispo")
@@ -136,12 +98,6 @@ def cispo_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     clip_ratio_low: float = 1.0,
     clip_ratio_high: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -151,15 +107,15 @@ def cispo_loss(
 
     Unlike PPO no token's gradient is ever zeroed: the gradient is -w * A * grad(log_prob) with w constant.
     MiniMax-M1 imposes no lower bound on the weight ("setting eps_low to a large value") and tunes only
-    the upper one; the defaults do the same and match tinker's (thresholds 0 and 4): clip_ratio_low=1.0
-    (any value >= 1 removes the lower bound, as r > 0) and clip_ratio_high=3.0. `pg_clipfrac` is the
-    fraction of tokens whose weight was clipped.
+    the upper one. Defaults: clip_ratio_low=1.0 (any value >= 1 removes the lower bound, as r > 0) and
+    clip_ratio_high=3.0, i.e. tinker's cispo thresholds 0 and 4. verl's cispo has no bounds of its own (it
+    reads actor.clip_ratio_*, 0.2 by default); its example sets clip_ratio_low=10, clip_ratio_high=0.2.
+    `pg_clipfrac` is the fraction of tokens whose weight was clipped.
     """
     if clip_ratio_low < 0.0 or clip_ratio_high < 0.0:
         raise ConfigError(
             f"cispo: clip_ratio_low and clip_ratio_high must be >= 0, got {clip_ratio_low}, {clip_ratio_high}"
         )
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
     low, high = 1.0 - clip_ratio_low, 1.0 + clip_ratio_high
@@ -167,17 +123,7 @@ def cispo_loss(
     pg_losses = -weight * advantages * log_prob
 
     metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=(ratio < low) | (ratio > high))
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics
 
 
 @register_policy_loss("dro")
@@ -187,12 +133,6 @@ def dro_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
     beta: float = 0.05,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO, Direct Reward Optimisation (Richemond et al. 2024; Kimi k1.5 2025), as tinker defines its loss.
@@ -206,23 +146,12 @@ def dro_loss(
     """
     if beta <= 0.0:
         raise ConfigError(f"dro: beta must be > 0 (the weight of the quadratic penalty), got {beta}")
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     penalty = 0.5 * beta * (log_prob - old_log_prob).square()
     pg_losses = -(log_prob * advantages - penalty)
 
     metrics = policy_metrics(response_mask, log_ratio, log_ratio.exp(), clipped=None)
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics
 
 
 @register_policy_loss("gpg")
@@ -231,32 +160,14 @@ def gpg_loss(
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: Total = None,
-    global_seqs: Total = None,
-    dp_size: int = 1,
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG, Group Policy Gradient (Chu et al. 2025): the plain REINFORCE surrogate L = -A * log_prob.
 
     No ratio and no clip; it is on-policy by construction. `ppo_kl` and the ratio stats still report how
     far the policy has moved from old_log_prob, which is useful to see when it is used off-policy.
     """
-    tis = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
     log_ratio = token_log_ratio(log_prob, old_log_prob)
     pg_losses = -advantages * log_prob
 
     metrics = policy_metrics(response_mask, log_ratio, log_ratio.exp(), clipped=None)
-    return finish_policy_loss(
-        pg_losses,
-        response_mask,
-        tis,
-        metrics,
-        tis_cap=tis_cap,
-        loss_agg_mode=loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        dp_size=dp_size,
-    )
+    return pg_losses, metrics

@@ -78,7 +78,8 @@ def register_advantage(name: str, *aliases: str) -> Callable[[F], F]:
 
 
 def register_policy_loss(name: str, *aliases: str) -> Callable[[F], F]:
-    """Register a policy loss `(log_prob, old_log_prob, advantages, response_mask, **kwargs)`."""
+    """Register a policy loss `(log_prob, old_log_prob, advantages, response_mask, **own_options)` returning
+    `(per-token loss (B, R), metrics)`; its own options are keyword-only, with its defaults in the signature."""
     return POLICY_LOSSES.register(name, *aliases)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.algorithms.aggregation import aggregate_loss, masked_mean
+from posttrain.algorithms.aggregation import masked_mean
 from posttrain.errors import ConfigError
 
 
@@ -18,15 +18,12 @@ def clipped_value_loss(
     response_mask: torch.Tensor,
     *,
     cliprange_value: float = 0.5,
-    loss_agg_mode: str = "token-mean",
-    global_tokens: int | float | torch.Tensor | None = None,
-    global_seqs: int | float | torch.Tensor | None = None,
-    dp_size: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), aggregated like the policy loss.
+    """Per token L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), as a (B, R) tensor.
 
-    The clipped term keeps one update from moving a value estimate more than `cliprange_value` away from the
-    value the advantages were computed with. Metrics: `vf_clipfrac` (share of tokens where the clipped term
+    The clipped term keeps one update from moving a value estimate more than `cliprange_value` away from
+    the value the advantages were computed with. The caller aggregates the per-token loss like the policy
+    loss (same mode and mini-batch totals). Metrics: `vf_clipfrac` (share of tokens where the clipped term
     was larger), `vpred_mean`, `vf_explained_var` (1 - Var(R - V) / Var(R) over valid tokens).
     """
     if cliprange_value <= 0:
@@ -35,7 +32,6 @@ def clipped_value_loss(
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
-    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
     with torch.no_grad():
         residual_var = (
             masked_mean((returns - values) ** 2, response_mask)
@@ -47,4 +43,4 @@ def clipped_value_loss(
             "vpred_mean": masked_mean(values, response_mask).item(),
             "vf_explained_var": (1.0 - residual_var / returns_var.clamp(min=1e-8)).item(),
         }
-    return loss, metrics
+    return per_token, metrics

@@ -18,6 +18,23 @@ from posttrain.errors import ConfigError
 
 T = TypeVar("T")
 
+# Keys that moved: old full key -> new full key. An old key is refused with the new one's name.
+RENAMED_KEYS: dict[str, str] = {
+    **{
+        f"{role}.{name}": f"{role}.optim.{name}"
+        for role in ("actor", "critic")
+        for name in (
+            "lr",
+            "betas",
+            "weight_decay",
+            "grad_clip",
+            "warmup_steps",
+            "lr_schedule",
+            "min_lr_ratio",
+        )
+    },
+}
+
 YAML_DIR = Path(__file__).parent / "yaml"
 
 
@@ -55,6 +72,7 @@ def from_dict(schema: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         full_key = f"{prefix}{key}"
+        check_not_renamed(full_key)
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
@@ -66,8 +84,22 @@ def from_dict(schema: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     return schema(**kwargs)
 
 
+def check_not_renamed(key: str) -> None:
+    """Refuse a key that has moved, naming where it went (a key under a moved section included)."""
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(f"{old}."):
+            raise ConfigError(f"config key '{key}' has moved: use '{new}{key[len(old) :]}'")
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise ConfigError(
+                f"config key '{key}' must be one of {', '.join(map(repr, allowed))}; got {value!r}"
+            )
+        return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value or {}, prefix=f"{key}.")
     if origin is dict:
@@ -127,6 +159,7 @@ def check_override_keys(schema: type, overrides: Sequence[str]) -> None:
     """Reject `a.b=c` overrides whose key is not in the schema before Hydra sees them (better messages)."""
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
+        check_not_renamed(key)
         if "=" not in override or key.startswith("hydra"):
             if "=" not in override:
                 raise ConfigError(f"override '{override}' is not of the form key=value")

@@ -9,6 +9,12 @@ Counting convention: every batch size counts samples (prompt x response pairs) u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+Backend = Literal["ray", "local"]
+LrSchedule = Literal["constant", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -30,10 +36,27 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule: one definition for every role that trains (`actor.optim`,
+    `critic.optim`, SFT's `optim`)."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    lr_schedule: LrSchedule = "constant"  # cosine decays to min_lr_ratio * lr over the run's optimizer steps
+    warmup_steps: int = 0  # linear warm-up, in optimizer steps
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # a local Hugging Face directory (config.json, weights, tokenizer)
-    dtype: str = "float32"  # float32 | bfloat16: parameters, master weights and optimizer state
-    compute_dtype: str = ""  # "" = dtype; bfloat16 over float32 weights = mixed precision (FSDP2 policy)
+    dtype: Dtype = "float32"  # parameters, master weights and optimizer state
+    compute_dtype: Literal["", "float32", "bfloat16"] = (
+        ""  # "" = dtype; bfloat16 over float32 weights = mixed precision (FSDP2 policy)
+    )
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
     remove_padding: bool = True  # pack sequences for training and log-prob passes (no compute on padding)
     pack_row_tokens: int = 256  # tokens per packed row; attention is dense within a row on sdpa/eager
@@ -51,7 +74,7 @@ class DataConfig:
     max_response_length: int = 16  # tokens generated per sample
     train_batch_prompts: int = 32  # prompts per RL step (each sampled rollout.n times)
     val_max_prompts: int = 256  # prompts of the validation split used per validation (0 = all)
-    overlong_prompts: str = "filter"  # filter | error
+    overlong_prompts: Literal["filter", "error"] = "filter"
     shuffle: bool = True
     response_key: str = "extra_info.answer"  # SFT only: dotted path of the target response in a row
 
@@ -71,13 +94,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
-    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr over the run)
-    min_lr_ratio: float = 0.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
     mini_batch_size: int = 0  # samples per optimizer step (over all workers); 0 = the whole step's batch
     micro_batch_size: int = 64  # samples per forward/backward on one worker
     max_token_len_per_worker: int = 0  # token budget per micro-batch instead of micro_batch_size; 0 = off
@@ -86,32 +103,33 @@ class ActorConfig:
     # own log-probs are the old ones
     reuse_log_probs_on_policy: bool = True
     policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    # Options of particular policy losses. Unset (null) = the chosen loss's own documented default (its
+    # docstring); setting one that the chosen loss does not take is an error.
+    clip_ratio_low: float | None = None  # vanilla, clip_cov 0.2; gspo 3e-4; cispo 1.0 (no lower bound)
+    clip_ratio_high: float | None = None  # vanilla, clip_cov 0.2; gspo 4e-4; cispo 3.0
+    clip_ratio_c: float | None = None  # vanilla: dual-clip bound for negative advantages, 3.0
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     entropy_coeff: float = 0.0
-    tis_cap: float = 0.0  # truncated importance sampling against rollout log-probs; 0 = off
-    # Options of particular policy losses: setting one that the chosen loss does not take is an error.
-    loss_beta: float = 0.05  # dro: weight of the quadratic penalty
-    clip_cov_ratio: float = 0.0002  # clip_cov
-    clip_cov_lb: float = 1.0  # clip_cov
-    clip_cov_ub: float = 5.0  # clip_cov
-    kl_cov_ratio: float = 0.0002  # kl_cov
-    ppo_kl_coef: float = 1.0  # kl_cov
+    tis_cap: float = 0.0  # truncated importance sampling against rollout log-probs, for every loss; 0 = off
+    loss_beta: float | None = None  # dro: weight of the quadratic penalty, 0.05
+    clip_cov_ratio: float | None = None  # clip_cov: 2e-4
+    clip_cov_lb: float | None = None  # clip_cov: 1.0
+    clip_cov_ub: float | None = None  # clip_cov: 5.0
+    kl_cov_ratio: float | None = None  # kl_cov: 2e-4
+    ppo_kl_coef: float | None = None  # kl_cov: 1.0
+    tau_pos: float | None = None  # sapo: gate temperature where A > 0, 1.0
+    tau_neg: float | None = None  # sapo: gate temperature where A <= 0, 1.05
 
 
 @dataclass(frozen=True)
 class CriticConfig:
     enable: bool = False  # PPO with GAE needs it
     model_path: str = ""  # empty = the actor's model.path (a fresh value head on the same weights)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mini_batch_size: int = 0  # samples per critic optimizer step (over all workers); 0 = the whole batch
     micro_batch_size: int = 64
     max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
     cliprange_value: float = 0.5
@@ -126,7 +144,7 @@ class AlgorithmConfig:
     lam: float = 1.0  # gae
     use_kl_in_reward: bool = False  # KL to the reference subtracted from the reward (not in the loss)
     kl_penalty: str = "kl"  # the estimator used in the reward
-    kl_ctrl_type: str = "fixed"  # fixed | adaptive
+    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
     kl_target: float = 0.1  # adaptive controller
     kl_horizon: int = 10000  # adaptive controller
@@ -139,7 +157,7 @@ class AlgorithmConfig:
 class RewardConfig:
     custom_function_path: str = ""  # a Python file; empty = the built-in scorers by data_source
     custom_function_name: str = "compute_score"
-    gsm8k_method: str = "strict"  # strict | flexible
+    gsm8k_method: Literal["strict", "flexible"] = "strict"
     overlong_buffer_len: int = 0  # DAPO overlong shaping: tokens before max_response_length; 0 = off
     overlong_penalty_factor: float = 1.0
     # a custom function runs in a child process; a call longer than this is killed and fails; 0 = in-process
@@ -182,8 +200,8 @@ class TrainerConfig:
     cpus_per_worker: float = 1.0  # Ray CPUs reserved per worker (colocated roles share them)
     gpus_per_worker: float = 1.0  # Ray GPUs per worker when the device is cuda
     balance_batch: bool = True  # reorder each step's samples so every worker gets near-equal tokens
-    backend: str = "ray"  # ray | local (in-process, world size 1)
-    device: str = "auto"  # auto | cpu | cuda
+    backend: Backend = "ray"  # local = in-process, world size 1
+    device: Device = "auto"
     seed: int = 0
     val_every: int = 5  # steps; 0 = never
     val_before_train: bool = True
@@ -220,14 +238,9 @@ class RLConfig:
 
 
 @dataclass(frozen=True)
-class SFTOptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    warmup_steps: int = 10
-    lr_schedule: str = "constant"  # constant | cosine (decays to min_lr_ratio * lr over trainer.total_steps)
-    min_lr_ratio: float = 0.0
+class SFTOptimConfig(OptimConfig):
+    """The optimizer (OptimConfig's fields; SFT's defaults are set in SFTConfig) and SFT's batch sizes."""
+
     batch_size: int = 64  # samples per optimizer step (over all workers)
     micro_batch_size: int = 64  # samples per forward/backward on one worker
     max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
@@ -239,8 +252,11 @@ class SFTTrainerConfig:
     total_steps: int = 200
     nnodes: int = 1
     n_workers_per_node: int = 1
-    backend: str = "local"  # local | ray
-    device: str = "auto"
+    backend: Backend = "local"
+    device: Device = "auto"
+    cpus_per_worker: float = 1.0  # Ray CPUs reserved per worker
+    gpus_per_worker: float = 1.0  # Ray GPUs per worker when the device is cuda
+    collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
     seed: int = 0
     val_every: int = 0  # steps; 0 = only at the end
     loggers: tuple[str, ...] = ("console", "jsonl")
@@ -261,6 +277,8 @@ class SFTConfig:
         default_factory=lambda: ModelConfig(share_prompt=False)
     )  # one response per prompt
     data: DataConfig = field(default_factory=lambda: DataConfig(max_response_length=32))
-    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    optim: SFTOptimConfig = field(
+        default_factory=lambda: SFTOptimConfig(lr=1e-3, betas=(0.9, 0.95), warmup_steps=10)
+    )
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -66,7 +66,7 @@ def node_addresses() -> list[str]:
 def cluster_has_gpus() -> bool:
     import ray
 
-    return ray.cluster_resources().get("GPU", 0) > 0
+    return bool(ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def stop_ray() -> None:

@@ -24,7 +24,9 @@ from posttrain.errors import WorkerError
 START_TIMEOUT_S = 300.0
 
 
-def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) -> list[tuple[list, dict]]:
+def _split_args(
+    args: Sequence[Any], kwargs: dict[str, Any], world_size: int
+) -> list[tuple[list[Any], dict[str, Any]]]:
     """Per-rank (args, kwargs): each Batch is chunked into `world_size` equal parts, everything else copied."""
     for value in [*args, *kwargs.values()]:
         if isinstance(value, Batch) and len(value) % world_size:
@@ -32,7 +34,7 @@ def _split_args(args: Sequence[Any], kwargs: dict[str, Any], world_size: int) ->
                 f"a batch of {len(value)} rows cannot be split evenly across {world_size} workers; "
                 "make batch sizes divisible by the number of workers"
             )
-    per_rank: list[tuple[list, dict]] = [([], {}) for _ in range(world_size)]
+    per_rank: list[tuple[list[Any], dict[str, Any]]] = [([], {}) for _ in range(world_size)]
     for value in args:
         parts = value.chunk(world_size) if isinstance(value, Batch) else [value] * world_size
         for rank in range(world_size):
@@ -84,6 +86,9 @@ class LocalWorkerGroup:
 
     def placement(self) -> list[dict[str, Any]]:
         return [{"rank": 0, "node_ip": "127.0.0.1"}]
+
+    def ping(self) -> list[dict[str, Any]]:
+        return [self.worker.ping() if hasattr(self.worker, "ping") else {"pid": os.getpid()}]
 
     def shutdown(self) -> None:
         self.worker = None
@@ -151,11 +156,12 @@ class RayWorkerGroup:
         self.role = role
         self.timeout_s = timeout_s
         self._own_pool = pool is None
-        self.pool = pool or ResourcePool(
+        placed = pool or ResourcePool(
             PoolSpec(role, 1, world_size, num_cpus_per_worker, num_gpus_per_worker), timeout_s=30.0
         )
-        self.world_size = self.pool.spec.world_size
-        bundle = self.pool.spec.bundle
+        self.pool: ResourcePool | None = placed
+        self.world_size = placed.spec.world_size
+        bundle = placed.spec.bundle
         self.workers: list[Any] = []
         try:
             remote_cls = ray.remote(WorkerHost)
@@ -164,7 +170,7 @@ class RayWorkerGroup:
                     num_cpus=bundle["CPU"] * share,
                     num_gpus=bundle.get("GPU", 0.0) * share,
                     max_restarts=0,
-                    scheduling_strategy=self.pool.scheduling(rank),
+                    scheduling_strategy=placed.scheduling(rank),
                     runtime_env={"env_vars": env_vars or {}},
                 ).remote(role)
                 for rank in range(self.world_size)
@@ -240,6 +246,10 @@ class RayWorkerGroup:
         ]
         return gather(self._get(refs, method))
 
+    def ping(self) -> list[dict[str, Any]]:
+        """Each rank's answer (its worker's `ping()`: rank, pid), in rank order; a dead rank raises."""
+        return self._get([w.ping.remote() for w in self.workers], "ping")
+
     def placement(self) -> list[dict[str, Any]]:
         """Which node each rank runs on (node id and IP), for placement checks."""
         infos = self._get([w.where.remote() for w in self.workers], "placement")
@@ -251,6 +261,7 @@ class RayWorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        if self._own_pool and getattr(self, "pool", None) is not None:
-            self.pool.remove()
+        pool = getattr(self, "pool", None)
+        if self._own_pool and pool is not None:
+            pool.remove()
             self.pool = None

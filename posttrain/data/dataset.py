@@ -30,7 +30,14 @@ OVERLONG_MODES = ("filter", "error")
 class ChatTokenizer(Protocol):
     """The part of a Hugging Face tokenizer the datasets use."""
 
-    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any: ...
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        /,
+        *,
+        add_generation_prompt: bool = ...,
+        tokenize: bool = ...,
+    ) -> Any: ...
 
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from posttrain.config.schema import LoraConfig
+from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.partition import first_fit_decreasing, split_to_count
@@ -54,13 +54,7 @@ class EngineConfig:
     attn_implementation: str = "sdpa"
     trainable: bool = True  # False: a frozen model (reference policy), no optimizer
     head: str = "lm"  # lm: causal LM (log-probs) | value: one-output token head (critic values)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at total_steps), after warm-up
-    min_lr_ratio: float = 0.0
+    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule (trainable engines)
     total_steps: int = 0  # optimizer steps of the run; the cosine schedule needs it
     micro_batch_size: int = 64  # rows per forward/backward on this rank (when max_token_len is 0)
     max_token_len: int = 0  # token budget per micro-batch on this rank (real tokens); 0 = by row count
@@ -76,20 +70,20 @@ class EngineConfig:
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def lr_factor(config: EngineConfig) -> Callable[[int], float]:
+def lr_factor(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """The learning-rate multiplier per optimizer step: linear warm-up, then constant or cosine decay."""
-    if config.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"lr_schedule '{config.lr_schedule}' unknown; valid: {', '.join(LR_SCHEDULES)}")
-    if config.lr_schedule == "cosine" and config.total_steps <= config.warmup_steps:
+    if optim.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"lr_schedule '{optim.lr_schedule}' unknown; valid: {', '.join(LR_SCHEDULES)}")
+    if optim.lr_schedule == "cosine" and total_steps <= optim.warmup_steps:
         raise ConfigError(
-            f"the cosine schedule needs total_steps ({config.total_steps}) > warmup_steps ({config.warmup_steps})"
+            f"the cosine schedule needs total_steps ({total_steps}) > warmup_steps ({optim.warmup_steps})"
         )
-    warmup, total, floor = config.warmup_steps, config.total_steps, config.min_lr_ratio
+    warmup, total, floor = optim.warmup_steps, total_steps, optim.min_lr_ratio
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if config.lr_schedule == "constant":
+        if optim.lr_schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / (total - warmup))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -166,12 +160,15 @@ class TrainEngine:
         if config.trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
-                lr=config.lr,
-                betas=config.betas,
-                weight_decay=config.weight_decay,
+                lr=config.optim.lr,
+                betas=config.optim.betas,
+                eps=config.optim.eps,
+                weight_decay=config.optim.weight_decay,
                 fused=True,
             )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lr_factor(config.optim, config.total_steps)
+            )
 
     # ---- compute -------------------------------------------------------------------------------
     def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
@@ -238,15 +235,26 @@ class TrainEngine:
             with_entropy=with_entropy,
         )
 
-    @torch.no_grad()
     def compute_log_prob(
         self, batch: Batch, temperature: float = 1.0, disable_adapter: bool = False
     ) -> torch.Tensor:
-        """Log-probs of the response tokens (of every next token when there is no `responses`); with the
-        value head, the critic's values of the response tokens. `disable_adapter`: under the LoRA base
-        model (the reference policy of a LoRA run)."""
+        """Log-probs of the response tokens (of every next token when there is no `responses`) at
+        `temperature`. `disable_adapter`: under the LoRA base model (the reference policy of a LoRA run)."""
+        if self.config.head != "lm":
+            raise ConfigError("compute_log_prob needs the lm head; a value-head engine has compute_values")
         if disable_adapter and not self.lora:
             raise ConfigError("compute_log_prob(disable_adapter=True) needs a LoRA engine")
+        return self._outputs_no_grad(batch, temperature, disable_adapter)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """The value head's V(s_t) for every response token (the critic's pass)."""
+        if self.config.head != "value":
+            raise ConfigError("compute_values needs the value head; an lm-head engine has compute_log_prob")
+        return self._outputs_no_grad(batch, 1.0, False)
+
+    @torch.no_grad()
+    def _outputs_no_grad(self, batch: Batch, temperature: float, disable_adapter: bool) -> torch.Tensor:
+        """The head's per-token outputs over every micro-batch, in eval mode, in the batch's row order."""
         was_training = self.model.training
         self.model.eval()
         outs, order = [], []
@@ -302,7 +310,8 @@ class TrainEngine:
         """Clip gradients, step AdamW and the LR schedule, zero gradients."""
         assert self.optimizer is not None and self.scheduler is not None
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, self.config.grad_clip)
+        max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf  # 0 = off
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm_value = float(grad_norm)

@@ -1,4 +1,9 @@
-"""Checkpoint directories: written under a temporary name, published by rename, `latest` written last.
+"""Checkpoints as one component over the parts of a run, written under a temporary name, published by rename.
+
+The trainer only says when: `save(step, workers, states, meta)` has each worker group write its own files
+into the folder (`save_state(path)`: sharded weights, optimizer, per-rank RNGs) and stores every driver-side
+part's `state_dict()` (dataloader, rewards and KL controller, the driver's RNG) in `trainer_state.pt`;
+`restore` hands each back its own, as torchtitan's CheckpointManager does over `Stateful` parts.
 
 Layout: `<run>/step_<N>/actor/` (sharded, written by the workers), `<run>/step_<N>/trainer_state.pt`
 (step, dataloader position, driver RNG, config); `<run>/latest` holds the newest complete step's name.
@@ -12,15 +17,16 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 
+from posttrain.controller.roles import Stateful
 from posttrain.errors import ConfigError
+from posttrain.trainers.fault import kill_point
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +34,52 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 
 
+class DriverState(Protocol):
+    """A driver-side part of a checkpoint (dataloader, reward stage, RNG)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, max_to_keep: int = 2) -> None:
         self.run_dir = Path(run_dir)
         self.max_to_keep = max_to_keep
+
+    def save(
+        self,
+        step: int,
+        workers: Sequence[Stateful],
+        states: Mapping[str, DriverState],
+        meta: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Step `step`'s checkpoint of every part; `meta` (step, config, model facts) goes beside the states.
+
+        Test-only kill points (trainers/fault.py): `saving` with the shards written and nothing published,
+        `saved` just after `latest` moved.
+        """
+        tmp = self.begin(step)
+        for group in workers:
+            group.save_state(tmp)
+        trainer_state = {**{name: part.state_dict() for name, part in states.items()}, **(meta or {})}
+        trainer_state["step"] = step
+        kill_point("saving", step)
+        path = self.publish(tmp, step, trainer_state)
+        log.info("saved checkpoint %s", path)
+        kill_point("saved", step)
+        return path
+
+    def restore(
+        self, path: Path, workers: Sequence[Stateful], states: Mapping[str, DriverState]
+    ) -> dict[str, Any]:
+        """Load checkpoint `path` into every part; returns the whole trainer state (meta included)."""
+        trainer_state = self.load_state(path)
+        for group in workers:
+            group.load_state(path)
+        for name, part in states.items():
+            part.load_state_dict(trainer_state.get(name, {}))
+        return trainer_state
 
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for step `step`; workers write their shards into it."""
@@ -89,7 +137,10 @@ class CheckpointManager:
         return path
 
     def load_state(self, path: Path) -> dict[str, Any]:
-        return torch.load(path / STATE_FILE, weights_only=False)
+        state = torch.load(path / STATE_FILE, weights_only=False)
+        if not isinstance(state, dict):
+            raise ConfigError(f"{path / STATE_FILE} is not a trainer state (a {type(state).__name__})")
+        return state
 
     def _retain(self, keep: Path) -> None:
         """Delete the oldest checkpoints beyond `max_to_keep`; never `keep` (the one `latest` names)."""
@@ -114,13 +165,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])

@@ -36,8 +36,6 @@ def check_fault_config(trainer: TrainerConfig) -> None:
         raise ConfigError(f"trainer.max_restarts must be >= 0 (0 = no restarts), got {trainer.max_restarts}")
     if trainer.restart_wait_s < 0:
         raise ConfigError(f"trainer.restart_wait_s must be >= 0, got {trainer.restart_wait_s}")
-    if trainer.collective_timeout_s <= 0:
-        raise ConfigError(f"trainer.collective_timeout_s must be > 0, got {trainer.collective_timeout_s}")
 
 
 def kill_point(point: str, step: int) -> None:

@@ -1,7 +1,8 @@
 """The RL driver loop (PPO family): generate -> score -> old/ref log-probs -> advantages -> update -> sync.
 
-The driver holds the algorithm and nothing else; every heavy call is a WorkerGroup verb that splits the
-Batch across data-parallel ranks. `RLTrainer.step` reads as the loop in ARCHITECTURE.md.
+The driver holds the algorithm and nothing else; every heavy call is a typed verb of a role group
+(controller/roles.py) that splits the Batch across data-parallel ranks. `RLTrainer.step` reads as the loop
+in ARCHITECTURE.md; placement is controller/placement.py, checkpoints trainers/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -14,27 +15,27 @@ from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
 from posttrain.config.schema import RLConfig
-from posttrain.controller.ray_env import ray_is_running, start_ray, stop_ray
+from posttrain.controller.placement import RLGroups, start_rl_groups, threads_per_worker
+from posttrain.controller.ray_env import ray_is_running, stop_ray
+from posttrain.controller.roles import ActorGroup, CriticGroup, Sampler, Stateful
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.dataset import PromptDataset, collate_prompts
-from posttrain.data.partition import balanced_partition
 from posttrain.errors import ConfigError, RewardError, WorkerError
-from posttrain.models import load_config, load_tokenizer
+from posttrain.models import load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
-from posttrain.trainers.checkpoint import CheckpointManager, rng_state, set_rng_state
-from posttrain.trainers.fault import StopSignals, check_fault_config, kill_point, run_with_restarts
+from posttrain.trainers.checkpoint import CheckpointManager, DriverState
+from posttrain.trainers.compat import check_resumable, model_fingerprint
+from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
-from posttrain.trainers.placement import RLGroups, split_rollout, start_groups, start_local_groups
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.setup import (
     advantage_kwargs,
@@ -44,14 +45,13 @@ from posttrain.trainers.setup import (
     optimizer_steps_per_step,
     policy_loss_options,
     reuses_update_log_probs,
-    threads_per_worker,
-    uses_gpu,
-    worker_env,
 )
 from posttrain.trainers.throughput import PerfMeter
+from posttrain.trainers.updates import Metrics, balance_across_workers, minibatch_updates
 from posttrain.trainers.validation import validate
-from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.losses import LossSpec
+from posttrain.workers.process import ProcessRNG, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,6 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - start
-
-
-def model_fingerprint(path: str) -> dict[str, Any]:
-    """The architecture facts a checkpoint must agree with (not the path, which may move)."""
-    config = load_config(path).to_dict()
-    fields = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
-    return {k: config.get(k) for k in fields}
 
 
 class RLTrainer:
@@ -140,9 +133,9 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_checkpoints_to_keep)
         self.step_count = 0
         self.groups: RLGroups | None = None
-        self.actor: Any = None  # training (+ reference, + the sampler when colocated)
-        self.sampler: Any = None  # the group that generates: the actor's, or a rollout pool's
-        self.critic: Any = None
+        self.actor: ActorGroup | None = None  # training (+ reference, + the sampler when colocated)
+        self.sampler: Sampler | None = None  # the group that generates: the actor's, or a rollout pool's
+        self.critic: CriticGroup | None = None
         self.perf: PerfMeter | None = None  # throughput and MFU metrics; set up in fit()
         self.history: list[dict[str, float]] = []
         self.restarts = 0  # worker failures recovered from in this fit()
@@ -249,42 +242,31 @@ class RLTrainer:
         `wait_s`: how long to wait for the cluster's room (after a failure, the old groups' resources).
         """
         cfg = self.cfg
+        threads = threads_per_worker(cfg.trainer)
         spec = ActorRolloutRefSpec(
             engine=engine_config(
                 cfg.model,
-                lr=cfg.actor.lr,
-                weight_decay=cfg.actor.weight_decay,
-                betas=cfg.actor.betas,
-                grad_clip=cfg.actor.grad_clip,
-                warmup_steps=cfg.actor.warmup_steps,
-                lr_schedule=cfg.actor.lr_schedule,
-                min_lr_ratio=cfg.actor.min_lr_ratio,
+                optim=cfg.actor.optim,
                 total_steps=cfg.trainer.total_steps * optimizer_steps_per_step(cfg),
                 micro_batch_size=cfg.actor.micro_batch_size,
                 max_token_len=cfg.actor.max_token_len_per_worker,
             ),
-            with_rollout=not split_rollout(cfg),
+            with_rollout=cfg.resources.rollout == "trainer",
             with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
             rollout_name=cfg.rollout.name,
             rollout_max_batch_size=cfg.rollout.max_batch_size,
             seed=cfg.trainer.seed,
-            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers_per_node),
+            threads=threads,
         )
-        critic = critic_spec(cfg, spec.threads) if cfg.critic.enable else None
-        if cfg.trainer.backend == "local":
-            self.groups = start_local_groups(spec, critic, cfg.trainer.device)
-        else:
-            start_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.tmpdir)
-            self.groups = start_groups(
-                cfg, spec, critic, uses_gpu(cfg.trainer.device), worker_env(spec.threads), wait_s=wait_s
-            )
+        critic = critic_spec(cfg, threads) if cfg.critic.enable else None
+        self.groups = start_rl_groups(cfg, spec, critic, wait_s=wait_s)
         self.actor, self.sampler, self.critic = self.groups.actor, self.groups.sampler, self.groups.critic
         placement = self.groups.placement()
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         log.info(
             "placement: %s", {role: [p.get("node_ip") for p in ranks] for role, ranks in placement.items()}
         )
-        self.perf = PerfMeter.from_config(cfg, threads=spec.threads)
+        self.perf = PerfMeter.from_config(cfg, threads=threads)
 
     def _stop_workers(self) -> None:
         if self.groups is not None:
@@ -292,13 +274,14 @@ class RLTrainer:
         self.groups = None
         self.actor = self.sampler = self.critic = None
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> Metrics:
         """One RL step: the loop of ARCHITECTURE.md."""
-        cfg, timings = self.cfg, {}
+        cfg, timings = self.cfg, dict[str, float]()
+        actor, sampler = self._running()
         with timed(timings, "step"):
             with timed(timings, "gen"):
                 batch, gen_metrics = generate_step_batch(
-                    cfg, self.sampler, self.loader, self.sampling, self.rewards
+                    cfg, sampler, self.loader, self.sampling, self.rewards
                 )
             if cfg.trainer.balance_batch and cfg.trainer.world_size > 1:
                 batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
@@ -306,13 +289,13 @@ class RLTrainer:
             forward_batch = batch.select(FORWARD_KEYS, [])
             if not self.reuse_update_log_probs:
                 with timed(timings, "old_log_prob"):
-                    batch = batch.union(self.actor.call("forward", forward_batch, "actor", self._temp))
+                    batch = batch.union(actor.forward(forward_batch, model="actor", temperature=self._temp))
             if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 with timed(timings, "ref"):
-                    batch = batch.union(self.actor.call("forward", forward_batch, "ref", self._temp))
+                    batch = batch.union(actor.forward(forward_batch, model="ref", temperature=self._temp))
             if self.critic is not None:
                 with timed(timings, "values"):
-                    batch = batch.union(self.critic.call("forward", forward_batch))
+                    batch = batch.union(self.critic.forward(forward_batch))
             with timed(timings, "adv"):
                 rewards, kl_metrics = self.rewards.apply_kl(batch)
                 batch = batch.union(rewards)
@@ -331,11 +314,18 @@ class RLTrainer:
 
     def sync_sampler(self) -> None:
         """New weights to the sampler: in-process when colocated, else from actor rank 0 via the object store."""
-        if self.groups is not None and self.groups.split:
-            gathered = self.actor.call("rollout_weights")  # rank 0's dict (a list when other ranks gave None)
-            self.sampler.call("load_weights", gathered if isinstance(gathered, dict) else gathered[0])
+        actor, _ = self._running()
+        rollout = self.groups.rollout if self.groups is not None else None
+        if rollout is not None:
+            rollout.load_weights(actor.rollout_weights())
         else:
-            self.actor.call("sync_sampler")
+            actor.sync_sampler()
+
+    def _running(self) -> tuple[ActorGroup, Sampler]:
+        """The actor and sampler groups (started by fit)."""
+        if self.actor is None or self.sampler is None:
+            raise RuntimeError("the workers are not running: call fit(), or _start_workers() first")
+        return self.actor, self.sampler
 
     @property
     def _temp(self) -> float:
@@ -349,45 +339,35 @@ class RLTrainer:
         )
         return Batch.from_dict({keys.ADVANTAGES: advantages, keys.RETURNS: returns})
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch) -> Metrics:
         """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""
+        actor, _ = self._running()
         extra = [keys.REF_LOG_PROB] if self.cfg.actor.use_kl_loss else []
         update_keys = [k for k in UPDATE_KEYS if k in batch.keys()]
-        return self._minibatch_updates(
-            self.actor,
+
+        def train(mb: Batch) -> Metrics:
+            return {**actor.forward_backward(mb, self.loss, temperature=self._temp), **actor.optim_step()}
+
+        actor_cfg = self.cfg.actor
+        return minibatch_updates(
             batch.select(update_keys + extra, []),
-            self.loss,
-            self.cfg.actor.ppo_epochs,
+            actor_cfg.mini_batch_size,
+            actor_cfg.ppo_epochs,
             "actor",
-            self._temp,
+            train,
         )
 
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self._minibatch_updates(
-            self.critic, batch.select(CRITIC_KEYS, []), self.critic_loss, self.cfg.critic.ppo_epochs, "critic"
-        )
+    def update_critic(self, batch: Batch) -> Metrics:
+        critic = self.critic
+        assert critic is not None
 
-    def _minibatch_updates(
-        self, group: Any, batch: Batch, loss: LossSpec, epochs: int, prefix: str, *args: Any
-    ) -> dict[str, float]:
-        mini = self.cfg.actor.mini_batch_size or len(batch)
-        sums: dict[str, float] = {}
-        maxima: dict[str, float] = {}
-        count = 0
-        for _ in range(epochs):
-            for mb in batch.split(mini):
-                mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
-                mb.meta[keys.GLOBAL_SEQS] = len(mb)
-                metrics = group.call("forward_backward", mb, loss, *args)
-                metrics.update(group.call("optim_step"))
-                for k, v in metrics.items():
-                    name = k if k.startswith((f"{prefix}/", "rollout/")) else f"{prefix}/{k}"
-                    if name.endswith("_max"):
-                        maxima[name] = max(maxima.get(name, float("-inf")), v)
-                    else:
-                        sums[name] = sums.get(name, 0.0) + v
-                count += 1
-        return {**{k: v / count for k, v in sums.items()}, **maxima}
+        def train(mb: Batch) -> Metrics:
+            return {**critic.forward_backward(mb, self.critic_loss), **critic.optim_step()}
+
+        critic_cfg = self.cfg.critic
+        return minibatch_updates(
+            batch.select(CRITIC_KEYS, []), critic_cfg.mini_batch_size, critic_cfg.ppo_epochs, "critic", train
+        )
 
     def batch_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch[keys.RESPONSE_MASK]
@@ -414,8 +394,9 @@ class RLTrainer:
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         assert self.val_set is not None
+        _, sampler = self._running()
         return validate(
-            self.sampler,
+            sampler,
             self.val_set,
             self.pad_id,
             self.val_sampling,
@@ -429,27 +410,30 @@ class RLTrainer:
         tracker.log(metrics, self.step_count)
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        tmp = self.checkpoints.begin(self.step_count)
-        self.actor.call("save_state", str(tmp))
+    def _checkpoint_parts(self) -> tuple[list[Stateful], dict[str, DriverState]]:
+        """What a checkpoint holds: each worker group's files, and the driver's parts by name."""
+        actor, _ = self._running()
+        workers: list[Stateful] = [actor]
         if self.critic is not None:
-            self.critic.call("save_state", str(tmp))
-        if self.groups is not None and self.groups.split:
-            self.sampler.call("save_state", str(tmp))
-        state = {
-            "rewards": self.rewards.state_dict(),
-            "step": self.step_count,
-            "dataloader": self.loader.state_dict(),
-            "rng": rng_state(),
+            workers.append(self.critic)
+        if self.groups is not None and self.groups.rollout is not None:
+            workers.append(self.groups.rollout)
+        states: dict[str, DriverState] = {
+            "rewards": self.rewards,
+            "dataloader": self.loader,
+            "rng": ProcessRNG(),
+        }
+        return workers, states
+
+    def save_checkpoint(self) -> Path:
+        workers, states = self._checkpoint_parts()
+        meta = {
             "world_size": self.cfg.trainer.world_size,
             "model": model_fingerprint(self.cfg.model.path),
             "config": to_dict(self.cfg),
         }
-        kill_point("saving", self.step_count)  # test-only: a kill with the shards written, not published
-        path = self.checkpoints.publish(tmp, self.step_count, state)
+        path = self.checkpoints.save(self.step_count, workers, states, meta)
         self._published = True
-        log.info("saved checkpoint %s", path)
-        kill_point("saved", self.step_count)
         return path
 
     def _maybe_resume(self, after_failure: bool = False) -> None:
@@ -462,48 +446,15 @@ class RLTrainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return
-        state = self.checkpoints.load_state(latest)
-        self._check_compatible(latest, state)
-        self.actor.call("load_state", str(latest))
-        if self.critic is not None:
-            self.critic.call("load_state", str(latest))
-        if self.groups is not None and self.groups.split:
-            self.sampler.call("load_state", str(latest))
+        check_resumable(latest, self.checkpoints.load_state(latest), self.cfg)
+        workers, states = self._checkpoint_parts()
+        state = self.checkpoints.restore(latest, workers, states)
+        if self.groups is not None and self.groups.rollout is not None:
             self.sync_sampler()
-        self.rewards.load_state_dict(state.get("rewards", {}))
-        self.loader.load_state_dict(state["dataloader"])
-        set_rng_state(state["rng"])
         self.step_count = state["step"]
         self.history = [h for h in self.history if h["step"] <= self.step_count]
         log.info("resumed from %s at step %d", latest, self.step_count)
         print(f"resumed from {latest} at step {self.step_count}", flush=True)
-
-    def _check_compatible(self, latest: Path, state: dict[str, Any]) -> None:
-        """The checkpoint must be of this model (architecture, LoRA, critic); another world size is resharded."""
-        fingerprint = model_fingerprint(self.cfg.model.path)
-        if state["model"] != fingerprint:
-            raise ConfigError(
-                f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}"
-            )
-        saved = state.get("config", {})
-        lora = saved.get("model", {}).get("lora", {}).get("rank", 0)
-        if lora != self.cfg.model.lora.rank:
-            raise ConfigError(
-                f"checkpoint {latest} was trained with model.lora.rank={lora}; this run has "
-                f"model.lora.rank={self.cfg.model.lora.rank}"
-            )
-        if (latest / "critic").exists() != self.cfg.critic.enable:
-            has = "has" if (latest / "critic").exists() else "has no"
-            raise ConfigError(
-                f"checkpoint {latest} {has} critic; this run has critic.enable={self.cfg.critic.enable}"
-            )
-        if state["world_size"] != self.cfg.trainer.world_size:
-            message = (
-                f"checkpoint {latest} was written by {state['world_size']} workers, this run has "
-                f"{self.cfg.trainer.world_size}: weights and optimizer state are resharded, but per-worker "
-                "sampler RNG states are not, so the run will not repeat the original one exactly"
-            )
-            log.warning(message)
 
     def _reset_progress(self) -> None:
         """Step 0 state of the driver: seed, dataloader, KL controller, validation history."""
@@ -512,20 +463,6 @@ class RLTrainer:
         self.loader.load_state_dict({"epoch": 0, "position": 0})
         self.rewards = RewardStage(self.cfg)
         self.history = []
-
-
-def balance_across_workers(batch: Batch, workers: int) -> tuple[Batch, dict[str, float]]:
-    """Reorder rows so the equal, consecutive chunks the worker group hands out carry near-equal tokens.
-
-    Rows are independent samples (groups are found by uid, not position), so the order is free.
-    """
-    lengths = batch[keys.ATTENTION_MASK].sum(1).tolist()
-    parts = balanced_partition(lengths, workers)
-    tokens = [sum(lengths[i] for i in part) for part in parts]
-    mean = sum(tokens) / workers
-    return batch.index([i for part in parts for i in part]), {
-        "balance/max_over_mean_tokens": max(tokens) / mean if mean else 1.0
-    }
 
 
 def _val_only(metrics: dict[str, float]) -> dict[str, float]:

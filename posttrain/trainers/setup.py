@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from posttrain.algorithms.policy_loss import own_options
 from posttrain.algorithms.registry import get_advantage_estimator, get_kl_estimator, get_policy_loss
 from posttrain.config.schema import (
     ActorConfig,
     AlgorithmConfig,
     LoraConfig,
     ModelConfig,
-    RayConfig,
     RLConfig,
 )
-from posttrain.controller.pause_points import PAUSE_ENV
-from posttrain.controller.ray_env import cluster_has_gpus, start_ray
-from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+from posttrain.controller.placement import check_placement
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.lora import check_target_modules
@@ -29,8 +26,6 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
-from posttrain.trainers.placement import check_placement
-from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.critic import CriticSpec
 
 
@@ -125,14 +120,7 @@ def check_rl_config(cfg: RLConfig) -> None:
         raise ConfigError(
             "algorithm.adv_estimator=grpo needs rollout.n >= 2 (advantages are relative to a group)"
         )
-    if cfg.trainer.backend not in ("ray", "local"):
-        raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
     check_placement(cfg)
-    if cfg.trainer.backend == "local" and cfg.trainer.world_size != 1:
-        raise ConfigError(
-            "trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 and "
-            "trainer.nnodes=1, or backend=ray"
-        )
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     mini = cfg.actor.mini_batch_size or samples
     workers = cfg.trainer.world_size
@@ -143,12 +131,15 @@ def check_rl_config(cfg: RLConfig) -> None:
         )
     if mini % workers:
         raise ConfigError(f"actor.mini_batch_size={mini} must be divisible by the {workers} workers")
+    if cfg.critic.enable:
+        critic_mini = cfg.critic.mini_batch_size or samples
+        if samples % critic_mini or critic_mini % workers:
+            raise ConfigError(
+                f"critic.mini_batch_size={critic_mini} must divide the samples per step ({samples}) and be "
+                f"divisible by the {workers} workers"
+            )
     if cfg.actor.micro_batch_size <= 0:
         raise ConfigError(f"actor.micro_batch_size must be > 0, got {cfg.actor.micro_batch_size}")
-    if cfg.data.overlong_prompts not in ("filter", "error"):
-        raise ConfigError(f"data.overlong_prompts must be filter or error, got '{cfg.data.overlong_prompts}'")
-    if cfg.reward.gsm8k_method not in ("strict", "flexible"):
-        raise ConfigError(f"reward.gsm8k_method must be strict or flexible, got '{cfg.reward.gsm8k_method}'")
     if cfg.reward.custom_function_path:
         load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
     for backend in cfg.trainer.loggers:
@@ -159,29 +150,30 @@ def check_rl_config(cfg: RLConfig) -> None:
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
-# options of the policy losses that live in ActorConfig; each is passed only to a loss that takes it
+# options of particular policy losses that live in ActorConfig; one left unset (None) means the chosen
+# loss's own documented default, one that is set is passed only to a loss that takes it
 LOSS_OPTION_FIELDS = (
     "clip_ratio_low",
     "clip_ratio_high",
     "clip_ratio_c",
-    "tis_cap",
     "loss_beta",
     "clip_cov_ratio",
     "clip_cov_lb",
     "clip_cov_ub",
     "kl_cov_ratio",
     "ppo_kl_coef",
+    "tau_pos",
+    "tau_neg",
 )
 # config name -> the loss function's parameter name, where they differ
 LOSS_OPTION_ALIASES = {"loss_beta": "beta"}
 
 
 def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
-    """The `ppo` LossSpec options: loss-specific settings go only to a loss that takes them, and a setting
-    changed from its default for a loss that does not take it is an error (never silently ignored)."""
-    fn = get_policy_loss(actor.policy_loss)
-    accepted = set(inspect.signature(fn).parameters)
-    defaults = ActorConfig()
+    """The `ppo` LossSpec options. Only the loss options the user set are passed, so an unset one is the
+    chosen loss's own default (in its signature); a set one the chosen loss does not take is an error
+    naming the key and the loss (never silently ignored)."""
+    accepted = own_options(get_policy_loss(actor.policy_loss))
     options: dict[str, Any] = {
         "policy_loss": actor.policy_loss,
         "loss_agg_mode": actor.loss_agg_mode,
@@ -189,20 +181,24 @@ def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
         "kl_loss_coef": actor.kl_loss_coef,
         "kl_loss_type": actor.kl_loss_type,
         "entropy_coeff": actor.entropy_coeff,
+        "tis_cap": actor.tis_cap,
     }
     for name in LOSS_OPTION_FIELDS:
-        param = LOSS_OPTION_ALIASES.get(name, name)
         value = getattr(actor, name)
-        if param in accepted:
-            options[param] = value
-        elif value != getattr(defaults, name):
+        if value is None:
+            continue
+        param = LOSS_OPTION_ALIASES.get(name, name)
+        if param not in accepted:
+            takes = [f"actor.{f}" for f in LOSS_OPTION_FIELDS if LOSS_OPTION_ALIASES.get(f, f) in accepted]
             raise ConfigError(
-                f"actor.{name}={value} is set, but actor.policy_loss={actor.policy_loss} does not use it"
+                f"actor.{name}={value} is set, but actor.policy_loss={actor.policy_loss} does not use it "
+                f"(it takes: {', '.join(takes) or 'none of the loss options'})"
             )
+        options[param] = value
     return options
 
 
-def advantage_kwargs(estimator: Callable, algo: AlgorithmConfig, batch: Batch) -> dict[str, Any]:
+def advantage_kwargs(estimator: Callable[..., Any], algo: AlgorithmConfig, batch: Batch) -> dict[str, Any]:
     """Exactly the keyword arguments `estimator` declares, from the config and the batch."""
     pool: dict[str, Any] = {"gamma": algo.gamma, "lam": algo.lam, "norm_by_std": algo.norm_adv_by_std_in_grpo}
     if keys.VALUES in batch:
@@ -213,7 +209,7 @@ def advantage_kwargs(estimator: Callable, algo: AlgorithmConfig, batch: Batch) -
     return {name: value for name, value in pool.items() if name in params}
 
 
-def check_algorithm(cfg: RLConfig, estimator: Callable) -> None:
+def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
     """Combinations that cannot work are rejected here, with the reason."""
     algo, name = cfg.algorithm, cfg.algorithm.adv_estimator
     params = inspect.signature(estimator).parameters
@@ -268,6 +264,12 @@ def optimizer_steps_per_step(cfg: RLConfig) -> int:
     return cfg.actor.ppo_epochs * (samples // (cfg.actor.mini_batch_size or samples))
 
 
+def critic_optimizer_steps_per_step(cfg: RLConfig) -> int:
+    """Critic optimizer steps per RL step: its ppo_epochs x its mini-batches."""
+    samples = cfg.data.train_batch_prompts * cfg.rollout.n
+    return cfg.critic.ppo_epochs * (samples // (cfg.critic.mini_batch_size or samples))
+
+
 def reuses_update_log_probs(cfg: RLConfig) -> bool:
     """Whether the separate old-log-prob pass can be skipped: with one optimizer step per batch the policy
     has not changed when the update computes its log-probs, so they are the old ones (same weights, same
@@ -275,25 +277,6 @@ def reuses_update_log_probs(cfg: RLConfig) -> bool:
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, samples)
     return cfg.actor.reuse_log_probs_on_policy and one_step and not cfg.algorithm.use_kl_in_reward
-
-
-def threads_per_worker(requested: int, n_workers: int) -> int:
-    return requested or max(1, (os.cpu_count() or 1) // n_workers)
-
-
-def make_actor_group(
-    spec: ActorRolloutRefSpec,
-    n_workers: int,
-    backend: str,
-    ray_cfg: RayConfig,
-    run_dir: str | Path,
-    device: str = "auto",
-    roles: int = 1,
-) -> LocalWorkerGroup | RayWorkerGroup:
-    """The actor's worker group on Ray (one actor per rank) or in-process (world size 1)."""
-    return _make_group(
-        ActorRolloutRefWorker, spec, "actor_rollout_ref", n_workers, backend, ray_cfg, device, roles
-    )
 
 
 def critic_spec(cfg: RLConfig, threads: int) -> CriticSpec:
@@ -304,52 +287,9 @@ def critic_spec(cfg: RLConfig, threads: int) -> CriticSpec:
         path=c.model_path,
         lora=LoraConfig(),  # the critic trains fully: a new value head on adapters alone learns little
         head="value",
-        lr=c.lr,
-        weight_decay=c.weight_decay,
-        grad_clip=c.grad_clip,
-        warmup_steps=c.warmup_steps,
+        optim=c.optim,
+        total_steps=cfg.trainer.total_steps * critic_optimizer_steps_per_step(cfg),
         micro_batch_size=c.micro_batch_size,
         max_token_len=c.max_token_len_per_worker,
     )
     return CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
-
-
-def worker_env(threads: int) -> dict[str, str]:
-    """Environment of every worker process: its thread budget, no tokenizer thread pools (and the test-only
-    pause points of controller/pause_points.py when the driver has them)."""
-    env = {"OMP_NUM_THREADS": str(threads or 1), "TOKENIZERS_PARALLELISM": "false"}
-    if PAUSE_ENV in os.environ:
-        env[PAUSE_ENV] = os.environ[PAUSE_ENV]
-    return env
-
-
-def uses_gpu(device: str) -> bool:
-    """Whether Ray workers get GPUs: `cuda`, or `auto` on a cluster that has some (Ray must be running)."""
-    return device == "cuda" or (device == "auto" and cluster_has_gpus())
-
-
-def _make_group(
-    worker_cls: type,
-    spec: Any,
-    role: str,
-    n_workers: int,
-    backend: str,
-    ray_cfg: RayConfig,
-    device: str,
-    roles: int,
-) -> LocalWorkerGroup | RayWorkerGroup:
-    if backend == "local":
-        return LocalWorkerGroup(worker_cls, spec, role=role, device=device)
-    start_ray(ray_cfg.address, ray_cfg.num_cpus, ray_cfg.tmpdir)
-    use_gpu = uses_gpu(device)
-    share = 1.0 / roles  # colocated roles split each worker slot
-    return RayWorkerGroup(
-        worker_cls,
-        spec,
-        world_size=n_workers,
-        role=role,
-        num_cpus_per_worker=share,
-        num_gpus_per_worker=share if use_gpu else 0.0,
-        device="cuda" if use_gpu else "cpu",
-        env_vars=worker_env(getattr(spec, "threads", 0)),
-    )

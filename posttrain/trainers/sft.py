@@ -7,26 +7,34 @@ the warm start before RL. The result is written as a Hugging Face directory for 
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
 from posttrain.config.load import to_dict
-from posttrain.config.schema import SFTConfig
+from posttrain.config.schema import OptimConfig, SFTConfig, SFTOptimConfig
+from posttrain.controller.placement import (
+    RoleRequest,
+    check_worker_settings,
+    start_role_groups,
+    threads_per_worker,
+)
+from posttrain.controller.roles import ActorGroup
 from posttrain.data import keys
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking import Tracker
-from posttrain.trainers.setup import (
-    check_files,
-    check_model_options,
-    engine_config,
-    make_actor_group,
-    threads_per_worker,
-)
-from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, seed_everything
+from posttrain.trainers.setup import check_files, check_model_options, engine_config
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec
+from posttrain.workers.process import seed_everything
+
+
+def optim_only(optim: SFTOptimConfig) -> OptimConfig:
+    """The optimizer part of SFT's `optim` section (its batch sizes stay with the trainer)."""
+    return OptimConfig(**{f.name: getattr(optim, f.name) for f in fields(OptimConfig)})
 
 
 def check_sft_config(cfg: SFTConfig) -> None:
@@ -46,13 +54,7 @@ def check_sft_config(cfg: SFTConfig) -> None:
         raise ConfigError(
             f"optim.batch_size={cfg.optim.batch_size} must be divisible by the {cfg.trainer.world_size} workers"
         )
-    if cfg.trainer.backend not in ("ray", "local"):
-        raise ConfigError(f"unknown trainer.backend '{cfg.trainer.backend}'; valid: ray, local")
-    if cfg.trainer.backend == "local" and cfg.trainer.world_size != 1:
-        raise ConfigError(
-            "trainer.backend=local runs one in-process worker; set trainer.n_workers_per_node=1 and "
-            "trainer.nnodes=1, or backend=ray"
-        )
+    check_worker_settings(cfg.trainer)
 
 
 class SFTTrainer:
@@ -85,24 +87,18 @@ class SFTTrainer:
         spec = ActorRolloutRefSpec(
             engine=engine_config(
                 cfg.model,
-                lr=cfg.optim.lr,
-                weight_decay=cfg.optim.weight_decay,
-                betas=cfg.optim.betas,
-                grad_clip=cfg.optim.grad_clip,
-                warmup_steps=cfg.optim.warmup_steps,
-                lr_schedule=cfg.optim.lr_schedule,
-                min_lr_ratio=cfg.optim.min_lr_ratio,
+                optim=optim_only(cfg.optim),
                 total_steps=cfg.trainer.total_steps,
                 micro_batch_size=cfg.optim.micro_batch_size,
                 max_token_len=cfg.optim.max_token_len_per_worker,
             ),
             with_rollout=False,
             seed=cfg.trainer.seed,
-            threads=threads_per_worker(cfg.trainer.threads_per_worker, cfg.trainer.n_workers_per_node),
+            threads=threads_per_worker(cfg.trainer),
         )
-        group = make_actor_group(
-            spec, cfg.trainer.world_size, cfg.trainer.backend, cfg.ray, self.run_dir, cfg.trainer.device
-        )
+        request = RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, spec)
+        started, pools = start_role_groups(cfg.trainer, cfg.ray, [request])
+        group = ActorGroup(started[request.role])
         tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg))
         loss = LossSpec("cross_entropy")
         metrics: dict[str, float] = {}
@@ -115,8 +111,8 @@ class SFTTrainer:
                 tokens = float(batch[keys.LOSS_MASK].sum())
                 batch.meta[keys.GLOBAL_TOKENS] = tokens
                 batch.meta[keys.GLOBAL_SEQS] = len(batch)
-                metrics = group.call("forward_backward", batch, loss)
-                metrics.update(group.call("optim_step"))
+                metrics = group.forward_backward(batch, loss)
+                metrics.update(group.optim_step())
                 seconds = time.perf_counter() - start
                 metrics.update(
                     {
@@ -137,20 +133,21 @@ class SFTTrainer:
                         flush=True,
                     )
                     break
-            group.call("export_hf", str(self.hf_dir))
+            group.export_hf(self.hf_dir)
         finally:
             tracker.close()
             group.shutdown()
+            for pool in pools.values():
+                pool.remove()
         return metrics
 
-    def validate(self, group) -> float:
+    def validate(self, group: ActorGroup) -> float:
         """Mean negative log-likelihood per response token on the validation split."""
         assert self.val_set is not None
         rows = (len(self.val_set) // group.world_size) * group.world_size
         items = [self.val_set[i] for i in range(min(rows, 1024))]
         batch = collate_sft(items, pad_token_id=self.tokenizer.pad_token_id)
-        log_probs = group.call(
-            "forward", batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], []), "actor"
-        )[keys.OLD_LOG_PROBS]
+        inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], [])
+        log_probs = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS]
         mask = batch[keys.LOSS_MASK]
         return float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,6 +23,7 @@ from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.losses import LossSpec, build_loss
+from posttrain.workers.process import ProcessRNG, prepare_worker_process, rank_seed
 from posttrain.workers.sampling import sample_batch
 
 
@@ -39,27 +38,6 @@ class ActorRolloutRefSpec:
     threads: int = 0  # torch intra-op threads; 0 = leave as is
 
 
-def quiet_transformers() -> None:
-    """No per-load progress bars from transformers: a run loads the model several times per worker."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
-def prepare_worker_process(threads: int, seed: int) -> None:
-    """What every worker does first: its thread budget (0 = leave as is), quiet loads, its own seed."""
-    if threads > 0:
-        torch.set_num_threads(threads)
-    quiet_transformers()
-    seed_everything(seed)
-
-
 class ActorRolloutRefWorker:
     """One SPMD rank of the actor: training engine, rollout engine, and (optionally) the frozen reference."""
 
@@ -67,7 +45,7 @@ class ActorRolloutRefWorker:
 
     def __init__(self, spec: ActorRolloutRefSpec, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
-        prepare_worker_process(spec.threads, spec.seed + 1000 * dist_info.rank)
+        prepare_worker_process(spec.threads, rank_seed(spec.seed, dist_info.rank))
         self.spec = spec
         self.rank = dist_info.rank
         self.actor = TrainEngine(spec.engine, dist_info)
@@ -86,7 +64,7 @@ class ActorRolloutRefWorker:
                 device=self.actor.device,
                 dtype=DTYPES[spec.engine.dtype],
                 max_batch_size=spec.rollout_max_batch_size,
-                seed=spec.seed + 7919 * dist_info.rank,
+                seed=rank_seed(spec.seed, dist_info.rank, "sampler"),
                 attn_implementation=spec.engine.attn_implementation,
             )
             if spec.with_rollout
@@ -105,11 +83,11 @@ class ActorRolloutRefWorker:
         return sample_batch(self.rollout, batch, sampling)
 
     # ---- forward / backward --------------------------------------------------------------------
-    def forward(self, batch: Batch, which: str = "actor", temperature: float = 1.0) -> Batch:
+    def forward(self, batch: Batch, model: str = "actor", temperature: float = 1.0) -> Batch:
         """Log-probs of the responses under the actor (`old_log_probs`) or the reference (`ref_log_prob`)."""
-        if which == "actor":
+        if model == "actor":
             return Batch.from_dict({keys.OLD_LOG_PROBS: self.actor.compute_log_prob(batch, temperature)})
-        if which == "ref":
+        if model == "ref":
             if not self.spec.with_ref:
                 raise RuntimeError("this worker was built without a reference model (with_ref=False)")
             if self.lora:
@@ -117,7 +95,7 @@ class ActorRolloutRefWorker:
             else:
                 ref = self.ref.compute_log_prob(batch, temperature)
             return Batch.from_dict({keys.REF_LOG_PROB: ref})
-        raise ValueError(f"forward: unknown model '{which}'; valid: actor, ref")
+        raise ValueError(f"forward: unknown model '{model}'; valid: actor, ref")
 
     def forward_backward(self, batch: Batch, loss: LossSpec, temperature: float = 1.0) -> dict[str, float]:
         if self.rollout is not None:
@@ -151,27 +129,16 @@ class ActorRolloutRefWorker:
 
     # ---- state ---------------------------------------------------------------------------------
     def save_state(self, path: str) -> None:
-        """Sharded actor weights + optimizer, and this rank's RNG states."""
+        """Sharded actor weights + optimizer, and this rank's RNG states (its sampler's included)."""
         self.actor.save(Path(path) / "actor")
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "rollout": self.rollout.generator.get_state() if self.rollout is not None else None,
-        }
-        torch.save(rng, Path(path) / "actor" / f"rng_rank{self.rank}.pt")
+        torch.save(self._rng().state_dict(), Path(path) / "actor" / f"rng_rank{self.rank}.pt")
         dist.barrier()
 
     def load_state(self, path: str) -> None:
         self.actor.load(Path(path) / "actor")
         rng_file = Path(path) / "actor" / f"rng_rank{self.rank}.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
-            if self.rollout is not None and rng["rollout"] is not None:
-                self.rollout.generator.set_state(rng["rollout"])
+            self._rng().load_state_dict(torch.load(rng_file, weights_only=False))
         else:  # a checkpoint of a smaller world size: this rank keeps its own seed
             logging.getLogger(__name__).warning(
                 "%s has no RNG state for rank %d (written by fewer workers); rank %d keeps its fresh seed",
@@ -180,6 +147,9 @@ class ActorRolloutRefWorker:
                 self.rank,
             )
         self.sync_sampler()
+
+    def _rng(self) -> ProcessRNG:
+        return ProcessRNG(self.rollout.generator if self.rollout is not None else None)
 
     def export_hf(self, out_dir: str, merged: bool = True) -> None:
         """The policy as a HF directory; with LoRA, `merged=False` writes the adapter alone."""

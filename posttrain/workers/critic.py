@@ -14,8 +14,8 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
-from posttrain.workers.actor_rollout_ref import prepare_worker_process
 from posttrain.workers.losses import LossSpec, build_loss
+from posttrain.workers.process import prepare_worker_process, rank_seed
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class CriticWorker:
 
     def __init__(self, spec: CriticSpec, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
-        prepare_worker_process(spec.threads, spec.seed + 1000 * dist_info.rank + 17)
+        prepare_worker_process(spec.threads, rank_seed(spec.seed, dist_info.rank, "critic"))
         # The token-classification head returns its logits as a view; nothing modifies them in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist_info.rank
@@ -42,7 +42,7 @@ class CriticWorker:
 
     def forward(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
-        return Batch.from_dict({keys.VALUES: self.engine.compute_log_prob(batch)})
+        return Batch.from_dict({keys.VALUES: self.engine.compute_values(batch)})
 
     def forward_backward(self, batch: Batch, loss: LossSpec) -> dict[str, float]:
         start = time.perf_counter()

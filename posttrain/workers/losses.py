@@ -1,28 +1,43 @@
 """Losses by name for `forward_backward`: the engine computes log-probs, these turn them into a scalar.
 
-A `LossSpec` is a plain, picklable value (it crosses Ray); `build_loss` makes the callable on the worker.
-Names: `ppo` (a registered policy loss + optional KL-to-reference and entropy terms), `value` (the critic's
-clipped value loss) and `cross_entropy` (SFT: mean negative log-likelihood over `loss_mask` tokens).
-An unknown name is an error listing them.
+A `LossSpec` is a plain, picklable value (it crosses Ray); `build_loss` looks its name up in `LOSSES` and
+makes the callable on the worker. Registered: `ppo` (a registered policy loss, weighed by truncated
+importance sampling and aggregated once, + optional KL-to-reference and entropy terms), `value` (the
+critic's clipped value loss) and `cross_entropy` (SFT: mean negative log-likelihood over `loss_mask`
+tokens). An unknown name, or an option the loss does not take, is a ConfigError listing the valid ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from posttrain.algorithms.aggregation import aggregate_loss, masked_mean
-from posttrain.algorithms.policy_loss import kl_loss
-from posttrain.algorithms.registry import get_policy_loss
+from posttrain.algorithms.policy_loss import compute_policy_loss, kl_loss, own_options
+from posttrain.algorithms.registry import Registry, get_policy_loss
 from posttrain.algorithms.value_loss import clipped_value_loss
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.train_engine import LossFn
 from posttrain.errors import ConfigError
 
-LOSS_NAMES = ("ppo", "value", "cross_entropy")
+# A loss builder: (the spec's options, data-parallel size) -> the callable the engine runs per micro-batch.
+LossBuilder = Callable[[dict[str, Any], int], LossFn]
+LOSSES: Registry[LossBuilder] = Registry("loss")
+
+# The `ppo` loss's own settings and their defaults; every other option goes to the policy loss.
+PPO_SETTINGS: dict[str, Any] = {
+    "policy_loss": "vanilla",
+    "loss_agg_mode": "token-mean",
+    "use_kl_loss": False,
+    "kl_loss_coef": 0.0,
+    "kl_loss_type": "k3",
+    "entropy_coeff": 0.0,
+    "tis_cap": 0.0,  # truncated importance sampling against rollout log-probs; 0 = off
+}
 
 
 @dataclass(frozen=True)
@@ -35,15 +50,22 @@ class LossSpec:
         return self.name == "ppo" and float(self.options.get("entropy_coeff", 0.0)) != 0.0
 
 
+def register_loss(name: str) -> Callable[[LossBuilder], LossBuilder]:
+    """Register a loss builder `(options, dp_size) -> LossFn` under `name`."""
+    return LOSSES.register(name)
+
+
 def build_loss(spec: LossSpec, dp_size: int) -> LossFn:
     """The callable for `spec`; totals for normalisation come from the micro-batch's meta."""
-    if spec.name == "ppo":
-        return _ppo_loss(spec.options, dp_size)
-    if spec.name == "value":
-        return _value_loss(spec.options, dp_size)
-    if spec.name == "cross_entropy":
-        return _cross_entropy_loss(dp_size)
-    raise ConfigError(f"unknown loss '{spec.name}'; valid: {', '.join(LOSS_NAMES)}")
+    return LOSSES.get(spec.name)(dict(spec.options), dp_size)
+
+
+def _check_options(owner: str, options: Mapping[str, Any], valid: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"{owner} takes no option {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(valid)) or 'none'}"
+        )
 
 
 def _totals(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
@@ -53,30 +75,38 @@ def _totals(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
-    options = dict(options)
-    policy_loss = get_policy_loss(options.pop("policy_loss", "vanilla"))
-    use_kl = bool(options.pop("use_kl_loss", False))
-    kl_coef = float(options.pop("kl_loss_coef", 0.0))
-    kl_type = str(options.pop("kl_loss_type", "k3"))
-    entropy_coeff = float(options.pop("entropy_coeff", 0.0))
-    agg_mode = str(options.pop("loss_agg_mode", "token-mean"))
+@register_loss("ppo")
+def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
+    """The policy loss `policy_loss` with its own options (the rest of `options`), TIS and aggregation
+    applied once here, + kl_loss_coef * KL to the reference (use_kl_loss) - entropy_coeff * entropy."""
+    settings = {name: options.pop(name, default) for name, default in PPO_SETTINGS.items()}
+    policy_loss_name = str(settings["policy_loss"])
+    policy_loss = get_policy_loss(policy_loss_name)
+    _check_options(f"policy loss '{policy_loss_name}'", options, {**PPO_SETTINGS, **own_options(policy_loss)})
+    agg_mode = str(settings["loss_agg_mode"])
+    use_kl = bool(settings["use_kl_loss"])
+    kl_coef = float(settings["kl_loss_coef"])
+    kl_type = str(settings["kl_loss_type"])
+    entropy_coeff = float(settings["entropy_coeff"])
+    tis_cap = float(settings["tis_cap"])
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(log_probs.dtype)
         totals = _totals(mb, mask)
         on_policy = keys.OLD_LOG_PROBS not in mb  # one optimizer step per batch: these are the old ones
         old_log_probs = log_probs.detach() if on_policy else mb[keys.OLD_LOG_PROBS]
-        loss, metrics = policy_loss(
+        loss, metrics = compute_policy_loss(
+            policy_loss,
             log_probs,
             old_log_probs,
             mb[keys.ADVANTAGES],
             mask,
+            options=options,
+            rollout_log_probs=mb[keys.ROLLOUT_LOG_PROBS] if keys.ROLLOUT_LOG_PROBS in mb else None,
+            tis_cap=tis_cap,
             loss_agg_mode=agg_mode,
             dp_size=dp_size,
-            rollout_log_probs=mb[keys.ROLLOUT_LOG_PROBS] if keys.ROLLOUT_LOG_PROBS in mb else None,
             **totals,
-            **options,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = float(loss.detach())  # rank-averaged by the group: the true loss
@@ -85,43 +115,28 @@ def _ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             metrics["rollout/logprob_diff_max"] = float(diff.max())
             metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
         if use_kl:
-            kl_value, kl_metrics = kl_loss(
-                log_probs,
-                mb[keys.REF_LOG_PROB],
-                mask,
-                kind=kl_type,
-                loss_agg_mode=agg_mode,
-                dp_size=dp_size,
-                **totals,
-            )
-            loss = loss + kl_coef * kl_value
+            kl, kl_metrics = kl_loss(log_probs, mb[keys.REF_LOG_PROB], mask, kind=kl_type)
+            loss = loss + kl_coef * aggregate_loss(kl, mask, agg_mode, dp_size=dp_size, **totals)
             metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
         if entropy is not None:
             entropy_term = aggregate_loss(entropy, mask, agg_mode, dp_size=dp_size, **totals)
             loss = loss - entropy_coeff * entropy_term
-        if entropy is not None:
             metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
         return loss, metrics
 
     return loss_fn
 
 
-def _value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
-    cliprange_value = float(options.get("cliprange_value", 0.5))
-    agg_mode = str(options.get("loss_agg_mode", "token-mean"))
+@register_loss("value")
+def value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
+    """The critic's clipped value loss (its own option: cliprange_value), aggregated under loss_agg_mode."""
+    agg_mode = str(options.pop("loss_agg_mode", "token-mean"))
+    _check_options("loss 'value'", options, {"loss_agg_mode": None, **own_options(clipped_value_loss)})
 
     def loss_fn(values: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(values.dtype)
-        loss, metrics = clipped_value_loss(
-            values,
-            mb[keys.VALUES],
-            mb[keys.RETURNS],
-            mask,
-            cliprange_value=cliprange_value,
-            loss_agg_mode=agg_mode,
-            dp_size=dp_size,
-            **_totals(mb, mask),
-        )
+        per_token, metrics = clipped_value_loss(values, mb[keys.VALUES], mb[keys.RETURNS], mask, **options)
+        loss = aggregate_loss(per_token, mask, agg_mode, dp_size=dp_size, **_totals(mb, mask))
         metrics = {f"critic/{k}": v for k, v in metrics.items()}
         metrics["critic/vf_loss"] = float(loss.detach())
         return loss, metrics
@@ -129,7 +144,11 @@ def _value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
     return loss_fn
 
 
-def _cross_entropy_loss(dp_size: int) -> LossFn:
+@register_loss("cross_entropy")
+def cross_entropy_loss(options: dict[str, Any], dp_size: int) -> LossFn:
+    """SFT: token-mean negative log-likelihood over the `loss_mask` tokens; no options."""
+    _check_options("loss 'cross_entropy'", options, {})
+
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb["loss_mask"].to(log_probs.dtype)
         totals = _totals(mb, mask)

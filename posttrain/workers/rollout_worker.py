@@ -8,13 +8,11 @@ torch.distributed group: samplers never talk to each other.
 from __future__ import annotations
 
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from posttrain.data.batch import Batch
@@ -22,7 +20,7 @@ from posttrain.engine.distributed import DistInfo, resolve_device
 from posttrain.engine.train_engine import DTYPES
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
-from posttrain.workers.actor_rollout_ref import prepare_worker_process
+from posttrain.workers.process import ProcessRNG, prepare_worker_process, rank_seed
 from posttrain.workers.sampling import sample_batch
 
 
@@ -42,7 +40,7 @@ class RolloutWorker:
 
     def __init__(self, spec: RolloutSpec, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
-        prepare_worker_process(spec.threads, spec.seed + 1000 * dist_info.rank)
+        prepare_worker_process(spec.threads, rank_seed(spec.seed, dist_info.rank))
         self.rank = dist_info.rank
         # the same seed a colocated sampler of this rank gets, so placement does not change the samples
         self.engine = make_rollout_engine(
@@ -51,7 +49,7 @@ class RolloutWorker:
             device=resolve_device(dist_info.device),
             dtype=DTYPES[spec.dtype],
             max_batch_size=spec.max_batch_size,
-            seed=spec.seed + 7919 * dist_info.rank,
+            seed=rank_seed(spec.seed, dist_info.rank, "sampler"),
             attn_implementation=spec.attn_implementation,
         )
 
@@ -67,22 +65,12 @@ class RolloutWorker:
         return {"sync/tensors": float(loaded), "sync/seconds": time.perf_counter() - start}
 
     def save_state(self, path: str) -> None:
+        """This rank's RNG states, its sampler's included (the weights are the actor's)."""
         folder = Path(path) / "rollout"
         folder.mkdir(parents=True, exist_ok=True)
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "sampler": self.engine.generator.get_state(),
-        }
-        torch.save(rng, folder / f"rng_rank{self.rank}.pt")
+        torch.save(ProcessRNG(self.engine.generator).state_dict(), folder / f"rng_rank{self.rank}.pt")
 
     def load_state(self, path: str) -> None:
         rng_file = Path(path) / "rollout" / f"rng_rank{self.rank}.pt"
-        if not rng_file.exists():
-            return
-        rng = torch.load(rng_file, weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        self.engine.generator.set_state(rng["sampler"])
+        if rng_file.exists():
+            ProcessRNG(self.engine.generator).load_state_dict(torch.load(rng_file, weights_only=False))

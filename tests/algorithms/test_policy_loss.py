@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from posttrain.algorithms.policy_loss import kl_loss, ppo_clip_loss
+from posttrain.algorithms.aggregation import aggregate_loss
+from posttrain.algorithms.policy_loss import compute_policy_loss, kl_loss, own_options, ppo_clip_loss
 from posttrain.algorithms.registry import get_policy_loss
 from posttrain.errors import ConfigError
 
@@ -24,7 +25,7 @@ def test_ppo_clip_hand_computed():
     # t2: r=1.1, A=+1: max(-1.1, -1.1) = -1.1       (inside the range)
     # t3: r=4.0, A=-1: max(4.0, 1.2) = 4.0, min(4.0, 3) = 3.0   (dual clip)
     # token-mean over 4 valid tokens: (-1.2 + 0.8 - 1.1 + 3.0) / 4 = 0.375
-    loss, metrics = ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK)
+    loss, metrics = compute_policy_loss(ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK)
     assert loss.item() == pytest.approx(0.375)
     assert metrics["pg_clipfrac"] == pytest.approx(2 / 4)
     assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 4)
@@ -35,7 +36,7 @@ def test_ppo_clip_hand_computed():
 
 def test_gradient_flows_only_through_unclipped_tokens():
     log_prob = _log_prob()
-    loss, _ = ppo_clip_loss(log_prob, OLD, ADVANTAGES, MASK)
+    loss, _ = compute_policy_loss(ppo_clip_loss, log_prob, OLD, ADVANTAGES, MASK)
     loss.backward()
     # Only t2 is unclipped: d(-A * r)/d log_prob = -A * r = -1.1, divided by 4 tokens.
     # t3 is where the dual clip is active: its gradient is exactly zero.
@@ -46,7 +47,9 @@ def test_gradient_flows_only_through_unclipped_tokens():
 def test_without_dual_clip_the_same_token_would_have_gradient():
     """Control for the test above: with a loose dual bound, t3 (r=4, A=-1) gets gradient -A*r/4 = 1.0."""
     log_prob = _log_prob()
-    loss, metrics = ppo_clip_loss(log_prob, OLD, ADVANTAGES, MASK, clip_ratio_c=10.0)
+    loss, metrics = compute_policy_loss(
+        ppo_clip_loss, log_prob, OLD, ADVANTAGES, MASK, options={"clip_ratio_c": 10.0}
+    )
     loss.backward()
     assert log_prob.grad[0, 3].item() == pytest.approx(1.0)
     assert metrics["pg_clipfrac_lower"] == 0.0
@@ -56,23 +59,29 @@ def test_clip_higher():
     log_prob = torch.tensor([[math.log(1.25)]])
     adv = torch.ones(1, 1)
     mask = torch.ones(1, 1)
-    symmetric, m1 = ppo_clip_loss(log_prob, torch.zeros(1, 1), adv, mask)
-    higher, m2 = ppo_clip_loss(log_prob, torch.zeros(1, 1), adv, mask, clip_ratio_high=0.28)
+    symmetric, m1 = compute_policy_loss(ppo_clip_loss, log_prob, torch.zeros(1, 1), adv, mask)
+    higher, m2 = compute_policy_loss(
+        ppo_clip_loss, log_prob, torch.zeros(1, 1), adv, mask, options={"clip_ratio_high": 0.28}
+    )
     assert symmetric.item() == pytest.approx(-1.2) and m1["pg_clipfrac"] == 1.0
     assert higher.item() == pytest.approx(-1.25) and m2["pg_clipfrac"] == 0.0
 
 
 def test_aggregation_mode_is_honoured():
-    loss, _ = ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, loss_agg_mode="seq-mean-token-sum")
+    loss, _ = compute_policy_loss(
+        ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, loss_agg_mode="seq-mean-token-sum"
+    )
     assert loss.item() == pytest.approx(1.5)  # one sequence, token sum 1.5
-    loss, _ = ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, global_tokens=8, dp_size=2)
+    loss, _ = compute_policy_loss(
+        ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, global_tokens=8, dp_size=2
+    )
     assert loss.item() == pytest.approx(1.5 / 8 * 2)
 
 
 def test_huge_log_ratio_stays_finite():
     log_prob = torch.tensor([[100.0, 100.0]], requires_grad=True)
     adv = torch.tensor([[-1.0, 1.0]])
-    loss, metrics = ppo_clip_loss(log_prob, torch.zeros(1, 2), adv, torch.ones(1, 2))
+    loss, metrics = compute_policy_loss(ppo_clip_loss, log_prob, torch.zeros(1, 2), adv, torch.ones(1, 2))
     loss.backward()
     assert loss.item() == pytest.approx((3.0 - 1.2) / 2)
     assert torch.isfinite(log_prob.grad).all()
@@ -96,10 +105,12 @@ def test_kl_loss_hand_computed():
     log_prob = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, metrics = kl_loss(log_prob, ref, mask, kind="k1")
+    kl, metrics = kl_loss(log_prob, ref, mask, kind="k1")
+    loss = aggregate_loss(kl, mask, "token-mean")
     assert loss.item() == pytest.approx((0.5 - 1.0) / 2)
     assert metrics["kl_loss"] == pytest.approx(-0.25)
-    loss, metrics = kl_loss(log_prob, ref, mask, kind="low_var_kl")
+    kl, metrics = kl_loss(log_prob, ref, mask, kind="low_var_kl")
+    loss = aggregate_loss(kl, mask, "token-mean")
     assert loss.item() == pytest.approx((0.10653066 + 0.71828183) / 2)
     loss.backward()
     # d k3 / d log_prob = 1 - r, r = exp(ref - lp): [1 - e^-0.5, 1 - e], halved by the token mean
@@ -123,7 +134,9 @@ ROLLOUT = torch.tensor([[-math.log(w) for w in (0.5, 1.0, 3.0, 4.0, 8.0)]])
 
 def test_tis_weights_each_token_loss():
     log_prob = _log_prob()
-    loss, metrics = ppo_clip_loss(log_prob, OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=2.0)
+    loss, metrics = compute_policy_loss(
+        ppo_clip_loss, log_prob, OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=2.0
+    )
     # per-token losses [-1.2, 0.8, -1.1, 3.0] times [0.5, 1, 2, 2] = [-0.6, 0.8, -2.2, 6.0]; sum 4.0 over 4
     assert loss.item() == pytest.approx(1.0)
     assert metrics["tis_weight_mean"] == pytest.approx(5.5 / 4)
@@ -134,16 +147,20 @@ def test_tis_weights_each_token_loss():
 
 
 def test_tis_is_off_by_default_even_with_rollout_log_probs():
-    loss, metrics = ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT)
+    loss, metrics = compute_policy_loss(
+        ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT
+    )
     assert loss.item() == pytest.approx(0.375)
     assert "tis_weight_mean" not in metrics
 
 
 def test_tis_config_errors():
     with pytest.raises(ConfigError, match="needs rollout_log_probs"):
-        ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, tis_cap=2.0)
+        compute_policy_loss(ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, tis_cap=2.0)
     with pytest.raises(ConfigError, match="tis_cap must be >= 0"):
-        ppo_clip_loss(_log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=-1.0)
+        compute_policy_loss(
+            ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=-1.0
+        )
 
 
 # --- the calling convention, for every registered loss ------------------------------------------------
@@ -157,9 +174,11 @@ CONV_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
 
 
 def _call(name, **kwargs):
-    if name == "clip_cov":
-        kwargs["generator"] = torch.Generator().manual_seed(0)
-    return get_policy_loss(name)(CONV_LOG_PROB, CONV_OLD, CONV_ADV, CONV_MASK, **kwargs)
+    options = {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
+    loss_fn = get_policy_loss(name)
+    return compute_policy_loss(
+        loss_fn, CONV_LOG_PROB, CONV_OLD, CONV_ADV, CONV_MASK, options=options, **kwargs
+    )
 
 
 def test_all_losses_are_registered():
@@ -206,3 +225,43 @@ def test_global_totals_and_dp_size(name):
     # 5 local tokens out of 20 in the mini-batch, on 2 ranks: local sum / 20 * 2
     split, _ = _call(name, global_tokens=20, dp_size=2)
     assert split.item() == pytest.approx(local.item() * 5 / 20 * 2, abs=1e-6)
+
+
+CALLER_ARGUMENTS = {
+    "loss_agg_mode",
+    "global_tokens",
+    "global_seqs",
+    "dp_size",
+    "rollout_log_probs",
+    "tis_cap",
+}
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_each_loss_returns_per_token_losses_that_the_caller_aggregates_once(name):
+    options = {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
+    per_token, _ = get_policy_loss(name)(CONV_LOG_PROB, CONV_OLD, CONV_ADV, CONV_MASK, **options)
+    assert per_token.shape == CONV_MASK.shape
+    loss, _ = _call(name, loss_agg_mode="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(aggregate_loss(per_token, CONV_MASK, "seq-mean-token-mean").item())
+    # aggregation and truncated importance sampling are the caller's, never a loss's own arguments
+    assert not CALLER_ARGUMENTS & own_options(get_policy_loss(name)).keys()
+
+
+def test_each_loss_documents_its_own_defaults_in_its_signature():
+    defaults = {name: own_options(get_policy_loss(name)) for name in ALL_LOSSES}
+    assert defaults["vanilla"] == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+    assert defaults["gspo"] == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert defaults["cispo"] == {"clip_ratio_low": 1.0, "clip_ratio_high": 3.0}
+    assert defaults["sapo"] == {"tau_pos": 1.0, "tau_neg": 1.05}
+    assert defaults["dro"] == {"beta": 0.05}
+    assert defaults["gpg"] == {}
+    assert defaults["kl_cov"] == {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 1.0}
+    assert defaults["clip_cov"] == {
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_cov_ratio": 2e-4,
+        "clip_cov_lb": 1.0,
+        "clip_cov_ub": 5.0,
+        "generator": None,
+    }

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from posttrain.algorithms.policy_loss import compute_policy_loss
 from posttrain.algorithms.policy_loss_cov import clip_cov_loss, kl_cov_loss
 from posttrain.errors import ConfigError
 
@@ -27,7 +28,9 @@ def _old(ratios=(1.0, 1.0, 1.0, 1.0, 1.0)):
 def test_clip_cov_removes_gradient_of_picked_tokens():
     log_prob = _log_prob()
     # clip_cov_ratio 0.5: floor(0.5 * 4) = 2 tokens to pick, exactly the two candidates
-    loss, metrics = clip_cov_loss(log_prob, _old(), ADV, MASK, clip_cov_ratio=0.5)
+    loss, metrics = compute_policy_loss(
+        clip_cov_loss, log_prob, _old(), ADV, MASK, options={"clip_cov_ratio": 0.5}
+    )
     # ratio 1: losses -A = [-2, -2, 2, 2]; tokens 0 and 2 zeroed -> [0, -2, 0, 2], mean 0
     assert loss.item() == pytest.approx(0.0)
     assert metrics["clip_cov_frac"] == pytest.approx(0.5)
@@ -39,7 +42,9 @@ def test_clip_cov_removes_gradient_of_picked_tokens():
 def test_clip_cov_skips_ppo_clipped_tokens():
     log_prob = _log_prob()
     # token 0 gets ratio 1.5 with A > 0: PPO clips it, so only token 2 is a candidate
-    loss, metrics = clip_cov_loss(log_prob, _old((1.5, 1, 1, 1, 1)), ADV, MASK, clip_cov_ratio=0.5)
+    loss, metrics = compute_policy_loss(
+        clip_cov_loss, log_prob, _old((1.5, 1, 1, 1, 1)), ADV, MASK, options={"clip_cov_ratio": 0.5}
+    )
     # losses: max(-3, -2.4) = -2.4 (clipped), -2, 0 (removed), 2 -> sum -2.4, mean -0.6
     assert loss.item() == pytest.approx(-0.6)
     assert metrics["pg_clipfrac"] == pytest.approx(1 / 4)
@@ -48,8 +53,13 @@ def test_clip_cov_skips_ppo_clipped_tokens():
 
 def test_clip_cov_bounds_are_strict():
     # upper bound 3 excludes covariance 3: nothing removed, plain PPO losses [-2.4, -2, 2, 2] -> mean -0.1
-    loss, metrics = clip_cov_loss(
-        _log_prob(), _old((1.5, 1, 1, 1, 1)), ADV, MASK, clip_cov_ratio=0.5, clip_cov_ub=3.0
+    loss, metrics = compute_policy_loss(
+        clip_cov_loss,
+        _log_prob(),
+        _old((1.5, 1, 1, 1, 1)),
+        ADV,
+        MASK,
+        options={"clip_cov_ratio": 0.5, "clip_cov_ub": 3.0},
     )
     assert loss.item() == pytest.approx(-0.1)
     assert metrics["clip_cov_frac"] == 0.0
@@ -62,8 +72,13 @@ def test_clip_cov_random_pick_is_reproducible_with_a_generator():
         for _ in range(2):
             log_prob = _log_prob()
             # default ratio 2e-4: max(floor(2e-4 * 4), 1) = 1 token, drawn among tokens 0 and 2
-            loss, metrics = clip_cov_loss(
-                log_prob, _old(), ADV, MASK, generator=torch.Generator().manual_seed(seed)
+            loss, metrics = compute_policy_loss(
+                clip_cov_loss,
+                log_prob,
+                _old(),
+                ADV,
+                MASK,
+                options={"generator": torch.Generator().manual_seed(seed)},
             )
             assert metrics["clip_cov_frac"] == pytest.approx(1 / 4)
             loss.backward()
@@ -92,7 +107,9 @@ KL_OLD = torch.tensor([[-0.7, -3.5, -3.1, -1.0]])
 
 def test_kl_cov_penalises_the_top_covariance_token():
     log_prob = torch.tensor(KL_LOG_PROB, requires_grad=True)
-    loss, metrics = kl_cov_loss(log_prob, KL_OLD, KL_ADV, torch.ones(1, 4), kl_cov_ratio=0.25)
+    loss, metrics = compute_policy_loss(
+        kl_cov_loss, log_prob, KL_OLD, KL_ADV, torch.ones(1, 4), options={"kl_cov_ratio": 0.25}
+    )
     # one token (floor(0.25 * 4)): token 0. Losses -A * r: [-2 e^0.2, -2, 2 e^0.1, 2], plus |0.2| on t0:
     # [-2.2428055, -2, 2.2103418, 2] -> mean -0.0081159
     assert loss.item() == pytest.approx(-0.0081159, abs=1e-6)
@@ -109,11 +126,13 @@ def test_kl_cov_penalises_the_top_covariance_token():
 def test_kl_cov_ratio_sets_how_many_tokens():
     log_prob = torch.tensor(KL_LOG_PROB)
     # floor(0.5 * 4) = 2 tokens: t0 and t2 (covariance 3 and 2); t2 adds |0.1|
-    loss, metrics = kl_cov_loss(log_prob, KL_OLD, KL_ADV, torch.ones(1, 4), kl_cov_ratio=0.5)
+    loss, metrics = compute_policy_loss(
+        kl_cov_loss, log_prob, KL_OLD, KL_ADV, torch.ones(1, 4), options={"kl_cov_ratio": 0.5}
+    )
     assert loss.item() == pytest.approx(0.0168841, abs=1e-6)
     assert metrics["kl_cov_frac"] == pytest.approx(0.5)
     # the default ratio 2e-4 still penalises at least one token
-    default, _ = kl_cov_loss(log_prob, KL_OLD, KL_ADV, torch.ones(1, 4))
+    default, _ = compute_policy_loss(kl_cov_loss, log_prob, KL_OLD, KL_ADV, torch.ones(1, 4))
     assert default.item() == pytest.approx(-0.0081159, abs=1e-6)
 
 

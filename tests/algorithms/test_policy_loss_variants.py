@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from posttrain.algorithms.policy_loss import compute_policy_loss
 from posttrain.algorithms.policy_loss_variants import cispo_loss, dro_loss, gpg_loss, gspo_loss, sapo_loss
 from posttrain.algorithms.registry import get_policy_loss
 from posttrain.errors import ConfigError
@@ -20,7 +21,7 @@ GSPO_MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
 
 def test_gspo_hand_computed():
     log_prob = torch.tensor(GSPO_LOG_PROB, requires_grad=True)
-    loss, metrics = gspo_loss(log_prob, torch.zeros(2, 4), GSPO_ADV, GSPO_MASK)
+    loss, metrics = compute_policy_loss(gspo_loss, log_prob, torch.zeros(2, 4), GSPO_ADV, GSPO_MASK)
     # row 0: -A * s = [-s, 2s, -0.5s], sum 0.5 * 1.000100005 = 0.500050003
     # row 1: -A * 1.0004 for three tokens, sum -3.0012
     # token-mean over 6: (0.500050003 - 3.0012) / 6
@@ -33,7 +34,7 @@ def test_gspo_hand_computed():
 
 def test_gspo_per_token_gradient_is_straight_through():
     log_prob = torch.tensor(GSPO_LOG_PROB, requires_grad=True)
-    loss, _ = gspo_loss(log_prob, torch.zeros(2, 4), GSPO_ADV, GSPO_MASK)
+    loss, _ = compute_policy_loss(gspo_loss, log_prob, torch.zeros(2, 4), GSPO_ADV, GSPO_MASK)
     loss.backward()
     # d(-A_t * sg[s] * pi_t / sg[pi_t]) / d log pi_t = -A_t * s: each token only sees its own advantage
     # (1.000100005 / 6 = 0.166683334). Row 1 is clipped: no gradient. Padding: no gradient.
@@ -61,7 +62,7 @@ def test_sapo_hand_computed():
     ratios = [1.0, 1.0, 1.0 + math.log(3.0)]
     log_prob = torch.tensor([[math.log(r) for r in ratios]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 2.0]])
-    loss, metrics = sapo_loss(log_prob, torch.zeros(1, 3), adv, torch.ones(1, 3))
+    loss, metrics = compute_policy_loss(sapo_loss, log_prob, torch.zeros(1, 3), adv, torch.ones(1, 3))
     assert loss.item() == pytest.approx((-2.0 + 1.9047619 - 6.0) / 3, rel=1e-6)
     assert metrics["pg_clipfrac"] == 0.0
     loss.backward()
@@ -90,7 +91,7 @@ def test_cispo_default_bounds_hand_computed():
     # defaults: no lower bound, upper bound 1 + 3 = 4 -> w = [0.5, 2, 4]
     # L = -w * A * log pi: [-0.5 * ln 0.5, 2 * ln 2, -4 * ln 6] = [0.3465736, 1.3862944, -7.1670379]
     log_prob = _cispo_log_prob()
-    loss, metrics = cispo_loss(log_prob, torch.zeros(1, 3), CISPO_ADV, torch.ones(1, 3))
+    loss, metrics = compute_policy_loss(cispo_loss, log_prob, torch.zeros(1, 3), CISPO_ADV, torch.ones(1, 3))
     assert loss.item() == pytest.approx((0.3465736 + 1.3862944 - 7.1670379) / 3, rel=1e-6)
     assert metrics["pg_clipfrac"] == pytest.approx(1 / 3)
     loss.backward()
@@ -100,8 +101,13 @@ def test_cispo_default_bounds_hand_computed():
 
 def test_cispo_explicit_bounds():
     log_prob = _cispo_log_prob()
-    loss, metrics = cispo_loss(
-        log_prob, torch.zeros(1, 3), CISPO_ADV, torch.ones(1, 3), clip_ratio_low=0.2, clip_ratio_high=0.28
+    loss, metrics = compute_policy_loss(
+        cispo_loss,
+        log_prob,
+        torch.zeros(1, 3),
+        CISPO_ADV,
+        torch.ones(1, 3),
+        options={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
     )
     loss.backward()
     # w = clip([0.5, 2, 6], 0.8, 1.28) = [0.8, 1.28, 1.28]; all three clipped
@@ -116,7 +122,7 @@ def test_dro_hand_computed():
     log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -1.0]])
     adv = torch.tensor([[1.0, -2.0]])
-    loss, metrics = dro_loss(log_prob, old, adv, torch.ones(1, 2), beta=0.1)
+    loss, metrics = compute_policy_loss(dro_loss, log_prob, old, adv, torch.ones(1, 2), options={"beta": 0.1})
     # t0: -(-1 * 1 - 0.05 * 0.5^2) = 1.0125;   t1: -(-2 * -2 - 0.05 * 1^2) = -3.95
     assert loss.item() == pytest.approx((1.0125 - 3.95) / 2)
     assert metrics["pg_clipfrac"] == 0.0
@@ -141,7 +147,7 @@ def test_gpg_hand_computed():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     # old log-probs do not enter the loss: -A * log pi = [1, -4], mean -1.5
     for old in (torch.zeros(1, 3), torch.full((1, 3), -4.0)):
-        loss, metrics = gpg_loss(log_prob, old, adv, mask)
+        loss, metrics = compute_policy_loss(gpg_loss, log_prob, old, adv, mask)
         assert loss.item() == pytest.approx(-1.5)
         assert metrics["pg_clipfrac"] == 0.0
     loss.backward()

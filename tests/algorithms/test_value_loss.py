@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.algorithms.aggregation import aggregate_loss
 from posttrain.algorithms.value_loss import clipped_value_loss
 from posttrain.errors import ConfigError
 
@@ -14,7 +15,8 @@ def test_clipped_value_loss_by_hand() -> None:
     old = torch.tensor([[0.0, 0.0, 0.0]])
     returns = torch.tensor([[2.0, 1.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, metrics = clipped_value_loss(values, old, returns, mask, cliprange_value=0.5)
+    per_token, metrics = clipped_value_loss(values, old, returns, mask, cliprange_value=0.5)
+    loss = aggregate_loss(per_token, mask, "token-mean")
     # token 0: unclipped (1-2)^2 = 1, clipped V = 0.5 -> (0.5-2)^2 = 2.25 -> 0.5*2.25 = 1.125
     # token 1: unclipped (0-1)^2 = 1, clipped V = 0 -> 1 -> 0.5; token 2 masked. token-mean: (1.125+0.5)/2
     assert loss.item() == pytest.approx(0.8125)

@@ -49,7 +49,7 @@ def rl_run(model: str, train: str, run_dir: Path, address: str, *extra: str) -> 
             "data.train_batch_prompts=4",
             "data.max_response_length=6",
             "rollout.n=4",
-            "actor.lr=1e-3",
+            "actor.optim.lr=1e-3",
             *extra,
         ],
     )
@@ -63,6 +63,7 @@ def one_update(model: str, pool_nodes: int, per_node: int, out: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
+    from posttrain.config.schema import OptimConfig
     from posttrain.controller.resource_pool import PoolSpec, ResourcePool
     from posttrain.controller.worker_group import RayWorkerGroup
     from posttrain.data import keys
@@ -74,7 +75,7 @@ def one_update(model: str, pool_nodes: int, per_node: int, out: Path) -> dict:
     from engine.helpers import synthetic_rl_batch, with_global_totals
 
     spec = ActorRolloutRefSpec(
-        EngineConfig(model_path=model, lr=1e-3, micro_batch_size=2, grad_clip=1e9),
+        EngineConfig(optim=OptimConfig(lr=1e-3, grad_clip=1e9), model_path=model, micro_batch_size=2),
         with_rollout=False,
         with_ref=False,
         threads=1,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from posttrain.config.schema import LoraConfig
+from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.log_probs import response_log_probs
@@ -23,7 +23,9 @@ LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_p
 
 
 def lora_engine(model_dir: Path) -> TrainEngine:
-    return TrainEngine(EngineConfig(model_path=str(model_dir), lr=5e-2, grad_clip=1e9, lora=LORA))
+    return TrainEngine(
+        EngineConfig(model_path=str(model_dir), optim=OptimConfig(lr=5e-2, grad_clip=1e9), lora=LORA)
+    )
 
 
 def hf_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

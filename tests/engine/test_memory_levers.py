@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine import train_engine
@@ -17,7 +18,7 @@ from posttrain.workers.losses import LossSpec, build_loss
 
 from .helpers import synthetic_rl_batch, with_global_totals
 
-BASE = EngineConfig(model_path="", lr=1e-3, grad_clip=1e9)
+BASE = EngineConfig(optim=OptimConfig(lr=1e-3, grad_clip=1e9), model_path="")
 
 
 def step_outputs(model_dir: Path, **overrides) -> tuple[torch.Tensor, float, torch.Tensor]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.partition import balanced_partition, first_fit_decreasing, split_to_count
 from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
@@ -70,7 +71,9 @@ def test_packed_values_equal_padded(tiny_model_dir: Path) -> None:
 
 
 def engine(model_dir: Path, **overrides) -> TrainEngine:
-    config = EngineConfig(model_path=str(model_dir), lr=1e-3, grad_clip=1e9, micro_batch_size=64)
+    config = EngineConfig(
+        model_path=str(model_dir), optim=OptimConfig(lr=1e-3, grad_clip=1e9), micro_batch_size=64
+    )
     return TrainEngine(replace(config, **overrides))
 
 

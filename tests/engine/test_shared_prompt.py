@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.engine.log_probs import response_log_probs, response_values
 from posttrain.engine.packing import PackingOptions, packed_response_log_probs, packed_response_values
@@ -90,7 +91,9 @@ def test_shared_values_equal_padded(tiny_model_dir: Path) -> None:
 
 def test_engine_with_shared_prompts_trains_like_the_padded_engine(tiny_model_dir: Path) -> None:
     batch = with_global_totals(grouped_rl_batch(prompts=4, n=4, seed=9))
-    base = EngineConfig(model_path=str(tiny_model_dir), lr=1e-3, grad_clip=1e9, micro_batch_size=64)
+    base = EngineConfig(
+        model_path=str(tiny_model_dir), optim=OptimConfig(lr=1e-3, grad_clip=1e9), micro_batch_size=64
+    )
     padded = TrainEngine(replace(base, remove_padding=False, share_prompt=False))
     loss, grads = loss_and_grads(padded, batch)
     for overrides in ({}, {"max_token_len": 40}):  # the budget splits groups across micro-batches

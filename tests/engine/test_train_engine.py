@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.config.schema import OptimConfig
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
 from posttrain.engine.train_engine import EngineConfig
@@ -29,7 +30,9 @@ def ppo(mode: str = "token-mean") -> LossSpec:
 
 def spec(model_dir: Path, micro_batch_size: int = 8) -> ActorRolloutRefSpec:
     engine = EngineConfig(
-        model_path=str(model_dir), lr=1e-3, micro_batch_size=micro_batch_size, grad_clip=1e9
+        model_path=str(model_dir),
+        optim=OptimConfig(lr=1e-3, grad_clip=1e9),
+        micro_batch_size=micro_batch_size,
     )
     return ActorRolloutRefSpec(engine=engine, with_rollout=False, with_ref=True, threads=1)
 

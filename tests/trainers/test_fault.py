@@ -278,14 +278,13 @@ def test_sigterm_of_a_ray_driver_saves_and_shuts_its_ray_down(
 # ---- a worker killed -----------------------------------------------------------------------------
 def kill_actor_rank_once(monkeypatch: pytest.MonkeyPatch, step: int, rank: int) -> dict:
     """SIGKILL the actor's `rank` process once, at step `step`, between generation and the update."""
-    import ray
 
     update = RLTrainer.update
     killed: dict = {}
 
     def killing_update(self: RLTrainer, batch):  # noqa: ANN001, ANN202
         if not killed and self.step_count + 1 == step:
-            pids = ray.get([w.ping.remote() for w in self.actor.workers])
+            pids = self.actor.ping()
             killed.update(pids[rank])
             os.kill(pids[rank]["pid"], signal.SIGKILL)
         return update(self, batch)
@@ -373,7 +372,7 @@ def test_a_two_worker_checkpoint_resumes_on_one_worker_resharded(
     trainer._start_workers()
     try:
         trainer._maybe_resume()
-        engine = trainer.actor.worker.actor
+        engine = trainer.actor.dispatcher.worker.actor
         assert trainer.step_count == 1
         for name, tensor in engine.model.state_dict().items():
             assert torch.equal(tensor.full_tensor(), saved["model"][name]), name

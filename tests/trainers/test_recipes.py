@@ -1,16 +1,26 @@
-"""Every ready config (`algorithm=<name>`) runs 2 steps end to end on the 1M model; PPO also on 2 Ray workers."""
+"""Every ready config (`algorithm=<name>`) runs 2 steps end to end on the 1M model; PPO also on 2 Ray workers.
+And the options each config hands its policy loss: unset ones are the loss's own defaults."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from posttrain.algorithms.policy_loss import own_options
+from posttrain.algorithms.registry import POLICY_LOSSES, get_policy_loss
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.errors import ConfigError
 from posttrain.trainers.rl import RLTrainer
+from posttrain.workers.losses import build_loss
 
 RECIPES = ["grpo", "dr_grpo", "dapo", "ppo", "rloo", "reinforce_plus_plus", "remax", "gspo"]
 
@@ -20,12 +30,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def run(
+def recipe_config(
     recipe: str, model: Path, data: dict, run_dir: Path, *extra: str, reward_source: str = REWARD_FILE
-) -> list[dict]:
+) -> RLConfig:
+    """The config `posttrain train algorithm=<recipe> ...` runs: Hydra composition of rl.yaml + overrides."""
     reward = run_dir.parent / "reward.py"
     reward.write_text(reward_source)
-    cfg = load_config(
+    return load_config(
         RLConfig,
         "rl",
         [
@@ -45,7 +56,12 @@ def run(
             *extra,
         ],
     )
-    RLTrainer(cfg).fit()
+
+
+def run(
+    recipe: str, model: Path, data: dict, run_dir: Path, *extra: str, reward_source: str = REWARD_FILE
+) -> list[dict]:
+    RLTrainer(recipe_config(recipe, model, data, run_dir, *extra, reward_source=reward_source)).fit()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -156,3 +172,91 @@ def test_adaptive_kl_controller_in_the_reward(
     )
     assert rows[0]["algorithm/kl_coef"] == 0.1
     assert rows[1]["algorithm/kl_coef"] != rows[0]["algorithm/kl_coef"], "the adaptive coefficient moved"
+
+
+# --- loss options: unset = the loss's own default, all the way from `posttrain train` to the loss -----------
+
+
+def options_the_loss_receives(
+    monkeypatch: pytest.MonkeyPatch, model: Path, data: dict, run_dir: Path, recipe: str, *extra: str
+) -> dict[str, float]:
+    """Build the trainer of `posttrain train algorithm=<recipe> <extra>`, run its actor loss the way a worker
+    does, and return the options the registered policy loss ran with (its defaults filled in)."""
+    cfg = recipe_config(recipe, model, data, run_dir, *extra)
+    real = get_policy_loss(cfg.actor.policy_loss)
+    received: dict[str, float] = {}
+
+    @functools.wraps(real)
+    def spy(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        received.update({k: v for k, v in bound.arguments.items() if k in own_options(real)})
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(POLICY_LOSSES._entries, cfg.actor.policy_loss, spy)
+    loss_fn = build_loss(RLTrainer(cfg).loss, dp_size=1)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    mb = Batch.from_dict(
+        {
+            keys.RESPONSE_MASK: mask,
+            keys.ADVANTAGES: torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]),
+            keys.OLD_LOG_PROBS: torch.full((2, 3), -1.0),
+            keys.REF_LOG_PROB: torch.full((2, 3), -1.0),
+        }
+    )
+    loss, _ = loss_fn(torch.full((2, 3), -0.9, requires_grad=True), None, mb)
+    assert torch.isfinite(loss)
+    return received
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "expected"),
+    [
+        # CISPO: no lower bound, upper bound 1 + 3 (tinker's thresholds 0 and 4), not the PPO 0.2 / 0.2
+        ("grpo", ["actor.policy_loss=cispo"], {"clip_ratio_low": 1.0, "clip_ratio_high": 3.0}),
+        (
+            "grpo",
+            ["actor.policy_loss=cispo", "actor.clip_ratio_high=0.28"],
+            {"clip_ratio_low": 1.0, "clip_ratio_high": 0.28},
+        ),
+        # GSPO: the paper's sequence-ratio range, from the recipe and from the loss name alone
+        ("gspo", [], {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}),
+        ("grpo", ["actor.policy_loss=gspo"], {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}),
+        ("gspo", ["actor.clip_ratio_low=0.001"], {"clip_ratio_low": 1e-3, "clip_ratio_high": 4e-4}),
+        # SAPO: the paper's (and verl's) temperatures, each settable under verl's name
+        ("grpo", ["actor.policy_loss=sapo"], {"tau_pos": 1.0, "tau_neg": 1.05}),
+        ("grpo", ["actor.policy_loss=sapo", "actor.tau_neg=2.0"], {"tau_pos": 1.0, "tau_neg": 2.0}),
+        # PPO: its own 0.2 / 0.2 / 3.0, and DAPO's clip-higher from its recipe
+        ("grpo", [], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}),
+        ("dapo", [], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}),
+    ],
+)
+def test_unset_loss_options_are_the_loss_defaults(
+    recipe: str,
+    extra: list[str],
+    expected: dict[str, float],
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Path,
+    arithmetic_data: dict,
+    tmp_path: Path,
+) -> None:
+    received = options_the_loss_receives(
+        monkeypatch,
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "run",
+        recipe,
+        "trainer.backend=local",
+        *extra,
+    )
+    assert received == pytest.approx(expected)
+
+
+def test_a_loss_option_the_loss_does_not_take_is_refused(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    cfg = recipe_config("gspo", tiny_model_dir, arithmetic_data, tmp_path / "run", "actor.tau_pos=2.0")
+    with pytest.raises(
+        ConfigError, match=r"actor\.tau_pos=2\.0 is set, but actor\.policy_loss=gspo does not use it"
+    ):
+        RLTrainer(cfg)

@@ -20,7 +20,7 @@ def rl_overrides(model: Path, data: dict, run_dir: Path, *extra: str) -> list[st
         "data.train_batch_prompts=4",
         "data.max_response_length=6",
         "rollout.n=4",
-        "actor.lr=1e-3",
+        "actor.optim.lr=1e-3",
         "trainer.save_every=1",
         "trainer.val_every=2",
         "data.val_max_prompts=8",

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.config.schema import OptimConfig
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
@@ -42,7 +43,7 @@ def prompt_batch(model_dir: Path) -> Batch:
 @pytest.mark.parametrize("rollout_name", ["native", "hf"])
 def test_an_optimizer_step_reaches_the_sampler(tiny_model_dir: Path, rollout_name: str) -> None:
     spec = ActorRolloutRefSpec(
-        EngineConfig(model_path=str(tiny_model_dir), lr=5e-2, micro_batch_size=4),
+        EngineConfig(model_path=str(tiny_model_dir), optim=OptimConfig(lr=5e-2), micro_batch_size=4),
         rollout_name=rollout_name,
         threads=1,
     )

@@ -1,0 +1,177 @@
+"""The typed remote surface of each worker role: the verbs a trainer may call, one method each.
+
+A trainer never names a verb by a string: it holds an `ActorGroup`, a `RolloutGroup` or a `CriticGroup`
+and calls methods that a reader, an IDE and a type checker can follow into the worker class of the same
+name (`workers/actor_rollout_ref.py`, `workers/rollout_worker.py`, `workers/critic.py`). Each role group
+wraps a `Dispatcher` (the Ray group, one actor per rank, or the in-process group of world size 1), which
+splits Batch arguments across ranks and gathers the results; that generic dispatch stays in this package.
+
+`Sampler` is what generation and validation need from whichever group generates (the actor's own
+colocated sampler or a rollout pool of its own); `Policy` and `Critic` are the training roles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+from posttrain.data.batch import Batch
+from posttrain.errors import WorkerError
+from posttrain.rollout.base import SamplingParams
+from posttrain.workers.losses import LossSpec
+
+Metrics = dict[str, float]
+ReferenceModel = Literal["actor", "ref"]
+
+
+class Dispatcher(Protocol):
+    """N SPMD ranks behind one object: `call` splits Batch arguments over ranks and gathers the results."""
+
+    role: str
+    world_size: int
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def placement(self) -> list[dict[str, Any]]: ...
+
+    def ping(self) -> list[dict[str, Any]]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class Sampler(Protocol):
+    """A group that generates: one response per prompt row, with the sampler's RNG in its checkpoint."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def sample(self, batch: Batch, sampling: SamplingParams) -> Batch: ...
+
+    def save_state(self, path: Path) -> None: ...
+
+    def load_state(self, path: Path) -> None: ...
+
+
+class Stateful(Protocol):
+    """A part of a checkpoint: it writes its own files into, and reads them from, a checkpoint folder."""
+
+    def save_state(self, path: Path) -> None: ...
+
+    def load_state(self, path: Path) -> None: ...
+
+
+class RoleGroup:
+    """What every role group has: its dispatcher, world size, placement, liveness and shutdown."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    @property
+    def role(self) -> str:
+        return self.dispatcher.role
+
+    @property
+    def world_size(self) -> int:
+        return self.dispatcher.world_size
+
+    def _batch(self, method: str, *args: Any, **kwargs: Any) -> Batch:
+        """`method` on every rank, its per-rank Batches concatenated in rank order."""
+        out = self.dispatcher.call(method, *args, **kwargs)
+        if not isinstance(out, Batch):
+            raise WorkerError(
+                f"{self.role}.{method} returned {type(out).__name__}, not a Batch", role=self.role
+            )
+        return out
+
+    def _metrics(self, method: str, *args: Any, **kwargs: Any) -> Metrics:
+        """`method` on every rank, its metric dicts averaged over ranks (`*_max`: the maximum)."""
+        out = self.dispatcher.call(method, *args, **kwargs)
+        if not isinstance(out, dict):
+            raise WorkerError(
+                f"{self.role}.{method} returned {type(out).__name__}, not metrics", role=self.role
+            )
+        return {str(k): float(v) for k, v in out.items()}
+
+    def ping(self) -> list[dict[str, Any]]:
+        """Each rank's `{rank, pid, ...}`: a call every live rank answers."""
+        return self.dispatcher.ping()
+
+    def placement(self) -> list[dict[str, Any]]:
+        return self.dispatcher.placement()
+
+    def shutdown(self) -> None:
+        self.dispatcher.shutdown()
+
+
+class ActorGroup(RoleGroup):
+    """The hybrid-engine role (`ActorRolloutRefWorker`): policy training, its colocated sampler (when it has
+    one) and the frozen reference policy."""
+
+    def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        return self._batch("sample", batch, sampling)
+
+    def forward(self, batch: Batch, *, model: ReferenceModel = "actor", temperature: float = 1.0) -> Batch:
+        """Response log-probs under the policy (`old_log_probs`) or the reference (`ref_log_prob`)."""
+        return self._batch("forward", batch, model=model, temperature=temperature)
+
+    def forward_backward(self, batch: Batch, loss: LossSpec, *, temperature: float = 1.0) -> Metrics:
+        return self._metrics("forward_backward", batch, loss, temperature=temperature)
+
+    def optim_step(self) -> Metrics:
+        return self._metrics("optim_step")
+
+    def sync_sampler(self) -> Metrics:
+        """The policy's current weights into the colocated sampler, in-process."""
+        return self._metrics("sync_sampler")
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights a separate sampler needs, gathered on rank 0 (a collective of every rank)."""
+        gathered = self.dispatcher.call("rollout_weights")
+        return gathered if isinstance(gathered, dict) else gathered[0]
+
+    def save_state(self, path: Path) -> None:
+        self.dispatcher.call("save_state", str(path))
+
+    def load_state(self, path: Path) -> None:
+        self.dispatcher.call("load_state", str(path))
+
+    def export_hf(self, out_dir: Path, *, merged: bool = True) -> None:
+        self.dispatcher.call("export_hf", str(out_dir), merged=merged)
+
+
+class RolloutGroup(RoleGroup):
+    """A sampler pool of its own (split placement, `RolloutWorker`), fed weights after each update."""
+
+    def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        return self._batch("sample", batch, sampling)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> Metrics:
+        return self._metrics("load_weights", tensors)
+
+    def save_state(self, path: Path) -> None:
+        self.dispatcher.call("save_state", str(path))
+
+    def load_state(self, path: Path) -> None:
+        self.dispatcher.call("load_state", str(path))
+
+
+class CriticGroup(RoleGroup):
+    """The value model (`CriticWorker`)."""
+
+    def forward(self, batch: Batch) -> Batch:
+        """V(s_t) for every response token (`values`)."""
+        return self._batch("forward", batch)
+
+    def forward_backward(self, batch: Batch, loss: LossSpec) -> Metrics:
+        return self._metrics("forward_backward", batch, loss)
+
+    def optim_step(self) -> Metrics:
+        return self._metrics("optim_step")
+
+    def save_state(self, path: Path) -> None:
+        self.dispatcher.call("save_state", str(path))
+
+    def load_state(self, path: Path) -> None:
+        self.dispatcher.call("load_state", str(path))

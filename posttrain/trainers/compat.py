@@ -1,0 +1,50 @@
+"""Whether a checkpoint can resume this RL run: the same model architecture, LoRA rank and critic.
+
+Another world size is allowed (torch.distributed.checkpoint reshards weights and optimizer state) with a
+warning, because per-rank sampler RNG states are not resharded.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.schema import RLConfig
+from posttrain.errors import ConfigError
+from posttrain.models import load_config
+
+log = logging.getLogger(__name__)
+
+
+def model_fingerprint(path: str) -> dict[str, Any]:
+    """The architecture facts a checkpoint must agree with (not the path, which may move)."""
+    config = load_config(path).to_dict()
+    fields = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+    return {k: config.get(k) for k in fields}
+
+
+def check_resumable(latest: Path, state: dict[str, Any], cfg: RLConfig) -> None:
+    """Raise ConfigError naming the mismatch when checkpoint `latest` (its trainer `state`) cannot resume."""
+    fingerprint = model_fingerprint(cfg.model.path)
+    if state["model"] != fingerprint:
+        raise ConfigError(f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}")
+    saved = state.get("config", {})
+    lora = saved.get("model", {}).get("lora", {}).get("rank", 0)
+    if lora != cfg.model.lora.rank:
+        raise ConfigError(
+            f"checkpoint {latest} was trained with model.lora.rank={lora}; this run has "
+            f"model.lora.rank={cfg.model.lora.rank}"
+        )
+    if (latest / "critic").exists() != cfg.critic.enable:
+        has = "has" if (latest / "critic").exists() else "has no"
+        raise ConfigError(f"checkpoint {latest} {has} critic; this run has critic.enable={cfg.critic.enable}")
+    if state["world_size"] != cfg.trainer.world_size:
+        log.warning(
+            "checkpoint %s was written by %d workers, this run has %d: weights and optimizer state are "
+            "resharded, but per-worker sampler RNG states are not, so the run will not repeat the original "
+            "one exactly",
+            latest,
+            state["world_size"],
+            cfg.trainer.world_size,
+        )

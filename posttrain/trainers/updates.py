@@ -1,0 +1,57 @@
+"""The update phase of a step: epochs over mini-batches, each normalised by its global totals, and the
+data-parallel balancing of a step's samples.
+
+`minibatch_updates` is shared by the actor and the critic: `train(mb)` runs one role's forward/backward
+and optimizer step on a mini-batch and returns its metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.partition import balanced_partition
+
+Metrics = dict[str, float]
+
+
+def minibatch_updates(
+    batch: Batch, mini_batch_size: int, epochs: int, prefix: str, train: Callable[[Batch], Metrics]
+) -> Metrics:
+    """`epochs` passes over mini-batches of `mini_batch_size` samples (0 = the whole batch).
+
+    Each mini-batch carries its global token and sequence counts in meta, so the loss is normalised over
+    the mini-batch whatever the micro-batching and world size. Metrics are averaged over the optimizer
+    steps (`*_max` metrics: the maximum) and prefixed with the role unless already named.
+    """
+    mini = mini_batch_size or len(batch)
+    sums: Metrics = {}
+    maxima: Metrics = {}
+    count = 0
+    for _ in range(epochs):
+        for mb in batch.split(mini):
+            mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
+            mb.meta[keys.GLOBAL_SEQS] = len(mb)
+            for k, v in train(mb).items():
+                name = k if k.startswith((f"{prefix}/", "rollout/")) else f"{prefix}/{k}"
+                if name.endswith("_max"):
+                    maxima[name] = max(maxima.get(name, float("-inf")), v)
+                else:
+                    sums[name] = sums.get(name, 0.0) + v
+            count += 1
+    return {**{k: v / count for k, v in sums.items()}, **maxima}
+
+
+def balance_across_workers(batch: Batch, workers: int) -> tuple[Batch, Metrics]:
+    """Reorder rows so the equal, consecutive chunks the worker group hands out carry near-equal tokens.
+
+    Rows are independent samples (groups are found by uid, not position), so the order is free.
+    """
+    lengths = batch[keys.ATTENTION_MASK].sum(1).tolist()
+    parts = balanced_partition(lengths, workers)
+    tokens = [sum(lengths[i] for i in part) for part in parts]
+    mean = sum(tokens) / workers
+    return batch.index([i for part in parts for i in part]), {
+        "balance/max_over_mean_tokens": max(tokens) / mean if mean else 1.0
+    }

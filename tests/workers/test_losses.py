@@ -1,0 +1,99 @@
+"""Losses by name: the registry, option checks, and truncated IS + aggregation applied once by `ppo`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.errors import ConfigError
+from posttrain.workers.losses import LOSSES, LossSpec, build_loss
+
+# One row, five tokens, the fifth padding; old log-probs 0, so the ratios are exp(log_prob). The PPO losses
+# per token are [-1.2, 0.8, -1.1, 3.0] (see tests/algorithms/test_policy_loss.py).
+LOG_PROBS = torch.tensor([[math.log(r) for r in (1.5, 0.5, 1.1, 4.0, 10.0)]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+# pi_old / pi_rollout = [0.5, 1, 3, 4, 8]; capped at 2 -> weights [0.5, 1, 2, 2, 2]
+ROLLOUT = torch.tensor([[-math.log(w) for w in (0.5, 1.0, 3.0, 4.0, 8.0)]])
+
+
+def _batch(**meta: float) -> Batch:
+    return Batch.from_dict(
+        {
+            keys.RESPONSE_MASK: MASK,
+            keys.ADVANTAGES: torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]]),
+            keys.OLD_LOG_PROBS: torch.zeros(1, 5),
+            keys.ROLLOUT_LOG_PROBS: ROLLOUT,
+            keys.REF_LOG_PROB: LOG_PROBS - 0.5,  # log-ratio to the reference 0.5 on every token
+        },
+        meta=meta,
+    )
+
+
+def test_the_three_losses_are_registry_entries() -> None:
+    assert LOSSES.names() == ["cross_entropy", "ppo", "value"]
+    with pytest.raises(ConfigError, match=r"unknown loss 'dpo'; valid: cross_entropy, ppo, value"):
+        build_loss(LossSpec("dpo"), 1)
+
+
+def test_ppo_applies_truncated_is_and_aggregation_once() -> None:
+    loss_fn = build_loss(LossSpec("ppo", {"tis_cap": 2.0}), dp_size=1)
+    loss, metrics = loss_fn(LOG_PROBS, None, _batch())
+    # per-token losses [-1.2, 0.8, -1.1, 3.0] times weights [0.5, 1, 2, 2] = [-0.6, 0.8, -2.2, 6.0]; mean 1.0
+    assert loss.item() == pytest.approx(1.0)
+    assert metrics["actor/pg_loss"] == pytest.approx(1.0)
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(5.5 / 4)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 4)  # the policy loss's metrics, prefixed
+
+
+def test_ppo_normalises_every_term_by_the_mini_batch_totals() -> None:
+    spec = LossSpec("ppo", {"tis_cap": 2.0, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"})
+    # this micro-batch holds 4 of the mini-batch's 8 tokens, on 2 ranks: sums / 8 * 2
+    loss, metrics = build_loss(spec, dp_size=2)(LOG_PROBS, None, _batch(global_tokens=8, global_seqs=2))
+    # policy: 4.0 / 8 * 2 = 1.0; k1 KL is 0.5 on each of 4 tokens: 2.0 / 8 * 2 = 0.5, times 0.1
+    assert loss.item() == pytest.approx(1.0 + 0.1 * 0.5)
+    assert metrics["actor/kl_loss"] == pytest.approx(0.5)
+
+
+def test_ppo_passes_only_the_options_given_and_rejects_others() -> None:
+    loss_fn = build_loss(LossSpec("ppo", {"clip_ratio_c": 10.0}), dp_size=1)
+    _, metrics = loss_fn(LOG_PROBS, None, _batch())
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0  # the loose dual bound reached the loss
+    with pytest.raises(
+        ConfigError, match=r"policy loss 'vanilla' takes no option 'beta'; valid: .*clip_ratio_c"
+    ):
+        build_loss(LossSpec("ppo", {"beta": 0.1}), 1)
+    with pytest.raises(
+        ConfigError, match=r"policy loss 'sapo' takes no option 'clip_ratio_low'; valid: .*tau_neg"
+    ):
+        build_loss(LossSpec("ppo", {"policy_loss": "sapo", "clip_ratio_low": 0.2}), 1)
+
+
+def test_value_loss_is_aggregated_by_the_entry() -> None:
+    # the numbers of tests/algorithms/test_value_loss.py: per token [1.125, 0.5, masked], token-mean 0.8125
+    mb = Batch.from_dict(
+        {
+            keys.RESPONSE_MASK: torch.tensor([[1.0, 1.0, 0.0]]),
+            keys.VALUES: torch.zeros(1, 3),
+            keys.RETURNS: torch.tensor([[2.0, 1.0, 9.0]]),
+        }
+    )
+    loss_fn = build_loss(LossSpec("value", {"cliprange_value": 0.5, "loss_agg_mode": "token-sum"}), 1)
+    loss, metrics = loss_fn(torch.tensor([[1.0, 0.0, 5.0]]), None, mb)
+    assert loss.item() == pytest.approx(1.625)
+    assert metrics["critic/vf_loss"] == pytest.approx(1.625)
+    assert metrics["critic/vf_clipfrac"] == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match=r"loss 'value' takes no option 'clip_ratio'"):
+        build_loss(LossSpec("value", {"clip_ratio": 0.2}), 1)
+
+
+def test_cross_entropy_takes_no_options() -> None:
+    mb = Batch.from_dict({"loss_mask": torch.tensor([[0.0, 1.0, 1.0]])})
+    loss, metrics = build_loss(LossSpec("cross_entropy"), 1)(torch.tensor([[-9.0, -1.0, -2.0]]), None, mb)
+    assert loss.item() == pytest.approx(1.5)
+    assert metrics["sft/nll"] == pytest.approx(1.5)
+    with pytest.raises(ConfigError, match=r"loss 'cross_entropy' takes no option 'loss_agg_mode'"):
+        build_loss(LossSpec("cross_entropy", {"loss_agg_mode": "token-sum"}), 1)
