@@ -65,3 +65,16 @@ def test_layer_imports_only_downwards(layer: str) -> None:
             assert target not in EXTRA_FORBIDDEN.get(layer, set()), (
                 f"{path.relative_to(PACKAGE)} imports {target}"
             )
+
+
+def test_trainers_call_typed_verbs_never_strings() -> None:
+    """A trainer reaches its workers through the role groups' methods (controller/roles.py), never through
+    the generic `call("verb", ...)` dispatch, which stays inside controller/."""
+    for path in (PACKAGE / "trainers").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "call"
+            ):
+                pytest.fail(f"{path.relative_to(PACKAGE)}:{node.lineno} calls a worker verb by name (.call)")

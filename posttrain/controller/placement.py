@@ -6,8 +6,8 @@ both honour the same settings (`trainer.cpus_per_worker`, `gpus_per_worker`, `co
 `backend=ray` on the pool it names: pool `trainer` is `trainer.nnodes x trainer.n_workers_per_node`; more
 pools are named in `resources.pools`. Roles on one pool share its slots (each asks for a fraction).
 
-RL's layout (colocated: one worker per rank holds actor, sampler and reference, the critic sharing the slot;
-split: the sampler, or the critic, on a pool of its own) is `start_rl_groups`, checked by `check_placement`.
+RL's layout (colocated: one worker per rank holds actor, rollout and reference, the critic sharing the slot;
+split: the rollout, or the critic, on a pool of its own) is `start_rl_groups`, checked by `check_placement`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from posttrain.config.schema import PoolConfig, RayConfig, RLConfig
 from posttrain.controller.pause_points import PAUSE_ENV
 from posttrain.controller.ray_env import cluster_has_gpus, start_ray
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool, make_pools
-from posttrain.controller.roles import ActorGroup, CriticGroup, Dispatcher, RolloutGroup, Sampler
+from posttrain.controller.roles import ActorGroup, CriticGroup, Dispatcher, Rollout, RolloutGroup
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
@@ -140,22 +140,22 @@ class RLGroups:
     """The worker groups of an RL run, and the pools they were placed on (freed by `shutdown`)."""
 
     actor: ActorGroup
-    sampler: Sampler  # the group that generates: the actor's own (colocated) or the rollout pool's
-    rollout: RolloutGroup | None = None  # the sampler when it is a pool of its own (split placement)
+    rollout: Rollout  # the group that generates: the actor's own (colocated) or the rollout pool
+    rollout_pool: RolloutGroup | None = None  # the rollout role on a pool of its own (split placement)
     critic: CriticGroup | None = None
     pools: dict[str, ResourcePool] = field(default_factory=dict)
 
     @property
     def split(self) -> bool:
-        return self.rollout is not None
+        return self.rollout_pool is not None
 
     def placement(self) -> dict[str, list[dict[str, Any]]]:
         """Which node each rank of each role runs on."""
-        groups = {"actor_rollout_ref": self.actor, "rollout": self.rollout, "critic": self.critic}
+        groups = {"actor_rollout_ref": self.actor, "rollout": self.rollout_pool, "critic": self.critic}
         return {role: group.placement() for role, group in groups.items() if group is not None}
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.rollout, self.critic):
+        for group in (self.actor, self.rollout_pool, self.critic):
             if group is not None:
                 group.shutdown()
         for pool in self.pools.values():
@@ -191,9 +191,9 @@ def start_rl_groups(
         requests.append(RoleRequest("critic", CriticWorker, critic_spec, cfg.resources.critic))
     started, pools = start_role_groups(cfg.trainer, cfg.ray, requests, cfg.resources.pools, wait_s)
     actor = ActorGroup(started["actor_rollout_ref"])
-    rollout = RolloutGroup(started["rollout"]) if "rollout" in started else None
+    pool = RolloutGroup(started["rollout"]) if "rollout" in started else None
     critic = CriticGroup(started["critic"]) if "critic" in started else None
-    return RLGroups(actor=actor, sampler=rollout or actor, rollout=rollout, critic=critic, pools=pools)
+    return RLGroups(actor=actor, rollout=pool or actor, rollout_pool=pool, critic=critic, pools=pools)
 
 
 def pool_sizes(cfg: RLConfig) -> dict[str, int]:

@@ -6,8 +6,8 @@ name (`workers/actor_rollout_ref.py`, `workers/rollout_worker.py`, `workers/crit
 wraps a `Dispatcher` (the Ray group, one actor per rank, or the in-process group of world size 1), which
 splits Batch arguments across ranks and gathers the results; that generic dispatch stays in this package.
 
-`Sampler` is what generation and validation need from whichever group generates (the actor's own
-colocated sampler or a rollout pool of its own); `Policy` and `Critic` are the training roles.
+`Rollout` is what generation and validation need from whichever group generates (the actor's own
+colocated rollout engine, or the rollout role on a pool of its own); `ActorGroup` and `CriticGroup` train.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class Dispatcher(Protocol):
     def shutdown(self) -> None: ...
 
 
-class Sampler(Protocol):
-    """A group that generates: one response per prompt row, with the sampler's RNG in its checkpoint."""
+class Rollout(Protocol):
+    """A group that generates: one response per prompt row, with its sampler's RNG in its checkpoint."""
 
     @property
     def world_size(self) -> int: ...

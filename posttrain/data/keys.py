@@ -31,8 +31,10 @@ RAW_PROMPT = "raw_prompt"  # str: the prompt text after the chat template
 RESPONSE_TEXT = "response_text"  # str: decoded response
 INDEX = "index"  # int: the row's position in its dataset
 STOP_REASON = "stop_reason"  # str: "stop" (eos / stop token / stop string) or "length"
+SCORE = "score"  # float: the reward function's score of the response (before shaping and KL)
 
 # Meta
 GLOBAL_TOKENS = "global_tokens"  # int: valid response tokens in the whole mini-batch (loss normaliser)
 GLOBAL_SEQS = "global_seqs"  # int: sequences in the whole mini-batch
 TEMPERATURE = "temperature"  # float: sampling temperature the log-probs are computed at
+GEN_SECONDS = "gen_seconds"  # float: wall time of the rollout engine's generate call on a rank

@@ -79,7 +79,7 @@ class SFTDataset:
         """`input_ids` (list[int]), `loss_mask` (list[int], 1 on response + eos), `index`."""
         ids, n_prompt = self._items[i]
         loss_mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
-        return {"input_ids": ids.tolist(), "loss_mask": loss_mask, "index": range(len(self._items))[i]}
+        return {"input_ids": ids.tolist(), K.LOSS_MASK: loss_mask, "index": range(len(self._items))[i]}
 
 
 def collate_sft(
@@ -99,7 +99,7 @@ def collate_sft(
         n = len(it["input_ids"])
         input_ids[r, :n] = torch.as_tensor(it["input_ids"], dtype=torch.long)
         attention_mask[r, :n] = 1
-        loss_mask[r, :n] = torch.as_tensor(it["loss_mask"], dtype=torch.float32)
+        loss_mask[r, :n] = torch.as_tensor(it[K.LOSS_MASK], dtype=torch.float32)
     non_tensors: dict[str, list] = {K.INDEX: [it["index"] for it in items]}
     if uids is not None:
         non_tensors[K.UID] = list(uids)

@@ -7,25 +7,22 @@ factory here; none ships yet (they need a GPU to test).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from posttrain.errors import ConfigError
+from posttrain.rollout.base import RolloutEngine
 
 ROLLOUT_ENGINES = ("native", "hf")
 
 
-def make_rollout_engine(name: str, model_path: str, **kwargs: Any):
-    """Build the engine `name` on the model directory `model_path`."""
-    factories: dict[str, Callable[..., Any]] = {}
+def make_rollout_engine(name: str, model_path: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine `name` on the model directory `model_path` (imported only when chosen)."""
     if name == "native":
         from posttrain.rollout.native import NativeRolloutEngine
 
-        factories[name] = NativeRolloutEngine
-    elif name == "hf":
+        return NativeRolloutEngine(model_path, **kwargs)
+    if name == "hf":
         from posttrain.rollout.hf_engine import HFRolloutEngine
 
-        factories[name] = HFRolloutEngine
-    else:
-        raise ConfigError(f"unknown rollout.name '{name}'; valid: {', '.join(ROLLOUT_ENGINES)}")
-    return factories[name](model_path, **kwargs)
+        return HFRolloutEngine(model_path, **kwargs)
+    raise ConfigError(f"unknown rollout.name '{name}'; valid: {', '.join(ROLLOUT_ENGINES)}")

@@ -11,7 +11,7 @@ log softmax(logits).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -60,13 +60,6 @@ class GenerationResult:
     text: str
     stop_reason: str
     error: str | None = None  # why the request was rejected (then nothing was generated)
-
-
-@dataclass
-class RolloutStats:
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutEngine(Protocol):

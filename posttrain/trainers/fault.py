@@ -28,7 +28,6 @@ T = TypeVar("T")
 # step, so the crash tests can kill it at an exact moment (`saving`: worker shards written, checkpoint not
 # yet published; `saved`: just after `latest` moved). Never set it in a real run.
 TEST_KILL_ENV = "POSTTRAIN_TEST_KILL_AT"
-KILL_POINTS = ("saving", "saved")
 
 
 def check_fault_config(trainer: TrainerConfig) -> None:

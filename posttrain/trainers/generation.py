@@ -13,7 +13,7 @@ import torch
 
 from posttrain.algorithms.reward_shaping import groups_with_reward_variance
 from posttrain.config.schema import RLConfig
-from posttrain.controller.roles import Sampler
+from posttrain.controller.roles import Rollout
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
@@ -24,16 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def sample_and_score(
-    sampler: Sampler, prompts: Batch, sampling: SamplingParams, rewards: RewardStage
+    rollout: Rollout, prompts: Batch, sampling: SamplingParams, rewards: RewardStage
 ) -> Batch:
     """Generate one response per row of `prompts` and score it; the prompt's columns are kept."""
-    batch = sampler.sample(prompts, sampling)
+    batch = rollout.sample(prompts, sampling)
     batch = batch.union(prompts.select(tensor_keys=[]))
     return batch.union(rewards.score(batch))
 
 
 def remax_baselines(
-    sampler: Sampler, prompts: Batch, sampling: SamplingParams, rewards: RewardStage, n: int
+    rollout: Rollout, prompts: Batch, sampling: SamplingParams, rewards: RewardStage, n: int
 ) -> tuple[torch.Tensor, float]:
     """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples;
     also the number of tokens that greedy pass generated."""
@@ -43,13 +43,13 @@ def remax_baselines(
         stop=sampling.stop,
         stop_token_ids=sampling.stop_token_ids,
     )
-    scored = sample_and_score(sampler, prompts, greedy, rewards)
+    scored = sample_and_score(rollout, prompts, greedy, rewards)
     baseline = scored[keys.TOKEN_LEVEL_SCORES].sum(-1)
     return baseline.repeat_interleave(n), float(scored[keys.RESPONSE_MASK].sum())
 
 
 def generate_step_batch(
-    cfg: RLConfig, sampler: Sampler, loader: PromptDataLoader, sampling: SamplingParams, rewards: RewardStage
+    cfg: RLConfig, rollout: Rollout, loader: PromptDataLoader, sampling: SamplingParams, rewards: RewardStage
 ) -> tuple[Batch, dict[str, float]]:
     """The step's scored rollouts: `train_batch_prompts` groups of `rollout.n` samples.
 
@@ -60,10 +60,10 @@ def generate_step_batch(
     metrics: dict[str, float] = {}
     if not cfg.algorithm.dynamic_sampling:
         prompts = loader.next_batch()
-        batch = sample_and_score(sampler, prompts.repeat(n, interleave=True), sampling, rewards)
+        batch = sample_and_score(rollout, prompts.repeat(n, interleave=True), sampling, rewards)
         metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
         if cfg.algorithm.adv_estimator == "remax":
-            baselines, greedy_tokens = remax_baselines(sampler, prompts, sampling, rewards, n)
+            baselines, greedy_tokens = remax_baselines(rollout, prompts, sampling, rewards, n)
             batch.set(keys.REWARD_BASELINES, baselines)
             metrics["throughput/gen_tokens_total"] += greedy_tokens
         metrics.update(rewards.end_step())
@@ -75,10 +75,10 @@ def generate_step_batch(
     generated = 0.0
     while n_kept < want and rounds < cfg.algorithm.max_gen_rounds:
         rounds += 1
-        batch = sample_and_score(sampler, loader.next_batch().repeat(n, interleave=True), sampling, rewards)
+        batch = sample_and_score(rollout, loader.next_batch().repeat(n, interleave=True), sampling, rewards)
         generated += float(batch[keys.RESPONSE_MASK].sum())
         # filter on the task's own score (DAPO filters on accuracy), not on the overlong-shaped reward
-        scores = torch.tensor(list(batch["score"]), dtype=torch.float32)
+        scores = torch.tensor(list(batch[keys.SCORE]), dtype=torch.float32)
         varied = groups_with_reward_variance(batch[keys.UID], scores)
         kept.append(batch.index(varied))
         dropped.append(batch.index(~varied))

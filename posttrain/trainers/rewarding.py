@@ -122,8 +122,7 @@ class RewardStage:
             )
         return Batch.from_dict(
             {keys.TOKEN_LEVEL_SCORES: scores_to_token_level(shaped, batch[keys.RESPONSE_MASK])},
-            {"score": list(result.scores)},
-            {"reward_errors": result.n_errors},
+            {keys.SCORE: list(result.scores)},
         )
 
     def apply_kl(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

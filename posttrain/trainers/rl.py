@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-
-import torch
 
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
 from posttrain.config.schema import RLConfig
 from posttrain.controller.placement import RLGroups, start_rl_groups, threads_per_worker
 from posttrain.controller.ray_env import ray_is_running, stop_ray
-from posttrain.controller.roles import ActorGroup, CriticGroup, Sampler, Stateful
+from posttrain.controller.roles import ActorGroup, CriticGroup, Rollout, Stateful
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
@@ -38,18 +33,17 @@ from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_r
 from posttrain.trainers.generation import generate_step_batch
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.setup import (
+    actor_spec,
     advantage_kwargs,
     check_rl_config,
     critic_spec,
-    engine_config,
-    optimizer_steps_per_step,
     policy_loss_options,
     reuses_update_log_probs,
 )
+from posttrain.trainers.step_metrics import CONSOLE_KEYS, batch_metrics, timed, val_only
 from posttrain.trainers.throughput import PerfMeter
 from posttrain.trainers.updates import Metrics, balance_across_workers, minibatch_updates
 from posttrain.trainers.validation import validate
-from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.process import ProcessRNG, seed_everything
 
@@ -59,29 +53,6 @@ log = logging.getLogger(__name__)
 FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
 UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES, keys.ROLLOUT_LOG_PROBS]
 CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
-# The console line; metrics.jsonl and TensorBoard get every metric.
-CONSOLE_KEYS = (
-    "acc",
-    "reward/mean",
-    "reward/error_rate",
-    "val/acc",
-    "val/reward",
-    "actor/pg_loss",
-    "actor/kl_loss",
-    "actor/grad_norm",
-    "response_length/mean",
-    "rollout/logprob_diff_max",
-    "throughput/tokens_per_s",
-    "perf/mfu",
-    "timing/step",
-)
-
-
-@contextmanager
-def timed(timings: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - start
 
 
 class RLTrainer:
@@ -133,8 +104,8 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_checkpoints_to_keep)
         self.step_count = 0
         self.groups: RLGroups | None = None
-        self.actor: ActorGroup | None = None  # training (+ reference, + the sampler when colocated)
-        self.sampler: Sampler | None = None  # the group that generates: the actor's, or a rollout pool's
+        self.actor: ActorGroup | None = None  # training (+ reference, + the rollout engine when colocated)
+        self.rollout: Rollout | None = None  # the group that generates: the actor's, or a rollout pool
         self.critic: CriticGroup | None = None
         self.perf: PerfMeter | None = None  # throughput and MFU metrics; set up in fit()
         self.history: list[dict[str, float]] = []
@@ -205,7 +176,7 @@ class RLTrainer:
                 and (self.step_count % cfg.trainer.val_every == 0 or last)
             ):
                 metrics.update(self.validate())
-                self.history.append({"step": self.step_count, **_val_only(metrics)})
+                self.history.append({"step": self.step_count, **val_only(metrics)})
             metrics["fault/restarts"] = float(self.restarts)
             tracker.log(metrics, self.step_count)
             saving = cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0
@@ -243,24 +214,10 @@ class RLTrainer:
         """
         cfg = self.cfg
         threads = threads_per_worker(cfg.trainer)
-        spec = ActorRolloutRefSpec(
-            engine=engine_config(
-                cfg.model,
-                optim=cfg.actor.optim,
-                total_steps=cfg.trainer.total_steps * optimizer_steps_per_step(cfg),
-                micro_batch_size=cfg.actor.micro_batch_size,
-                max_token_len=cfg.actor.max_token_len_per_worker,
-            ),
-            with_rollout=cfg.resources.rollout == "trainer",
-            with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-            rollout_name=cfg.rollout.name,
-            rollout_max_batch_size=cfg.rollout.max_batch_size,
-            seed=cfg.trainer.seed,
-            threads=threads,
-        )
+        spec = actor_spec(cfg, threads)
         critic = critic_spec(cfg, threads) if cfg.critic.enable else None
         self.groups = start_rl_groups(cfg, spec, critic, wait_s=wait_s)
-        self.actor, self.sampler, self.critic = self.groups.actor, self.groups.sampler, self.groups.critic
+        self.actor, self.rollout, self.critic = self.groups.actor, self.groups.rollout, self.groups.critic
         placement = self.groups.placement()
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         log.info(
@@ -272,16 +229,16 @@ class RLTrainer:
         if self.groups is not None:
             self.groups.shutdown()
         self.groups = None
-        self.actor = self.sampler = self.critic = None
+        self.actor = self.rollout = self.critic = None
 
     def step(self) -> Metrics:
         """One RL step: the loop of ARCHITECTURE.md."""
         cfg, timings = self.cfg, dict[str, float]()
-        actor, sampler = self._running()
+        actor, rollout = self._running()
         with timed(timings, "step"):
             with timed(timings, "gen"):
                 batch, gen_metrics = generate_step_batch(
-                    cfg, sampler, self.loader, self.sampling, self.rewards
+                    cfg, rollout, self.loader, self.sampling, self.rewards
                 )
             if cfg.trainer.balance_batch and cfg.trainer.world_size > 1:
                 batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
@@ -315,17 +272,17 @@ class RLTrainer:
     def sync_sampler(self) -> None:
         """New weights to the sampler: in-process when colocated, else from actor rank 0 via the object store."""
         actor, _ = self._running()
-        rollout = self.groups.rollout if self.groups is not None else None
-        if rollout is not None:
-            rollout.load_weights(actor.rollout_weights())
+        pool = self.groups.rollout_pool if self.groups is not None else None
+        if pool is not None:
+            pool.load_weights(actor.rollout_weights())
         else:
             actor.sync_sampler()
 
-    def _running(self) -> tuple[ActorGroup, Sampler]:
-        """The actor and sampler groups (started by fit)."""
-        if self.actor is None or self.sampler is None:
+    def _running(self) -> tuple[ActorGroup, Rollout]:
+        """The actor and rollout groups (started by fit)."""
+        if self.actor is None or self.rollout is None:
             raise RuntimeError("the workers are not running: call fit(), or _start_workers() first")
-        return self.actor, self.sampler
+        return self.actor, self.rollout
 
     @property
     def _temp(self) -> float:
@@ -369,34 +326,15 @@ class RLTrainer:
             batch.select(CRITIC_KEYS, []), critic_cfg.mini_batch_size, critic_cfg.ppo_epochs, "critic", train
         )
 
-    def batch_metrics(self, batch: Batch) -> dict[str, float]:
-        mask = batch[keys.RESPONSE_MASK]
-        scores = torch.tensor(list(batch["score"]), dtype=torch.float32)
-        lengths = mask.sum(-1)
-        gen_tokens = float(mask.sum())
-        logprob_diff = {}  # when the update reuses its own log-probs, it reports these itself
-        if keys.OLD_LOG_PROBS in batch:
-            diff = (batch[keys.ROLLOUT_LOG_PROBS] - batch[keys.OLD_LOG_PROBS]).abs() * mask
-            logprob_diff = {
-                "rollout/logprob_diff_max": float(diff.max()),
-                "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
-            }
-        return {
-            **logprob_diff,
-            "reward/mean": float(scores.mean()),
-            "acc": float((scores >= 1.0).float().mean()),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
-            "throughput/gen_tokens": gen_tokens,
-            "epoch": float(self.loader.epoch),
-        }
+    def batch_metrics(self, batch: Batch) -> Metrics:
+        return batch_metrics(batch, self.loader.epoch)
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         assert self.val_set is not None
-        _, sampler = self._running()
+        _, rollout = self._running()
         return validate(
-            sampler,
+            rollout,
             self.val_set,
             self.pad_id,
             self.val_sampling,
@@ -416,8 +354,8 @@ class RLTrainer:
         workers: list[Stateful] = [actor]
         if self.critic is not None:
             workers.append(self.critic)
-        if self.groups is not None and self.groups.rollout is not None:
-            workers.append(self.groups.rollout)
+        if self.groups is not None and self.groups.rollout_pool is not None:
+            workers.append(self.groups.rollout_pool)
         states: dict[str, DriverState] = {
             "rewards": self.rewards,
             "dataloader": self.loader,
@@ -449,7 +387,7 @@ class RLTrainer:
         check_resumable(latest, self.checkpoints.load_state(latest), self.cfg)
         workers, states = self._checkpoint_parts()
         state = self.checkpoints.restore(latest, workers, states)
-        if self.groups is not None and self.groups.rollout is not None:
+        if self.groups is not None and self.groups.rollout_pool is not None:
             self.sync_sampler()
         self.step_count = state["step"]
         self.history = [h for h in self.history if h["step"] <= self.step_count]
@@ -463,7 +401,3 @@ class RLTrainer:
         self.loader.load_state_dict({"epoch": 0, "position": 0})
         self.rewards = RewardStage(self.cfg)
         self.history = []
-
-
-def _val_only(metrics: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items() if k.startswith("val/")}

@@ -26,6 +26,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
 
 
@@ -277,6 +278,26 @@ def reuses_update_log_probs(cfg: RLConfig) -> bool:
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, samples)
     return cfg.actor.reuse_log_probs_on_policy and one_step and not cfg.algorithm.use_kl_in_reward
+
+
+def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
+    """The actor's worker: its engine (model levers, `actor.optim`, micro-batching), the colocated rollout
+    engine unless the rollout has a pool of its own, and the reference when KL is used."""
+    return ActorRolloutRefSpec(
+        engine=engine_config(
+            cfg.model,
+            optim=cfg.actor.optim,
+            total_steps=cfg.trainer.total_steps * optimizer_steps_per_step(cfg),
+            micro_batch_size=cfg.actor.micro_batch_size,
+            max_token_len=cfg.actor.max_token_len_per_worker,
+        ),
+        with_rollout=cfg.resources.rollout == "trainer",
+        with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        rollout_name=cfg.rollout.name,
+        rollout_max_batch_size=cfg.rollout.max_batch_size,
+        seed=cfg.trainer.seed,
+        threads=threads,
+    )
 
 
 def critic_spec(cfg: RLConfig, threads: int) -> CriticSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.controller.roles import Sampler
+from posttrain.controller.roles import Rollout
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataset import PromptDataset, collate_prompts
@@ -21,7 +21,7 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
 
 
 def validate(
-    sampler: Sampler,
+    rollout: Rollout,
     dataset: PromptDataset,
     pad_id: int,
     sampling: SamplingParams,
@@ -34,7 +34,7 @@ def validate(
     count = min(limit or len(dataset), len(dataset))
     items = [dataset[i] for i in range(count)]
     batch = collate_prompts(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
-    out = sampler.sample(pad_rows(batch, sampler.world_size), sampling).index(slice(0, len(batch)))
+    out = rollout.sample(pad_rows(batch, rollout.world_size), sampling).index(slice(0, len(batch)))
     out = out.union(batch.select(tensor_keys=[]))
     result = rewards.score_texts(out)
     error_rate = rewards.check_validation(result)  # RewardError when every score failed

@@ -150,7 +150,7 @@ def cross_entropy_loss(options: dict[str, Any], dp_size: int) -> LossFn:
     _check_options("loss 'cross_entropy'", options, {})
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
-        mask = mb["loss_mask"].to(log_probs.dtype)
+        mask = mb[keys.LOSS_MASK].to(log_probs.dtype)
         totals = _totals(mb, mask)
         loss = aggregate_loss(-log_probs, mask, "token-mean", dp_size=dp_size, **totals)
         return loss, {"sft/nll": float(masked_mean(-log_probs.detach(), mask))}

@@ -47,5 +47,5 @@ def sample_batch(engine: Any, batch: Batch, sampling: SamplingParams) -> Batch:
             keys.RESPONSE_TEXT: [r.text for r in results],
             keys.STOP_REASON: [r.stop_reason for r in results],
         },
-        meta={"gen_seconds": seconds, keys.TEMPERATURE: sampling.temperature},
+        meta={keys.GEN_SECONDS: seconds, keys.TEMPERATURE: sampling.temperature},
     )

@@ -1,0 +1,66 @@
+"""What a step reports: the console line's keys, per-stage timings, and the metrics of a step's batch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+
+Metrics = dict[str, float]
+
+# The console line; metrics.jsonl and TensorBoard get every metric.
+CONSOLE_KEYS = (
+    "acc",
+    "reward/mean",
+    "reward/error_rate",
+    "val/acc",
+    "val/reward",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "response_length/mean",
+    "rollout/logprob_diff_max",
+    "throughput/tokens_per_s",
+    "perf/mfu",
+    "timing/step",
+)
+
+
+@contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+
+
+def batch_metrics(batch: Batch, epoch: int) -> Metrics:
+    """Rewards, accuracy, lengths and rollout/trainer log-prob agreement of a step's scored samples."""
+    mask = batch[keys.RESPONSE_MASK]
+    scores = torch.tensor(list(batch[keys.SCORE]), dtype=torch.float32)
+    lengths = mask.sum(-1)
+    gen_tokens = float(mask.sum())
+    logprob_diff = {}  # when the update reuses its own log-probs, it reports these itself
+    if keys.OLD_LOG_PROBS in batch:
+        diff = (batch[keys.ROLLOUT_LOG_PROBS] - batch[keys.OLD_LOG_PROBS]).abs() * mask
+        logprob_diff = {
+            "rollout/logprob_diff_max": float(diff.max()),
+            "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
+        }
+    return {
+        **logprob_diff,
+        "reward/mean": float(scores.mean()),
+        "acc": float((scores >= 1.0).float().mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
+        "throughput/gen_tokens": gen_tokens,
+        "epoch": float(epoch),
+    }
+
+
+def val_only(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith("val/")}
