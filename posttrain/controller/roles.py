@@ -17,9 +17,11 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from posttrain.config.schema import OptimConfig
 from posttrain.data.batch import Batch
 from posttrain.errors import WorkerError
 from posttrain.rollout.base import SamplingParams
+from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
 from posttrain.workers.losses import LossSpec
 
 Metrics = dict[str, float]
@@ -175,3 +177,46 @@ class CriticGroup(RoleGroup):
 
     def load_state(self, path: Path) -> None:
         self.dispatcher.call("load_state", str(path))
+
+
+class ApiGroup(RoleGroup):
+    """The explicit API's role (`ApiWorker`): training models and samplers by id."""
+
+    def create_model(self, model_id: str, model: ModelSpec) -> None:
+        self.dispatcher.call("create_model", model_id, model)
+
+    def drop_model(self, model_id: str) -> None:
+        self.dispatcher.call("drop_model", model_id)
+
+    def forward(self, model_id: str, batch: Batch, loss: ApiLossSpec) -> Batch:
+        return self._batch("forward", model_id, batch, loss)
+
+    def forward_backward(self, model_id: str, batch: Batch, loss: ApiLossSpec) -> Batch:
+        return self._batch("forward_backward", model_id, batch, loss)
+
+    def optim_step(self, model_id: str, params: OptimConfig) -> Metrics:
+        return self._metrics("optim_step", model_id, params)
+
+    def save_state(self, model_id: str, path: Path) -> None:
+        self.dispatcher.call("save_state", model_id, str(path))
+
+    def load_state(self, model_id: str, path: Path, *, with_optimizer: bool) -> None:
+        self.dispatcher.call("load_state", model_id, str(path), with_optimizer)
+
+    def export_sampler_weights(self, model_id: str, out_dir: Path) -> None:
+        self.dispatcher.call("export_sampler_weights", model_id, str(out_dir))
+
+    def snapshot_sampler(self, sampler_id: str, model_id: str) -> Metrics:
+        return self._metrics("snapshot_sampler", sampler_id, model_id)
+
+    def open_sampler(self, sampler_id: str, path: Path) -> None:
+        self.dispatcher.call("open_sampler", sampler_id, str(path))
+
+    def close_sampler(self, sampler_id: str) -> None:
+        self.dispatcher.call("close_sampler", sampler_id)
+
+    def sample(self, sampler_id: str, batch: Batch, sampling: SamplingParams) -> Batch:
+        return self._batch("sample", sampler_id, batch, sampling)
+
+    def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float) -> Batch:
+        return self._batch("prompt_log_probs", sampler_id, batch, temperature)

@@ -20,6 +20,12 @@ TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float: scores minus in-rew
 REWARD_BASELINES = "reward_baselines"  # (B,) float: reward of the prompt's greedy response (ReMax)
 ADVANTAGES = "advantages"  # (B, R) float
 RETURNS = "returns"  # (B, R) float
+TARGET_TOKENS = "target_tokens"  # (B, T) long: the explicit API's targets, position i predicts target i
+API_INPUT_PREFIX = "api_in_"  # (B, T) float: the explicit API's other loss inputs, e.g. api_in_advantages
+API_ROW = "api_row"  # (B,) long: the datum's position in its request (rows come back in this order)
+API_VALID = "api_valid"  # (B,) float: 1 for a datum, 0 for a row that only pads the batch to the workers
+API_LOGPROBS = "api_logprobs"  # (B, T) float: the learner's log-probs of the targets (forward outputs)
+API_LOSS = "api_loss"  # (B,) float: each datum's summed loss
 LOSS_MASK = "loss_mask"  # (B, T) float: 1 on tokens the SFT loss is taken on (response and eos)
 
 # Non-tensor columns (numpy object arrays of length B)

@@ -153,3 +153,21 @@ def next_token_log_probs(
     ).logits
     log_probs = token_log_probs(logits[:, :-1], input_ids[:, start + 1 : end])
     return F.pad(log_probs, (start + 1, input_ids.shape[1] - end))
+
+
+def target_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """(B, T) log-prob of `targets[:, i]` given `input_ids[:, : i + 1]` (the explicit API's layout: position
+    i predicts target i, any token); zeros where `attention_mask` is 0. Rows are right-padded."""
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return token_log_probs(logits, targets) * attention_mask

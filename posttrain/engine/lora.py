@@ -89,13 +89,28 @@ def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield f"{hf_name(name)}.weight", (base.float() + delta).to(base.dtype)
 
 
+def untie_output_embeddings(model: nn.Module) -> None:
+    """Give `model` an output projection of its own where it shares the input embedding's weights.
+
+    An adapter on a tied `lm_head` changes only the output projection in training (the adapter sits on the
+    head's output); merging it into the shared weight would change the embeddings too.
+    """
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is model.get_input_embeddings().weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+        model.config.tie_word_embeddings = False
+
+
 def export_peft_model(
     base_path: str | Path, lora: LoraConfig, adapter_state: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> PeftModel:
     """A CPU peft model over the base directory holding `adapter_state` (full, unsharded tensors)."""
     from posttrain.models import load_causal_lm
 
-    model = get_peft_model(load_causal_lm(base_path, dtype=dtype), peft_config(lora))
+    base = load_causal_lm(base_path, dtype=dtype)
+    if "lm_head" in lora.target_modules:
+        untie_output_embeddings(base)
+    model = get_peft_model(base, peft_config(lora))
     missing, unexpected = model.load_state_dict(adapter_state, strict=False)
     adapter_missing = [k for k in missing if "lora_" in k]
     if unexpected or adapter_missing:

@@ -196,3 +196,21 @@ def packed_next_token_log_probs(
     logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1)
     targets = layout.input_ids.reshape(-1)[target_pos]
     return unpack_rows(token_log_probs(logits, targets), has_context)
+
+
+def packed_target_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    row_tokens: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`log_probs.target_log_probs` on packed sequences: (B, T) log-prob of `targets[:, i]` at every real
+    position i of `input_ids` (the explicit API's layout, where the target need not be the next input)."""
+    layout = pack(input_ids, attention_mask, row_tokens)
+    valid = attention_mask.bool()
+    logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=layout.flat_pos[valid])
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return unpack_rows(token_log_probs(logits, targets[valid]), valid)

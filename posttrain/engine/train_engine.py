@@ -28,13 +28,19 @@ from posttrain.data.batch import Batch
 from posttrain.data.partition import first_fit_decreasing, split_to_count
 from posttrain.engine.distributed import DistInfo, init_distributed
 from posttrain.engine.fsdp import apply_fsdp, full_named_tensors, reshard_all
-from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
+from posttrain.engine.log_probs import (
+    next_token_log_probs,
+    response_log_probs,
+    response_values,
+    target_log_probs,
+)
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
 from posttrain.engine.packing import (
     PackingOptions,
     packed_next_token_log_probs,
     packed_response_log_probs,
     packed_response_values,
+    packed_target_log_probs,
 )
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.errors import ConfigError
@@ -191,6 +197,8 @@ class TrainEngine:
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token outputs: log-probs (lm head) or values (value head), and entropy when asked."""
+        if keys.TARGET_TOKENS in mb:  # the explicit API: given targets, not the next input tokens
+            return self._target_log_probs(mb, temperature), None
         if self.config.remove_padding:
             return self._packed_log_probs(mb, temperature, with_entropy)
         if self.config.head == "value":
@@ -210,6 +218,16 @@ class TrainEngine:
         return next_token_log_probs(
             self.model, mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
         ), None
+
+    def _target_log_probs(self, mb: Batch, temperature: float) -> torch.Tensor:
+        ids, mask, targets = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.TARGET_TOKENS]
+        if self.config.head != "lm":
+            raise ConfigError("target log-probs need the lm head")
+        if self.config.remove_padding:
+            return packed_target_log_probs(
+                self.model, ids, mask, targets, self.config.pack_row_tokens, temperature
+            )
+        return target_log_probs(self.model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
 
     def _packing_options(self) -> PackingOptions:
         eager = self.config.attn_implementation == "eager"
@@ -306,19 +324,30 @@ class TrainEngine:
         totals["loss"] = loss_sum
         return totals
 
-    def optim_step(self) -> dict[str, float]:
-        """Clip gradients, step AdamW and the LR schedule, zero gradients."""
+    def optim_step(self, params: OptimConfig | None = None) -> dict[str, float]:
+        """Clip gradients, step AdamW and the LR schedule, zero gradients.
+
+        `params`: this step's optimizer settings (the explicit API passes them with every step, as tinker's
+        `optim_step(AdamParams)`): lr, betas, eps, weight decay and the clip norm replace the configured ones
+        for this step, and the schedule does not advance.
+        """
         assert self.optimizer is not None and self.scheduler is not None
+        clip = params.grad_clip if params is not None else self.config.optim.grad_clip
+        if params is not None:
+            for group in self.optimizer.param_groups:
+                group.update(
+                    lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay
+                )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else math.inf  # 0 = off
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else math.inf)  # 0 = off
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm_value = float(grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = params.lr if params is not None else self.scheduler.get_last_lr()[0]
         if math.isfinite(grad_norm_value):
             self.optimizer.step()
-        self.scheduler.step()
+        if params is None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {
             "grad_norm": grad_norm_value,
@@ -363,10 +392,11 @@ class TrainEngine:
             torch.save({"scheduler": self.scheduler.state_dict()}, path / "scheduler.pt")
         dist.barrier()
 
-    def load(self, path: str | Path) -> None:
-        """Load what `save` wrote (same world size, or any other that DCP can reshard to)."""
+    def load(self, path: str | Path, with_optimizer: bool = True) -> None:
+        """Load what `save` wrote (same world size, or any other that DCP can reshard to); without
+        `with_optimizer`, the weights alone (the optimizer keeps its state, e.g. fresh)."""
         path = Path(path)
-        if self.optimizer is not None:
+        if self.optimizer is not None and with_optimizer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
             state = {"model": self._trainable_only(model_sd), "optim": optim_sd}
             dcp.load(state, checkpoint_id=str(path))

@@ -1,0 +1,117 @@
+"""Between tinker's types and the worker's Batch: datums in, per-datum outputs and samples out.
+
+A datum's `model_input` (token chunks) becomes one right-padded row of `input_ids`; `target_tokens` and the
+other per-token loss inputs become rows of the same width (`api_in_<key>`). Rows are padded to a multiple of
+the workers with rows that count nothing (`api_valid` 0). Everything a request can get wrong (an image chunk,
+an unknown or missing input, lengths that differ) is a ValueError naming it, raised in the caller's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from tinker import types
+
+from posttrain.algorithms.api_losses import check_api_loss, check_input_lengths
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+
+
+def model_input_tokens(model_input: types.ModelInput) -> list[int]:
+    """The token ids of a text-only ModelInput (image chunks are for vision-language models)."""
+    try:
+        return model_input.to_ints()
+    except ValueError:
+        kinds = sorted({type(c).__name__ for c in model_input.chunks})
+        raise ValueError(
+            f"model_input holds {', '.join(kinds)}: only token chunks are supported here"
+        ) from None
+
+
+def check_request(
+    data: Sequence[types.Datum], loss_fn: str, config: Mapping[str, float | str] | None
+) -> dict[str, float]:
+    """The loss's resolved config, after checking every datum's inputs and lengths against it."""
+    if not data:
+        raise ValueError("No data provided")
+    resolved: dict[str, float] = {}
+    for i, datum in enumerate(data):
+        resolved = check_api_loss(loss_fn, set(datum.loss_fn_inputs), dict(config or {}))
+        length = model_input_tokens(datum.model_input)
+        shapes = {k: list(v.to_numpy().shape) for k, v in datum.loss_fn_inputs.items()}
+        try:
+            check_input_lengths(shapes, model_input_length=len(length))
+        except ValueError as exc:
+            raise type(exc)(f"datum {i}: {exc}") from None
+    return resolved
+
+
+def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:
+    """The worker's Batch of `data` (see the module docstring), padded to a multiple of `multiple` rows."""
+    rows = [model_input_tokens(d.model_input) for d in data]
+    extra = (-len(rows)) % multiple
+    width = max(len(r) for r in rows)
+    total = len(rows) + extra
+    input_ids = torch.zeros(total, width, dtype=torch.long)
+    mask = torch.zeros(total, width, dtype=torch.long)
+    targets = torch.zeros(total, width, dtype=torch.long)
+    names = sorted({k for d in data for k in d.loss_fn_inputs} - {keys.TARGET_TOKENS})
+    inputs = {k: torch.zeros(total, width, dtype=torch.float32) for k in names}
+    for i, (tokens, datum) in enumerate(zip(rows, data, strict=True)):
+        n = len(tokens)
+        input_ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, :n] = 1
+        targets[i, :n] = datum.loss_fn_inputs[keys.TARGET_TOKENS].to_torch().reshape(-1).long()
+        for k, value in datum.loss_fn_inputs.items():
+            if k != keys.TARGET_TOKENS:
+                inputs[k][i, :n] = value.to_torch().reshape(-1).float()
+    mask[len(rows) :, 0] = 1  # a padding row is one token long and weighs nothing
+    tensors = {
+        keys.INPUT_IDS: input_ids,
+        keys.ATTENTION_MASK: mask,
+        keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+        keys.TARGET_TOKENS: targets,
+        keys.API_ROW: torch.arange(total),
+        keys.API_VALID: (torch.arange(total) < len(rows)).float(),
+        **{keys.API_INPUT_PREFIX + k: v for k, v in inputs.items()},
+    }
+    return Batch.from_dict(tensors)
+
+
+def forward_output(data: Sequence[types.Datum], out: Batch) -> types.ForwardBackwardOutput:
+    """Per-datum `logprobs` (float32, the shape of its `target_tokens`) and `loss:sum`."""
+    outputs = []
+    for i, datum in enumerate(data):
+        n = datum.model_input.length
+        outputs.append({"logprobs": types.TensorData.from_torch(out[keys.API_LOGPROBS][i, :n].float())})
+    loss = float(out[keys.API_LOSS][: len(data)].sum())
+    return types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": loss}
+    )
+
+
+def prompt_rows(prompt: Sequence[int], count: int) -> Batch:
+    """`count` copies of a prompt as left-padded rows (the layout the rollout engine reads)."""
+    ids = torch.tensor([list(prompt)] * count, dtype=torch.long).reshape(count, len(prompt))
+    mask = torch.ones_like(ids)
+    return Batch.from_dict(
+        {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: mask.cumsum(-1) - 1}
+    )
+
+
+def sampled_sequences(out: Batch, count: int, request_id: str) -> list[types.SampledSequence]:
+    """The first `count` rows of a sample Batch as tinker's SampledSequences (tokens, logprobs, stop)."""
+    sequences = []
+    for i in range(count):
+        n = int(out[keys.RESPONSE_MASK][i].sum())
+        sequences.append(
+            types.SampledSequence(
+                stop_reason="length" if out[keys.STOP_REASON][i] == "length" else "stop",
+                sequence_id=f"{request_id}:{i}",
+                tokens_np=out[keys.RESPONSES][i, :n].numpy().astype(np.int32),
+                logprobs_np=out[keys.ROLLOUT_LOG_PROBS][i, :n].numpy().astype(np.float32),
+            )
+        )
+    return sequences

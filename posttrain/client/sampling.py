@@ -1,0 +1,144 @@
+"""`SamplingClient`: samples and prompt log-probs from one snapshot of weights, as tinker's.
+
+A sampler is a rollout engine on the workers holding the weights it was made with; training afterwards does
+not change them. It is closed on the workers when the client is garbage-collected (a new snapshot per RL
+step does not pile up engines).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from posttrain.client.backend import Backend
+from posttrain.client.batching import model_input_tokens, prompt_rows, sampled_sequences
+from posttrain.data import keys
+from posttrain.models import load_config, load_tokenizer
+from posttrain.rollout.base import SamplingParams as EngineSampling
+
+
+def engine_sampling(params: types.SamplingParams, prompt_length: int, context: int) -> EngineSampling:
+    """tinker's SamplingParams as the rollout engine's; what the engine cannot honour is a ValueError."""
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    if isinstance(params.stop, str):
+        stop = (params.stop,)
+    elif params.stop is not None:
+        if len(params.stop) == 0:
+            raise ValueError("stop=[] (nothing stops, not even the end-of-sequence token) is not supported")
+        if all(isinstance(s, int) for s in params.stop):
+            stop_ids = tuple(int(s) for s in params.stop)
+        elif all(isinstance(s, str) for s in params.stop):
+            stop = tuple(str(s) for s in params.stop)
+        else:
+            raise ValueError("stop must be strings or token ids, not both")
+    max_tokens = params.max_tokens if params.max_tokens is not None else context - prompt_length
+    if max_tokens <= 0 or prompt_length + max_tokens > context:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) exceed the model's context ({context})"
+        )
+    sampling = EngineSampling(
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0 if params.top_k == -1 else params.top_k,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        seed=params.seed,
+    )
+    try:
+        sampling.validate()
+    except Exception as exc:
+        raise ValueError(str(exc)) from None
+    return sampling
+
+
+class SamplingClient:
+    """Samples from one sampler (`sampler_id`) of a backend; `base_model` is the model directory."""
+
+    def __init__(self, backend: Backend, sampler_id: str, base_model: str) -> None:
+        self._backend = backend
+        self.sampler_id = sampler_id
+        self._base_model = base_model
+        self._context = int(getattr(load_config(base_model), "max_position_embeddings", 2048))
+        weakref.finalize(self, _close_sampler, backend, sampler_id)
+
+    # a client made by a create_* call is also its own (already resolved) future, as tinker's Backcompat ones
+    def result(self, timeout: float | None = None) -> SamplingClient:
+        return self
+
+    async def result_async(self, timeout: float | None = None) -> SamplingClient:
+        return self
+
+    def __await__(self):  # noqa: ANN204
+        return self.result_async().__await__()
+
+    def get_base_model(self) -> str:
+        return self._base_model
+
+    def get_tokenizer(self):  # noqa: ANN201
+        return load_tokenizer(self._base_model)
+
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        """`num_samples` responses to `prompt` (tokens, the sampled tokens' log-probs, stop reason); with
+        `include_prompt_logprobs`, the prompt's own log-probs (None at position 0)."""
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if topk_prompt_logprobs:
+            raise ValueError("topk_prompt_logprobs is not supported by this backend (use 0)")
+        tokens = model_input_tokens(prompt)
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        sampling = engine_sampling(sampling_params, len(tokens), self._context)
+        backend, group, sampler = self._backend, self._backend.group, self.sampler_id
+        request = backend.new_id("sample")
+        rows = num_samples + (-num_samples) % backend.world_size
+        batch = prompt_rows(tokens, rows)
+
+        def run() -> types.SampleResponse:
+            out = group.sample(sampler, batch, sampling)
+            prompt_lp = None
+            if include_prompt_logprobs:
+                scored = group.prompt_log_probs(sampler, prompt_rows(tokens, backend.world_size), 1.0)
+                prompt_lp = scored[keys.API_LOGPROBS][0].numpy().astype(np.float32)
+                prompt_lp[0] = np.nan
+            return types.SampleResponse(
+                sequences=sampled_sequences(out, num_samples, request), prompt_logprobs_np=prompt_lp
+            )
+
+        return backend.submit(run)
+
+    def compute_logprobs(
+        self, prompt: types.ModelInput, temperature: float = 1.0
+    ) -> AwaitableConcurrentFuture[list[float | None]]:
+        """log p(token i | tokens < i) of every prompt token (None at position 0), at `temperature`
+        (tinker's takes none and means 1.0: a KL between policies sampled at T != 1 needs the tempered one)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        tokens = model_input_tokens(prompt)
+        group, sampler, rows = self._backend.group, self.sampler_id, self._backend.world_size
+
+        def run() -> list[float | None]:
+            scored = group.prompt_log_probs(sampler, prompt_rows(tokens, rows), temperature)
+            values = scored[keys.API_LOGPROBS][0].tolist()
+            return [None, *values[1:]]
+
+        return self._backend.submit(run)
+
+
+def _close_sampler(backend: Backend, sampler_id: str) -> None:
+    """Free a dropped client's sampler on the workers (after the calls already submitted)."""
+    try:
+        backend.submit(lambda: backend.group.close_sampler(sampler_id))
+    except RuntimeError:  # the backend is closed (interpreter exit): its workers are gone with it
+        pass

@@ -1,0 +1,238 @@
+"""`TrainingClient`: tinker's training verbs on one model (a LoRA adapter or the full weights) of a backend.
+
+Every verb returns a future at once and runs on the backend's thread in call order, so
+`fb = tc.forward_backward(...); opt = tc.optim_step(...)` pipelines and the step sees those gradients.
+Losses are tinker's by name (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`, `gspo`; see
+posttrain/algorithms/api_losses.py), summed over tokens and datums as tinker's are; a bad name, input key,
+config key or length is a ValueError raised at the call, listing what is valid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from posttrain.client.backend import Backend
+from posttrain.client.batching import check_request, datums_to_batch, forward_output
+from posttrain.client.sampling import SamplingClient
+from posttrain.config.schema import OptimConfig
+from posttrain.models import load_config, load_tokenizer
+from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
+
+CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def adam_config(params: types.AdamParams) -> OptimConfig:
+    return OptimConfig(
+        lr=params.learning_rate,
+        betas=(params.beta1, params.beta2),
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip=params.grad_clip_norm,
+    )
+
+
+class TrainingClient:
+    def __init__(self, backend: Backend, model_id: str, model: ModelSpec) -> None:
+        self._backend = backend
+        self.model_id = model_id
+        self._model = model
+
+    # a client made by a create_* call is also its own (already resolved) future, as tinker's Backcompat ones
+    def result(self, timeout: float | None = None) -> TrainingClient:
+        return self
+
+    async def result_async(self, timeout: float | None = None) -> TrainingClient:
+        return self
+
+    def __await__(self):  # noqa: ANN204
+        return self.result_async().__await__()
+
+    # ---- forward / backward --------------------------------------------------------------------
+    def _run(
+        self, verb: str, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        config = check_request(data, loss_fn, loss_fn_config)
+        batch = datums_to_batch(data, self._backend.world_size)
+        loss = ApiLossSpec(loss_fn, config)
+        group, model_id, data = self._backend.group, self.model_id, list(data)
+
+        def run() -> types.ForwardBackwardOutput:
+            out = getattr(group, verb)(model_id, batch, loss)
+            return forward_output(data, out)
+
+        return self._backend.submit(run)
+
+    def forward(
+        self, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        """Per-datum log-probs of the targets and the loss, without gradients."""
+        return self._run("forward", data, loss_fn, loss_fn_config)
+
+    def forward_backward(
+        self, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        """As `forward`, and the loss's gradients accumulate until the next `optim_step`."""
+        return self._run("forward_backward", data, loss_fn, loss_fn_config)
+
+    def forward_backward_custom(
+        self, data: Sequence[types.Datum], loss_fn: CustomLoss
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        """A loss of your own over the per-datum target log-probs, differentiated for real.
+
+        As tinker's: a forward pass gives each datum's log-probs `lp_i`; `loss, metrics = loss_fn(data, lps)`
+        is differentiated with respect to them; then a `cross_entropy` forward/backward with weights
+        `-dloss/dlp_i` puts exactly dloss/dtheta (the chain rule through the log-probs) into the gradients.
+        `metrics` gets `loss:sum` (your loss) and `surrogate_loss:sum` (the linearised one's value).
+        """
+        if not data:
+            raise ValueError("No data provided")
+        for datum in data:
+            if "target_tokens" not in datum.loss_fn_inputs:
+                raise ValueError("forward_backward_custom needs target_tokens in every datum")
+        probe = [_with_weights(d, torch.zeros(d.model_input.length)) for d in data]
+        check_request(probe, "cross_entropy", None)
+        backend, group, model_id, data = self._backend, self._backend.group, self.model_id, list(data)
+
+        def run() -> types.ForwardBackwardOutput:
+            batch = datums_to_batch(probe, backend.world_size)
+            first = forward_output(probe, group.forward(model_id, batch, ApiLossSpec("cross_entropy")))
+            lps = [out["logprobs"].to_torch().float().requires_grad_(True) for out in first.loss_fn_outputs]
+            loss, metrics = loss_fn(data, lps)
+            value = float(loss.detach().sum())
+            loss.sum().backward()
+            if any(lp.grad is None for lp in lps):
+                raise ValueError("the custom loss does not depend on every datum's logprobs")
+            linear = [_with_weights(d, -lp.grad) for d, lp in zip(data, lps, strict=True)]  # type: ignore[operator]
+            batch = datums_to_batch(linear, backend.world_size)
+            out = forward_output(
+                linear, group.forward_backward(model_id, batch, ApiLossSpec("cross_entropy"))
+            )
+            surrogate = out.metrics.pop("loss:sum")
+            out.metrics.update({k: float(v) for k, v in metrics.items()})
+            out.metrics.update({"loss:sum": value, "surrogate_loss:sum": surrogate})
+            return out
+
+        return backend.submit(run)
+
+    def optim_step(
+        self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None
+    ) -> AwaitableConcurrentFuture[types.OptimStepResponse]:
+        """One AdamW step of this model with these settings (tinker's AdamParams; weight decay decoupled,
+        `grad_clip_norm` 0 = no clipping), then the gradients are zeroed."""
+        if optim_params is not None and adam_params is not None:
+            raise ValueError("Specify optim_params or legacy adam_params, not both")
+        params = optim_params if optim_params is not None else adam_params
+        if not isinstance(params, types.AdamParams):
+            raise TypeError("Expected AdamParams")
+        config, group, model_id = adam_config(params), self._backend.group, self.model_id
+
+        def run() -> types.OptimStepResponse:
+            metrics = group.optim_step(model_id, config)
+            return types.OptimStepResponse(
+                metrics={"grad_norm:mean": metrics["grad_norm"], "learning_rate:mean": metrics["lr"]}
+            )
+
+        return self._backend.submit(run)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> AwaitableConcurrentFuture[Any]:
+        """Weights and optimizer state under `tinker://<model_id>/weights/<name>`."""
+        folder = self._backend.checkpoint_dir(self.model_id, "weights", name)
+        path = self._backend.tinker_path(self.model_id, "weights", name)
+        group, model_id = self._backend.group, self.model_id
+
+        def run() -> types.SaveWeightsResponse:
+            folder.mkdir(parents=True, exist_ok=True)
+            group.save_state(model_id, folder)
+            return types.SaveWeightsResponse(path=path)
+
+        return self._backend.submit(run)
+
+    def load_state(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        """The weights of a saved state (the optimizer keeps its own)."""
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        """The weights and optimizer state of a saved state."""
+        return self._load(path, with_optimizer=True)
+
+    def _load(self, path: str, with_optimizer: bool) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        _, folder = self._backend.resolve(path, "weights")
+        saved = json.loads((folder / "model_spec.json").read_text())
+        if saved["lora_rank"] != self._model.lora_rank:
+            raise ValueError(f"{path} has LoRA rank {saved['lora_rank']}, this model {self._model.lora_rank}")
+        group, model_id = self._backend.group, self.model_id
+
+        def run() -> types.LoadWeightsResponse:
+            group.load_state(model_id, folder, with_optimizer=with_optimizer)
+            return types.LoadWeightsResponse(path=path, model_id=model_id)
+
+        return self._backend.submit(run)
+
+    # ---- samplers ------------------------------------------------------------------------------
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> AwaitableConcurrentFuture[Any]:
+        """The current weights (LoRA merged) as a sampler checkpoint `tinker://<model_id>/sampler_weights/<name>`."""
+        folder = self._backend.checkpoint_dir(self.model_id, "sampler_weights", name)
+        path = self._backend.tinker_path(self.model_id, "sampler_weights", name)
+        group, model_id = self._backend.group, self.model_id
+
+        def run() -> types.SaveWeightsForSamplerResponse:
+            folder.mkdir(parents=True, exist_ok=True)
+            group.export_sampler_weights(model_id, folder)
+            return types.SaveWeightsForSamplerResponse(path=path)
+
+        return self._backend.submit(run)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """A sampler with the current weights, copied in-process (no disk round trip); later training does
+        not change it. Returned at once; its calls run after the copy."""
+        sampler_id = self._backend.new_id("sampler")
+        group, model_id = self._backend.group, self.model_id
+        self._backend.submit(lambda: group.snapshot_sampler(sampler_id, model_id))
+        return SamplingClient(self._backend, sampler_id, self._model.base_model)
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        return _open_sampler(self._backend, model_path)
+
+    # ---- info ----------------------------------------------------------------------------------
+    def get_info(self) -> types.GetInfoResponse:
+        arch = getattr(load_config(self._model.base_model), "model_type", None)
+        return types.GetInfoResponse(
+            model_data=types.ModelData(
+                arch=arch, model_name=self._model.base_model, tokenizer_id=self._model.base_model
+            ),
+            model_id=self.model_id,
+            is_lora=self._model.lora_rank > 0,
+            lora_rank=self._model.lora_rank or None,
+            model_name=self._model.base_model,
+        )
+
+    def get_tokenizer(self):  # noqa: ANN201
+        return load_tokenizer(self._model.base_model)
+
+
+def _with_weights(datum: types.Datum, weights: torch.Tensor) -> types.Datum:
+    return types.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={
+            "target_tokens": datum.loss_fn_inputs["target_tokens"],
+            "weights": types.TensorData.from_torch(weights.detach().float()),
+        },
+    )
+
+
+def _open_sampler(backend: Backend, model_path: str) -> SamplingClient:
+    """A sampler on saved sampler weights (`tinker://.../sampler_weights/<name>`)."""
+    model_id, folder = backend.resolve(model_path, "sampler_weights")
+    sampler_id = backend.new_id("sampler")
+    group = backend.group
+    backend.submit(lambda: group.open_sampler(sampler_id, folder))
+    return SamplingClient(backend, sampler_id, str(folder))

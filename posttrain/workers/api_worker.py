@@ -1,0 +1,269 @@
+"""The explicit API's worker: training models and samplers by id, on one SPMD rank.
+
+Each training model (one per `TrainingClient`) is a `TrainEngine`: LoRA adapters over a base model, or the
+full weights. Each sampler (one per `SamplingClient`) is a rollout engine holding a snapshot of a model's
+weights, taken in-process from the training engine (`snapshot_sampler`) or loaded from a directory.
+Batches arrive split for this rank, in the explicit API's layout (`data/keys.py`: `input_ids` right-padded,
+`target_tokens`, the loss inputs under `api/<name>`, `api/row` and `api/valid` for each row). A plain class:
+the controller runs it as a Ray actor per rank, or in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.algorithms.api_losses import compute_api_loss
+from posttrain.config.schema import LoraConfig, OptimConfig
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.engine.distributed import DistInfo
+from posttrain.engine.lora import untie_output_embeddings
+from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
+from posttrain.errors import ConfigError
+from posttrain.rollout import make_rollout_engine
+from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.workers.process import prepare_worker_process, rank_seed
+from posttrain.workers.sampling import sample_batch
+
+# The modules each tinker LoRA switch adapts (Qwen2/Llama/Mistral names).
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class ApiWorkerSpec:
+    """Settings shared by every model of a backend (the model levers of the `model` config section)."""
+
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    micro_batch_size: int = 64
+    pack_row_tokens: int = 256
+    rollout_name: str = "native"
+    rollout_max_batch_size: int = 256
+    seed: int = 0
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One training model: its base directory, LoRA (rank 0 = the full weights) and the modules adapted."""
+
+    base_model: str
+    lora_rank: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int | None = None
+    lora_alpha: float = 32.0
+    target_modules: tuple[str, ...] = field(default=())
+
+    def lora(self) -> LoraConfig:
+        modules = (
+            (ATTN_MODULES if self.train_attn else ())
+            + (MLP_MODULES if self.train_mlp else ())
+            + (UNEMBED_MODULES if self.train_unembed else ())
+        )
+        return LoraConfig(
+            rank=self.lora_rank, alpha=self.lora_alpha, target_modules=self.target_modules or modules
+        )
+
+
+class ApiWorker:
+    role = "api"
+
+    def __init__(self, spec: ApiWorkerSpec, dist_info: DistInfo | None = None) -> None:
+        self.dist_info = dist_info or DistInfo()
+        prepare_worker_process(spec.threads, rank_seed(spec.seed, self.dist_info.rank))
+        self.spec = spec
+        self.rank = self.dist_info.rank
+        self.models: dict[str, TrainEngine] = {}
+        self.model_specs: dict[str, ModelSpec] = {}
+        self.samplers: dict[str, RolloutEngine] = {}
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    # ---- models --------------------------------------------------------------------------------
+    def create_model(self, model_id: str, model: ModelSpec) -> None:
+        if model_id in self.models:
+            raise ConfigError(f"model {model_id!r} exists already")
+        if model.seed is not None:  # the LoRA A matrices (and nothing else random) come from this seed
+            torch.manual_seed(model.seed)
+        config = EngineConfig(
+            model_path=model.base_model,
+            dtype=self.spec.dtype,
+            attn_implementation=self.spec.attn_implementation,
+            micro_batch_size=self.spec.micro_batch_size,
+            pack_row_tokens=self.spec.pack_row_tokens,
+            share_prompt=False,
+            lora=model.lora() if model.lora_rank > 0 else LoraConfig(),
+        )
+        self.models[model_id] = TrainEngine(config, self.dist_info)
+        self.model_specs[model_id] = model
+
+    def drop_model(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+        self.model_specs.pop(model_id, None)
+
+    def _model(self, model_id: str) -> TrainEngine:
+        if model_id not in self.models:
+            raise ConfigError(f"no model {model_id!r} on this backend")
+        return self.models[model_id]
+
+    def forward(self, model_id: str, batch: Batch, loss: ApiLossSpec) -> Batch:
+        """Per-row log-probs of the targets and per-row losses, without gradients."""
+        engine = self._model(model_id)
+        log_probs = engine.compute_log_prob(batch)
+        outputs: dict[int, tuple[torch.Tensor, float]] = {}
+        with torch.no_grad():
+            api_loss(loss, log_probs, batch, outputs)
+        return _row_outputs(batch, outputs)
+
+    def forward_backward(self, model_id: str, batch: Batch, loss: ApiLossSpec) -> Batch:
+        """Accumulate gradients of the summed loss (until `optim_step`); per-row log-probs and losses.
+
+        tinker's reduction is a sum over datums; FSDP averages gradients over the data-parallel ranks, so
+        each rank's sum is scaled by the number of ranks.
+        """
+        engine = self._model(model_id)
+        outputs: dict[int, tuple[torch.Tensor, float]] = {}
+
+        def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch) -> Any:
+            return api_loss(loss, log_probs, mb, outputs) * engine.dp_size, {}
+
+        engine.forward_backward(batch, loss_fn)
+        return _row_outputs(batch, outputs)
+
+    def optim_step(self, model_id: str, params: OptimConfig) -> dict[str, float]:
+        return self._model(model_id).optim_step(params)
+
+    def save_state(self, model_id: str, path: str) -> None:
+        """Weights and optimizer state of `model_id` (sharded, every rank writes), with its spec beside."""
+        folder = Path(path)
+        self._model(model_id).save(folder / "model")
+        if self.rank == 0:
+            spec = self.model_specs[model_id]
+            (folder / "model_spec.json").write_text(
+                json.dumps(spec.__dict__ | {"target_modules": list(spec.target_modules)})
+            )
+
+    def load_state(self, model_id: str, path: str, with_optimizer: bool) -> None:
+        self._model(model_id).load(Path(path) / "model", with_optimizer=with_optimizer)
+
+    def export_sampler_weights(self, model_id: str, out_dir: str) -> None:
+        """The model as a Hugging Face directory a sampler loads (LoRA merged), written by rank 0."""
+        self._model(model_id).export_hf(out_dir, merged=True)
+
+    # ---- samplers ------------------------------------------------------------------------------
+    def _new_engine(self, path: str) -> RolloutEngine:
+        return make_rollout_engine(
+            self.spec.rollout_name,
+            path,
+            device=self.dist_info.device if self.dist_info.device not in ("auto", "") else "cpu",
+            dtype=DTYPES[self.spec.dtype],
+            max_batch_size=self.spec.rollout_max_batch_size,
+            seed=rank_seed(self.spec.seed, self.rank, "sampler"),
+            attn_implementation=self.spec.attn_implementation,
+        )
+
+    def snapshot_sampler(self, sampler_id: str, model_id: str) -> dict[str, float]:
+        """A sampler with `model_id`'s current weights, copied in-process (no disk), tensor by tensor."""
+        start = time.perf_counter()
+        engine = self._model(model_id)
+        sampler = self._new_engine(engine.config.model_path)
+        if engine.lora and getattr(sampler, "model", None) is not None:
+            untie_output_embeddings(sampler.model)  # an adapted lm_head must not change the embeddings
+        loaded = sampler.load_weights(engine.named_tensors_for_rollout())
+        self.samplers[sampler_id] = sampler
+        return {"sync/tensors": float(loaded), "sync/seconds": time.perf_counter() - start}
+
+    def open_sampler(self, sampler_id: str, path: str) -> None:
+        """A sampler on the weights of a Hugging Face directory (a base model or exported sampler weights)."""
+        self.samplers[sampler_id] = self._new_engine(path)
+
+    def close_sampler(self, sampler_id: str) -> None:
+        sampler = self.samplers.pop(sampler_id, None)
+        if sampler is not None and hasattr(sampler, "close"):
+            sampler.close()
+
+    def _sampler(self, sampler_id: str) -> RolloutEngine:
+        if sampler_id not in self.samplers:
+            raise ConfigError(f"no sampler {sampler_id!r} on this backend")
+        return self.samplers[sampler_id]
+
+    def sample(self, sampler_id: str, batch: Batch, sampling: SamplingParams) -> Batch:
+        """One response per row; with a seed, row i of the whole request (over every rank) uses seed + i,
+        so n seeded samples of one prompt differ and repeat exactly."""
+        engine = self._sampler(sampler_id)
+        if sampling.seed is None:
+            return sample_batch(engine, batch, sampling)
+        first = self.rank * len(batch)
+        rows = [
+            sample_batch(engine, batch.index([i]), replace(sampling, seed=sampling.seed + first + i))
+            for i in range(len(batch))
+        ]
+        return Batch.concat(rows)
+
+    @torch.no_grad()
+    def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float = 1.0) -> Batch:
+        """log p(token i | tokens < i) of each row's tokens under the sampler's weights, at `temperature`
+        (0 at position 0, which nothing predicts). Rows are right-padded."""
+        model = getattr(self._sampler(sampler_id), "model", None)
+        if model is None:
+            raise ConfigError("this rollout engine cannot score prompts (it exposes no model)")
+        ids, mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        lp = torch.nn.functional.pad(lp * mask[:, 1:], (1, 0))
+        return Batch.from_dict({keys.API_LOGPROBS: lp})
+
+
+@dataclass(frozen=True)
+class ApiLossSpec:
+    """A tinker loss by name with its loss_fn_config (checked by the client before it is sent)."""
+
+    name: str
+    config: dict[str, float] = field(default_factory=dict)
+
+
+def api_loss(
+    spec: ApiLossSpec, log_probs: torch.Tensor, mb: Batch, outputs: dict[int, tuple[torch.Tensor, float]]
+) -> torch.Tensor:
+    """The summed loss of a micro-batch's datums (padding rows count 0); each row's detached log-probs and
+    loss go to `outputs` by its `api_row`."""
+    mask, valid, rows = mb[keys.ATTENTION_MASK], mb[keys.API_VALID], mb[keys.API_ROW]
+    names = [k for k in mb.keys() if k.startswith(keys.API_INPUT_PREFIX)]
+    total = log_probs.new_zeros(())
+    for i in range(len(mb)):
+        n = int(mask[i].sum())
+        lp = log_probs[i, :n]
+        inputs = {keys.TARGET_TOKENS: mb[keys.TARGET_TOKENS][i, :n]}
+        inputs.update({k.removeprefix(keys.API_INPUT_PREFIX): mb[k][i, :n] for k in names})
+        per_token, _ = compute_api_loss(spec.name, lp, inputs, spec.config)
+        row_loss = per_token.sum() * valid[i]
+        total = total + row_loss
+        outputs[int(rows[i])] = (lp.detach().float().cpu(), float(row_loss.detach()))
+    return total
+
+
+def _row_outputs(batch: Batch, rows: dict[int, tuple[torch.Tensor, float]]) -> Batch:
+    """`api/logprobs` (B, T) and `api/loss` (B,) in the order of the batch's `api/row` column."""
+    order = batch[keys.API_ROW].tolist()
+    width = batch[keys.INPUT_IDS].shape[1]
+    log_probs = torch.zeros(len(order), width)
+    losses = torch.zeros(len(order))
+    for i, row in enumerate(order):
+        values, loss = rows[int(row)]
+        log_probs[i, : values.numel()] = values
+        losses[i] = loss
+    return Batch.from_dict({keys.API_LOGPROBS: log_probs, keys.API_LOSS: losses})
