@@ -12,18 +12,24 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
+import numpy as np
+from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
+from posttrain.client.batching import prompt_rows, prompts_batch, sampled_sequences
 from posttrain.config.schema import RayConfig
 from posttrain.controller.placement import RoleRequest, start_role_groups
 from posttrain.controller.roles import ApiGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
+from posttrain.data import keys
+from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_worker import ApiWorker, ApiWorkerSpec, ModelSpec
 
 T = TypeVar("T")
@@ -32,6 +38,22 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MODEL_ID = re.compile(r"^[a-z0-9]{8}:train:[0-9]+$")
 CHECKPOINT_KINDS = ("weights", "sampler_weights")
 MAX_LORA_RANK = 256
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One `sample` call: `num_samples` responses to `prompt`."""
+
+    prompt: list[int]
+    num_samples: int
+    include_prompt_logprobs: bool
+    request_id: str
+
+
+@dataclass
+class _Pending:
+    request: SampleRequest
+    future: concurrent.futures.Future[types.SampleResponse]
 
 
 @dataclass(frozen=True)
@@ -74,11 +96,63 @@ class Backend:
         self.world_size = self.group.world_size
         self.models: dict[str, ModelSpec] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-api")
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, SamplingParams], list[_Pending]] = {}
 
     # ---- ordering ------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], T]) -> AwaitableConcurrentFuture[T]:
         """Run `fn` on the backend's thread after everything submitted before it; a future at once."""
         return AwaitableConcurrentFuture(self._executor.submit(fn))
+
+    def submit_sample(
+        self, sampler_id: str, sampling: SamplingParams, request: SampleRequest
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        """Queue a `sample` call. Calls to one sampler with the same settings that are waiting when the
+        first of them runs are generated together, as one batch (continuous batching over all of them): an
+        RL step's `sample` per prompt costs one generation pass, not one per prompt. A sampler is a
+        snapshot, so running a call earlier than its turn changes nothing it returns."""
+        future: concurrent.futures.Future[types.SampleResponse] = concurrent.futures.Future()
+        key = (sampler_id, sampling)
+        with self._lock:
+            self._pending.setdefault(key, []).append(_Pending(request, future))
+        self._executor.submit(self._flush_samples, key)
+        return AwaitableConcurrentFuture(future)
+
+    def _flush_samples(self, key: tuple[str, SamplingParams]) -> None:
+        with self._lock:
+            pending = self._pending.pop(key, [])
+        if not pending:
+            return  # an earlier flush took these
+        sampler_id, sampling = key
+        try:
+            if sampling.seed is None:
+                responses = self._sample_together(sampler_id, sampling, [p.request for p in pending])
+            else:  # a seed numbers the rows of its own request: one request at a time
+                responses = [self._sample_together(sampler_id, sampling, [p.request])[0] for p in pending]
+        except BaseException as exc:
+            for p in pending:
+                p.future.set_exception(exc)
+            return
+        for p, response in zip(pending, responses, strict=True):
+            p.future.set_result(response)
+
+    def _sample_together(
+        self, sampler_id: str, sampling: SamplingParams, requests: list[SampleRequest]
+    ) -> list[types.SampleResponse]:
+        prompts = [r.prompt for r in requests for _ in range(r.num_samples)]
+        out = self.group.sample(sampler_id, prompts_batch(prompts, self.world_size), sampling)
+        responses, start = [], 0
+        for r in requests:
+            rows = range(start, start + r.num_samples)
+            start += r.num_samples
+            prompt_lp = None
+            if r.include_prompt_logprobs:
+                scored = self.group.prompt_log_probs(sampler_id, prompt_rows(r.prompt, self.world_size), 1.0)
+                prompt_lp = scored[keys.API_LOGPROBS][0].numpy().astype(np.float32)
+                prompt_lp[0] = np.nan
+            sequences = sampled_sequences(out, rows, r.request_id)
+            responses.append(types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_lp))
+        return responses
 
     def new_id(self, kind: str) -> str:
         return f"{self.session}:{kind}:{next(self._ids)}"

@@ -93,23 +93,38 @@ def forward_output(data: Sequence[types.Datum], out: Batch) -> types.ForwardBack
 
 
 def prompt_rows(prompt: Sequence[int], count: int) -> Batch:
-    """`count` copies of a prompt as left-padded rows (the layout the rollout engine reads)."""
-    ids = torch.tensor([list(prompt)] * count, dtype=torch.long).reshape(count, len(prompt))
-    mask = torch.ones_like(ids)
+    """`count` copies of a prompt as rows (the layout the rollout engine reads)."""
+    return prompts_batch([list(prompt)] * count)
+
+
+def prompts_batch(prompts: Sequence[Sequence[int]], multiple: int = 1) -> Batch:
+    """Prompts as left-padded rows, padded with copies of the last to a multiple of `multiple` rows."""
+    rows = [list(p) for p in prompts]
+    rows += [rows[-1]] * ((-len(rows)) % multiple)
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
     return Batch.from_dict(
-        {keys.INPUT_IDS: ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: mask.cumsum(-1) - 1}
+        {
+            keys.INPUT_IDS: ids,
+            keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
+        }
     )
 
 
-def sampled_sequences(out: Batch, count: int, request_id: str) -> list[types.SampledSequence]:
-    """The first `count` rows of a sample Batch as tinker's SampledSequences (tokens, logprobs, stop)."""
+def sampled_sequences(out: Batch, rows: range, request_id: str) -> list[types.SampledSequence]:
+    """Rows `rows` of a sample Batch as tinker's SampledSequences (tokens, logprobs, stop reason)."""
     sequences = []
-    for i in range(count):
+    for i in rows:
         n = int(out[keys.RESPONSE_MASK][i].sum())
         sequences.append(
             types.SampledSequence(
                 stop_reason="length" if out[keys.STOP_REASON][i] == "length" else "stop",
-                sequence_id=f"{request_id}:{i}",
+                sequence_id=f"{request_id}:{i - rows.start}",
                 tokens_np=out[keys.RESPONSES][i, :n].numpy().astype(np.int32),
                 logprobs_np=out[keys.ROLLOUT_LOG_PROBS][i, :n].numpy().astype(np.float32),
             )

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import weakref
 
-import numpy as np
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from posttrain.client.backend import Backend
-from posttrain.client.batching import model_input_tokens, prompt_rows, sampled_sequences
+from posttrain.client.backend import Backend, SampleRequest
+from posttrain.client.batching import model_input_tokens, prompt_rows
 from posttrain.data import keys
 from posttrain.models import load_config, load_tokenizer
 from posttrain.rollout.base import SamplingParams as EngineSampling
@@ -100,23 +99,8 @@ class SamplingClient:
         if not tokens:
             raise ValueError("the prompt is empty")
         sampling = engine_sampling(sampling_params, len(tokens), self._context)
-        backend, group, sampler = self._backend, self._backend.group, self.sampler_id
-        request = backend.new_id("sample")
-        rows = num_samples + (-num_samples) % backend.world_size
-        batch = prompt_rows(tokens, rows)
-
-        def run() -> types.SampleResponse:
-            out = group.sample(sampler, batch, sampling)
-            prompt_lp = None
-            if include_prompt_logprobs:
-                scored = group.prompt_log_probs(sampler, prompt_rows(tokens, backend.world_size), 1.0)
-                prompt_lp = scored[keys.API_LOGPROBS][0].numpy().astype(np.float32)
-                prompt_lp[0] = np.nan
-            return types.SampleResponse(
-                sequences=sampled_sequences(out, num_samples, request), prompt_logprobs_np=prompt_lp
-            )
-
-        return backend.submit(run)
+        request = SampleRequest(tokens, num_samples, include_prompt_logprobs, self._backend.new_id("sample"))
+        return self._backend.submit_sample(self.sampler_id, sampling, request)
 
     def compute_logprobs(
         self, prompt: types.ModelInput, temperature: float = 1.0
