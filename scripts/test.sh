@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check posttrain tests bench
-.venv/bin/ruff format --check -q posttrain tests bench
+.venv/bin/ruff check posttrain tests bench recipes
+.venv/bin/ruff format --check -q posttrain tests bench recipes
 .venv/bin/mypy posttrain/trainers posttrain/controller  # strict on the driver side (pyproject.toml)
 exec .venv/bin/python -m pytest "$@"

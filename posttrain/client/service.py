@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +43,24 @@ class ServiceClient:
         root_dir: str | Path | None = None,
         base_models: Sequence[str] = (),
         n_workers: int = 1,
+        seed: int | None = None,
         worker: ApiWorkerSpec | None = None,
         ray: RayConfig | None = None,
         **ray_settings: Any,
     ) -> None:
         """`root_dir`: where saved states go (default: a folder in the system temp dir). `base_models`:
-        the model directories to list as served (any directory may be used). With `backend="ray"`,
+        the model directories to list as served (any directory may be used). `seed`: the workers' random
+        streams (unseeded sampling draws from them; a seeded request repeats exactly). With `backend="ray"`,
         `n_workers` data-parallel ranks; `ray_settings` are RaySettings' fields (device, cpus_per_worker...)."""
         if backend == "local" and n_workers != 1:
             raise ValueError("backend='local' runs one in-process worker (n_workers=1); use backend='ray'")
         settings = RaySettings(n_workers_per_node=n_workers, **ray_settings) if backend == "ray" else None
-        self.backend = Backend(backend, root_dir or default_root(), worker or ApiWorkerSpec(), settings, ray)
+        spec = worker or ApiWorkerSpec()
+        if seed is not None:
+            if worker is not None and worker.seed not in (0, seed):
+                raise ValueError(f"seed={seed} and worker.seed={worker.seed} disagree: give one")
+            spec = replace(spec, seed=seed)
+        self.backend = Backend(backend, root_dir or default_root(), spec, settings, ray)
         self.base_models = list(base_models)
 
     def __enter__(self) -> ServiceClient:

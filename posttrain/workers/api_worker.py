@@ -10,6 +10,7 @@ the controller runs it as a Ray actor per rank, or in-process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -87,6 +88,7 @@ class ApiWorker:
         self.models: dict[str, TrainEngine] = {}
         self.model_specs: dict[str, ModelSpec] = {}
         self.samplers: dict[str, RolloutEngine] = {}
+        self._engines_made = itertools.count()
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid()}
@@ -170,7 +172,8 @@ class ApiWorker:
             device=self.dist_info.device if self.dist_info.device not in ("auto", "") else "cpu",
             dtype=DTYPES[self.spec.dtype],
             max_batch_size=self.spec.rollout_max_batch_size,
-            seed=rank_seed(self.spec.seed, self.rank, "sampler"),
+            # every new sampler draws new numbers (an RL step's fresh snapshot must not replay the last one's)
+            seed=rank_seed(self.spec.seed, self.rank, "sampler") + 104_729 * next(self._engines_made),
             attn_implementation=self.spec.attn_implementation,
         )
 
