@@ -6,7 +6,8 @@ The work per step, for both: 32 prompts of the built-in arithmetic task x 8 samp
 batch (lr 2e-4, clip 1.0), full weights, no KL term, new weights to the sampler. `posttrain train` runs it as
 `actor.use_kl_loss=false` with its defaults (shared-prompt packing on, the update's own log-probs as the old
 ones); the recipe (`recipes/rl_loop.py`) runs it with `save_weights_and_get_sampling_client`, one `sample`
-call per prompt, `forward_backward(importance_sampling)` and `optim_step`. Same model directory (a fresh
+call per prompt, `forward_backward(importance_sampling)` over every sample (`--all-groups`: groups with
+equal rewards too, as the trainer's update) and `optim_step`. Same model directory (a fresh
 model of `--preset`, so every response runs to `--max-tokens` in both), same data, same seed.
 
 Each run is a fresh process, alternating recipe / trainer, `--repeats` times, for each backend (`local`: one
@@ -51,7 +52,7 @@ def recipe(model: Path, data: Path, out: Path, args: argparse.Namespace, backend
     command = [
         sys.executable, str(ROOT / "recipes" / "rl_loop.py"), "--model", str(model), "--data", str(data),
         "--out", str(out), "--steps", str(args.steps), "--val-every", "100000", "--backend", backend,
-        "--workers", str(args.workers), "--max-tokens", str(args.max_tokens),
+        "--workers", str(args.workers), "--max-tokens", str(args.max_tokens), "--all-groups",
     ]  # fmt: skip
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
     runs = json.loads((out / "curves.json").read_text())["runs"]

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, seed: int, model: Path, data: Path) -> dict:
                 r = [score(tok, prompt, s) for s in group]
                 rewards += r
                 mean, std = statistics.fmean(r), statistics.stdev(r)
-                if std == 0:
+                if std == 0 and not args.all_groups:
                     continue  # no signal; its tokens still count in n_tokens, as in the trainer's token-mean
                 for s, reward in zip(group, r, strict=True):
                     advantage = (reward - mean) / (std + 1e-6) if args.std_norm else reward - mean
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--no-std-norm", dest="std_norm", action="store_false", help="A = r - mean (Dr. GRPO)")
     p.add_argument("--val-every", type=int, default=10)
+    p.add_argument("--all-groups", action="store_true", help="train on groups with equal rewards too (A = 0)")
     p.add_argument("--lora-rank", type=int, default=0, help="0 = full weights (as posttrain train)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

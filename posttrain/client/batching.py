@@ -67,7 +67,9 @@ def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:
         for k, value in datum.loss_fn_inputs.items():
             if k != keys.TARGET_TOKENS:
                 inputs[k][i, :n] = value.to_torch().reshape(-1).float()
-    mask[len(rows) :, 0] = 1  # a padding row is one token long and weighs nothing
+    mask[len(rows) :, 0] = 1  # a padding row is one token long and weighs nothing (api_valid 0) ...
+    for value in inputs.values():
+        value[len(rows) :, 0] = 1.0  # ... with inputs any loss accepts (gspo: a non-empty ratio mask)
     tensors = {
         keys.INPUT_IDS: input_ids,
         keys.ATTENTION_MASK: mask,

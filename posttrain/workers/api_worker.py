@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from posttrain.algorithms.api_losses import compute_api_loss
+from posttrain.algorithms.api_losses import API_LOSSES
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
@@ -242,21 +242,25 @@ class ApiLossSpec:
 def api_loss(
     spec: ApiLossSpec, log_probs: torch.Tensor, mb: Batch, outputs: dict[int, tuple[torch.Tensor, float]]
 ) -> torch.Tensor:
-    """The summed loss of a micro-batch's datums (padding rows count 0); each row's detached log-probs and
-    loss go to `outputs` by its `api_row`."""
+    """The summed loss of a micro-batch's datums, computed on the whole (B, T) block at once (tinker's losses
+    are per token; gspo's sequence ratio is a masked mean per row, and padding is outside every mask);
+    padding rows count 0. Each row's detached log-probs and loss go to `outputs` by its `api_row`."""
     mask, valid, rows = mb[keys.ATTENTION_MASK], mb[keys.API_VALID], mb[keys.API_ROW]
-    names = [k for k in mb.keys() if k.startswith(keys.API_INPUT_PREFIX)]
-    total = log_probs.new_zeros(())
-    for i in range(len(mb)):
-        n = int(mask[i].sum())
-        lp = log_probs[i, :n]
-        inputs = {keys.TARGET_TOKENS: mb[keys.TARGET_TOKENS][i, :n]}
-        inputs.update({k.removeprefix(keys.API_INPUT_PREFIX): mb[k][i, :n] for k in names})
-        per_token, _ = compute_api_loss(spec.name, lp, inputs, spec.config)
-        row_loss = per_token.sum() * valid[i]
-        total = total + row_loss
-        outputs[int(rows[i])] = (lp.detach().float().cpu(), float(row_loss.detach()))
-    return total
+    inputs = {keys.TARGET_TOKENS: mb[keys.TARGET_TOKENS]}
+    inputs.update(
+        {
+            k.removeprefix(keys.API_INPUT_PREFIX): mb[k]
+            for k in mb.keys()
+            if k.startswith(keys.API_INPUT_PREFIX)
+        }
+    )
+    per_token, _ = API_LOSSES.get(spec.name)(log_probs, inputs, **spec.config)
+    row_loss = (per_token * mask).sum(-1) * valid
+    lengths = mask.sum(-1).tolist()
+    detached, losses = log_probs.detach().float().cpu(), row_loss.detach().cpu().tolist()
+    for i, row in enumerate(rows.tolist()):
+        outputs[int(row)] = (detached[i, : int(lengths[i])], float(losses[i]))
+    return row_loss.sum()
 
 
 def _row_outputs(batch: Batch, rows: dict[int, tuple[torch.Tensor, float]]) -> Batch:
