@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, Self, TypeVar
 
 import numpy as np
 from tinker import types
@@ -38,6 +38,20 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MODEL_ID = re.compile(r"^[a-z0-9]{8}:train:[0-9]+$")
 CHECKPOINT_KINDS = ("weights", "sampler_weights")
 MAX_LORA_RANK = 256
+
+
+class ResolvedFuture:
+    """A client made by a `create_*` call is also its own, already resolved, future (as tinker's Backcompat
+    client futures), so both `client.forward(...)` and `client.result().forward(...)` work."""
+
+    def result(self, timeout: float | None = None) -> Self:
+        return self
+
+    async def result_async(self, timeout: float | None = None) -> Self:
+        return self
+
+    def __await__(self):  # noqa: ANN204
+        return self.result_async().__await__()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import weakref
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from posttrain.client.backend import Backend, SampleRequest
+from posttrain.client.backend import Backend, ResolvedFuture, SampleRequest
 from posttrain.client.batching import model_input_tokens, prompt_rows
 from posttrain.data import keys
 from posttrain.models import load_config, load_tokenizer
@@ -55,7 +55,7 @@ def engine_sampling(params: types.SamplingParams, prompt_length: int, context: i
     return sampling
 
 
-class SamplingClient:
+class SamplingClient(ResolvedFuture):
     """Samples from one sampler (`sampler_id`) of a backend; `base_model` is the model directory."""
 
     def __init__(self, backend: Backend, sampler_id: str, base_model: str) -> None:
@@ -64,16 +64,6 @@ class SamplingClient:
         self._base_model = base_model
         self._context = int(getattr(load_config(base_model), "max_position_embeddings", 2048))
         weakref.finalize(self, _close_sampler, backend, sampler_id)
-
-    # a client made by a create_* call is also its own (already resolved) future, as tinker's Backcompat ones
-    def result(self, timeout: float | None = None) -> SamplingClient:
-        return self
-
-    async def result_async(self, timeout: float | None = None) -> SamplingClient:
-        return self
-
-    def __await__(self):  # noqa: ANN204
-        return self.result_async().__await__()
 
     def get_base_model(self) -> str:
         return self._base_model

@@ -17,7 +17,7 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from posttrain.client.backend import Backend
+from posttrain.client.backend import Backend, ResolvedFuture
 from posttrain.client.batching import check_request, datums_to_batch, forward_output
 from posttrain.client.sampling import SamplingClient
 from posttrain.config.schema import OptimConfig
@@ -37,21 +37,11 @@ def adam_config(params: types.AdamParams) -> OptimConfig:
     )
 
 
-class TrainingClient:
+class TrainingClient(ResolvedFuture):
     def __init__(self, backend: Backend, model_id: str, model: ModelSpec) -> None:
         self._backend = backend
         self.model_id = model_id
         self._model = model
-
-    # a client made by a create_* call is also its own (already resolved) future, as tinker's Backcompat ones
-    def result(self, timeout: float | None = None) -> TrainingClient:
-        return self
-
-    async def result_async(self, timeout: float | None = None) -> TrainingClient:
-        return self
-
-    def __await__(self):  # noqa: ANN204
-        return self.result_async().__await__()
 
     # ---- forward / backward --------------------------------------------------------------------
     def _run(

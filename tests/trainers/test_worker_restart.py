@@ -54,6 +54,18 @@ def straight_run(
     return run
 
 
+def start_train(overrides: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`posttrain train` as a driver subprocess (it starts the Ray of its own that `own_ray` configures)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "train", *overrides],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (its Ray's raylet and the raylet's workers included)."""
     children: dict[int, list[int]] = {}
@@ -102,20 +114,7 @@ def test_ranks_killed_at_named_points_restart_on_a_full_machine_and_repeat_the_r
     run = tmp_path / "run"
     job = [reward_file(tmp_path), *JOB, *own_ray, f"trainer.max_restarts={len(POINTS)}"]
     env = {**driver_env(), PAUSE_ENV: f"{pauses};" + ",".join(point for point, _, _ in POINTS)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "posttrain",
-            "train",
-            *rl_overrides(tiny_model_dir, arithmetic_data, run, *job),
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train(rl_overrides(tiny_model_dir, arithmetic_data, run, *job), tmp_path, env)
     killed: list[int] = []
     deadline = time.monotonic() + 900
     try:
@@ -151,20 +150,7 @@ def test_a_worker_killed_from_the_shell_restarts_on_a_full_machine(
 ) -> None:
     run = tmp_path / "run"
     job = [reward_file(tmp_path), *JOB, *own_ray, "trainer.max_restarts=1"]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "posttrain",
-            "train",
-            *rl_overrides(tiny_model_dir, arithmetic_data, run, *job),
-        ],
-        cwd=tmp_path,
-        env=driver_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train(rl_overrides(tiny_model_dir, arithmetic_data, run, *job), tmp_path, driver_env())
     try:
         deadline = time.monotonic() + 300
         while not (run / "metrics.jsonl").exists() or max(metrics_by_step(run), default=0) < 3:
