@@ -49,8 +49,16 @@ def check_request(
 
 
 def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:
-    """The worker's Batch of `data` (see the module docstring), padded to a multiple of `multiple` rows."""
-    rows = [model_input_tokens(d.model_input) for d in data]
+    """The worker's Batch of `data` (see the module docstring), padded to a multiple of `multiple` rows.
+
+    Rows are sorted by their tokens, so datums with a common prefix (the n samples of one prompt) are
+    neighbours and land on the same worker and micro-batch, where the engine runs the prefix once; `api_row`
+    keeps each row's datum index (`forward_output` puts the results back in the caller's order).
+    """
+    tokens = [model_input_tokens(d.model_input) for d in data]
+    order = sorted(range(len(data)), key=lambda i: tokens[i])
+    rows = [tokens[i] for i in order]
+    data = [data[i] for i in order]
     extra = (-len(rows)) % multiple
     width = max(len(r) for r in rows)
     total = len(rows) + extra
@@ -75,19 +83,22 @@ def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:
         keys.ATTENTION_MASK: mask,
         keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
         keys.TARGET_TOKENS: targets,
-        keys.API_ROW: torch.arange(total),
+        keys.API_ROW: torch.tensor(order + list(range(len(rows), total)), dtype=torch.long),
         keys.API_VALID: (torch.arange(total) < len(rows)).float(),
         **{keys.API_INPUT_PREFIX + k: v for k, v in inputs.items()},
     }
     return Batch.from_dict(tensors)
 
 
-def forward_output(data: Sequence[types.Datum], out: Batch) -> types.ForwardBackwardOutput:
-    """Per-datum `logprobs` (float32, the shape of its `target_tokens`) and `loss:sum`."""
+def forward_output(data: Sequence[types.Datum], batch: Batch, out: Batch) -> types.ForwardBackwardOutput:
+    """Per-datum `logprobs` (float32, the shape of its `target_tokens`) and `loss:sum`, in the order of
+    `data` (`out`'s rows are in `batch`'s order, whose `api_row` says which datum each is)."""
+    row_of = {int(d): i for i, d in enumerate(batch[keys.API_ROW].tolist())}
     outputs = []
     for i, datum in enumerate(data):
         n = datum.model_input.length
-        outputs.append({"logprobs": types.TensorData.from_torch(out[keys.API_LOGPROBS][i, :n].float())})
+        row = out[keys.API_LOGPROBS][row_of[i], :n].float()
+        outputs.append({"logprobs": types.TensorData.from_torch(row)})
     loss = float(out[keys.API_LOSS][: len(data)].sum())
     return types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": loss}

@@ -54,7 +54,7 @@ class TrainingClient(ResolvedFuture):
 
         def run() -> types.ForwardBackwardOutput:
             out = getattr(group, verb)(model_id, batch, loss)
-            return forward_output(data, out)
+            return forward_output(data, batch, out)
 
         return self._backend.submit(run)
 
@@ -91,7 +91,7 @@ class TrainingClient(ResolvedFuture):
 
         def run() -> types.ForwardBackwardOutput:
             batch = datums_to_batch(probe, backend.world_size)
-            first = forward_output(probe, group.forward(model_id, batch, ApiLossSpec("cross_entropy")))
+            first = forward_output(probe, batch, group.forward(model_id, batch, ApiLossSpec("cross_entropy")))
             lps = [out["logprobs"].to_torch().float().requires_grad_(True) for out in first.loss_fn_outputs]
             loss, metrics = loss_fn(data, lps)
             value = float(loss.detach().sum())
@@ -101,7 +101,7 @@ class TrainingClient(ResolvedFuture):
             linear = [_with_weights(d, -lp.grad) for d, lp in zip(data, lps, strict=True)]  # type: ignore[operator]
             batch = datums_to_batch(linear, backend.world_size)
             out = forward_output(
-                linear, group.forward_backward(model_id, batch, ApiLossSpec("cross_entropy"))
+                linear, batch, group.forward_backward(model_id, batch, ApiLossSpec("cross_entropy"))
             )
             surrogate = out.metrics.pop("loss:sum")
             out.metrics.update({k: float(v) for k, v in metrics.items()})

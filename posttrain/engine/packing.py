@@ -19,7 +19,9 @@ from posttrain.data.partition import first_fit_decreasing
 from posttrain.engine.log_probs import chunked_log_probs_and_entropy, token_log_probs
 from posttrain.engine.shared_prompt import (
     additive_mask,
+    detect_shared_prefixes,
     has_shared_prompts,
+    pack_prefix_groups,
     pack_shared_prompts,
     real_tokens,
 )
@@ -203,14 +205,41 @@ def packed_target_log_probs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     targets: torch.Tensor,
-    row_tokens: int,
+    options: PackingOptions,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """`log_probs.target_log_probs` on packed sequences: (B, T) log-prob of `targets[:, i]` at every real
-    position i of `input_ids` (the explicit API's layout, where the target need not be the next input)."""
-    layout = pack(input_ids, attention_mask, row_tokens)
-    valid = attention_mask.bool()
-    logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=layout.flat_pos[valid])
+    position i of `input_ids` (the explicit API's layout, where the target need not be the next input).
+
+    With `options.share_prompt`, rows that begin with the same tokens (the n samples of one prompt, as the
+    explicit API receives them: datums, nothing declared) run their common prefix once
+    (`shared_prompt.detect_shared_prefixes`). The outputs at a shared position are the same for every row
+    of the group; each row gathers its own target from them, so the vocabulary-wide log-softmax runs once
+    per distinct packed position, not once per row.
+    """
+    device = input_ids.device
+    sequences, _ = real_tokens(input_ids, attention_mask)
+    groups = detect_shared_prefixes(sequences) if options.share_prompt else []
+    mask: torch.Tensor | None = None
+    if any(len(g.rows) > 1 and g.prefix_len > 0 for g in groups):
+        shared = pack_prefix_groups(sequences, groups, options.row_tokens, device)
+        ids, positions, mask = (
+            shared.input_ids.to(input_ids.dtype),
+            shared.position_ids,
+            shared.attention_mask,
+        )
+        if options.eager_mask_dtype is not None:
+            mask = additive_mask(mask, options.eager_mask_dtype)
+        # rows in order, each row's tokens in column order: the order of `attention_mask.bool()` cells
+        cell_pos = torch.tensor([p for row in shared.token_pos for p in row], dtype=torch.long, device=device)
+    else:
+        layout = pack(input_ids, attention_mask, options.row_tokens)
+        ids, positions = layout.input_ids, layout.position_ids
+        cell_pos = layout.flat_pos[attention_mask.bool()]
+    keep, inverse = torch.unique(cell_pos, return_inverse=True)
+    logits = packed_model_output(model, ids, positions, mask, keep=keep).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return unpack_rows(token_log_probs(logits, targets[valid]), valid)
+    valid = attention_mask.bool()
+    log_probs = logits[inverse, targets[valid]] - torch.logsumexp(logits, dim=-1)[inverse]
+    return unpack_rows(log_probs, valid)

@@ -71,74 +71,125 @@ def has_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, re
     return len(group_rows_by_prompt(prompts)) < input_ids.shape[0]
 
 
-def _units(
-    groups: list[list[int]], prompt_lens: list[int], response_lens: list[int], width: int
-) -> list[list[int]]:
-    """Split each group into units whose prompt + responses fit in `width` (one prompt copy per unit)."""
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Rows whose first `prefix_len` tokens are identical: that prefix runs once for all of them."""
+
+    rows: list[int]
+    prefix_len: int
+
+
+def detect_shared_prefixes(sequences: list[list[int]]) -> list[PrefixGroup]:
+    """Rows grouped so that the prefix tokens computed once are as many as possible (detected, not declared).
+
+    Sorted lexicographically, rows with a common prefix are neighbours, and a group's common prefix is the
+    minimum of its neighbours' common prefixes. The best split of the sorted rows into runs maximises the
+    tokens saved, sum over runs of (rows - 1) * common prefix; a dynamic programme over the split points
+    finds it exactly (O(rows^2), rows of one micro-batch). A row that shares nothing is a group of one whose
+    prefix is the whole row, so every row is in exactly one group.
+    """
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    n = len(order)
+    neighbour = [common_prefix_length(sequences[order[i]], sequences[order[i + 1]]) for i in range(n - 1)]
+    best = [0] * (n + 1)  # best[j]: tokens saved by the best split of the first j sorted rows
+    cut = [0] * (n + 1)  # where the last run of that split starts
+    for j in range(1, n + 1):
+        best[j], cut[j] = best[j - 1], j - 1  # row j - 1 alone
+        shared = 1 << 62
+        for i in range(j - 2, -1, -1):  # the run order[i:j]
+            shared = min(shared, neighbour[i])
+            if shared == 0:
+                break
+            saved = best[i] + (j - i - 1) * shared
+            if saved > best[j]:
+                best[j], cut[j] = saved, i
+    groups: list[PrefixGroup] = []
+    j = n
+    while j > 0:
+        i = cut[j]
+        rows = order[i:j]
+        prefix = len(sequences[rows[0]]) if len(rows) == 1 else min(neighbour[i : j - 1])
+        groups.append(PrefixGroup(rows, prefix))
+        j = i
+    return groups[::-1]
+
+
+@dataclass(frozen=True)
+class SharedPrefixLayout:
+    input_ids: torch.Tensor  # (rows, width) packed tokens; the tail of each row is filler
+    position_ids: torch.Tensor  # (rows, width)
+    attention_mask: torch.Tensor  # (rows, 1, width, width) bool, True = may attend
+    token_pos: list[list[int]]  # per input row: the flat packed index of each of its tokens, in order
+
+
+def _units(groups: list[PrefixGroup], lengths: list[int], width: int) -> list[PrefixGroup]:
+    """Split each group into units whose prefix + suffixes fit in `width` (one prefix copy per unit)."""
     units = []
-    for rows in groups:
-        prompt = prompt_lens[rows[0]]
+    for group in groups:
         current: list[int] = []
-        used = prompt
-        for i in rows:
-            if current and used + response_lens[i] > width:
-                units.append(current)
-                current, used = [], prompt
+        used = group.prefix_len
+        for i in group.rows:
+            suffix = lengths[i] - group.prefix_len
+            if current and used + suffix > width:
+                units.append(PrefixGroup(current, group.prefix_len))
+                current, used = [], group.prefix_len
             current.append(i)
-            used += response_lens[i]
-        units.append(current)
+            used += suffix
+        units.append(PrefixGroup(current, group.prefix_len))
     return units
 
 
-def pack_shared_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, row_tokens: int
-) -> SharedPromptLayout:
-    """Pack [left-padded prompt | right-padded response] rows with one prompt copy per group.
+def pack_prefix_groups(
+    sequences: list[list[int]], groups: list[PrefixGroup], row_tokens: int, device: torch.device
+) -> SharedPrefixLayout:
+    """Pack sequences with one copy of each group's prefix: [prefix | suffix 1 | suffix 2 | ...] per unit.
 
-    Rows are grouped by identical real prompt tokens; a group whose prompt + responses exceed the row width
-    (max(`row_tokens`, longest prompt + response)) is split into several units, each with the prompt.
-    The layout is built in Python lists and turned into tensors once (it runs before every pass).
+    Suffix tokens attend to the prefix and, causally, to their own suffix; prefix tokens attend causally to
+    the prefix. Each suffix's position ids continue from the prefix length, so every token sees exactly its
+    own sequence's context. Units go into rows of max(`row_tokens`, longest sequence) tokens (first-fit
+    decreasing); a group that does not fit one row is split into several units, each with the prefix.
+    Built in Python lists and turned into tensors once (it runs before every pass).
     """
-    device = input_ids.device
-    batch, total = input_ids.shape
-    prompt_width = total - response_width
-    prompts, _ = real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
-    responses, response_cells = real_tokens(input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
-    prompt_lens, response_lens = [len(p) for p in prompts], [len(r) for r in responses]
-    width = max([row_tokens, *(p + r for p, r in zip(prompt_lens, response_lens, strict=True))])
-    units = _units(group_rows_by_prompt(prompts), prompt_lens, response_lens, width)
-    unit_lens = [prompt_lens[u[0]] + sum(response_lens[i] for i in u) for u in units]
+    lengths = [len(s) for s in sequences]
+    width = max([row_tokens, *lengths])
+    units = _units(groups, lengths, width)
+    unit_lens = [u.prefix_len + sum(lengths[i] - u.prefix_len for i in u.rows) for u in units]
     bins = first_fit_decreasing(unit_lens, width)
 
-    # per packed token: id, position, unit, branch (0 = prompt, k = k-th response of the unit)
+    # per packed token: id, position, unit, branch (0 = prefix, k = k-th suffix of the unit)
     ids: list[int] = []
     positions: list[int] = []
     unit_of: list[int] = []
     branch_of: list[int] = []
-    cell_rows: list[int] = []  # predict_pos[cell_rows[j], cell_cols[j]] = cell_pos[j]
-    cell_cols: list[int] = []
-    cell_pos: list[int] = []
+    token_pos: list[list[int]] = [[] for _ in sequences]
     for row, members in enumerate(bins):
         row_start = len(ids)
         for u in members:
-            prompt = prompts[units[u][0]]
-            p = len(prompt)
-            ids += prompt
+            unit = units[u]
+            p = unit.prefix_len
+            prefix_start = len(ids)
+            ids += sequences[unit.rows[0]][:p]
             positions += range(p)
             unit_of += [u] * p
             branch_of += [0] * p
-            last_prompt = len(ids) - 1
-            for k, i in enumerate(units[u], start=1):
-                r = response_lens[i]
-                start = len(ids)
-                ids += responses[i]
-                positions += range(p, p + r)
-                unit_of += [u] * r
-                branch_of += [k] * r
-                # the prompt's last output predicts response token 0; token j's output predicts j + 1
-                cell_rows += [i] * r
-                cell_cols += response_cells[i]
-                cell_pos += [last_prompt, *range(start, start + r - 1)][:r]
+            for k, i in enumerate(unit.rows, start=1):
+                suffix = sequences[i][p:]
+                token_pos[i] = [
+                    *range(prefix_start, prefix_start + p),
+                    *range(len(ids), len(ids) + len(suffix)),
+                ]
+                ids += suffix
+                positions += range(p, p + len(suffix))
+                unit_of += [u] * len(suffix)
+                branch_of += [k] * len(suffix)
         # filler: its own causal run (a unit id no real token has), never attended to by others
         filler = width - (len(ids) - row_start)
         ids += [0] * filler
@@ -149,14 +200,38 @@ def pack_shared_prompts(
     def grid(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device).view(len(bins), width)
 
-    unit, branch = grid(unit_of), grid(branch_of)
-    predict_pos = torch.full((batch, response_width), -1, dtype=torch.long, device=device)
-    predict_pos[cell_rows, cell_cols] = torch.tensor(cell_pos, dtype=torch.long, device=device)
+    unit_ids, branch = grid(unit_of), grid(branch_of)
     causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-    same_unit = unit[:, :, None] == unit[:, None, :]
+    same_unit = unit_ids[:, :, None] == unit_ids[:, None, :]
     key_visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
     attend = same_unit & key_visible & causal
-    return SharedPromptLayout(grid(ids).to(input_ids.dtype), grid(positions), attend[:, None], predict_pos)
+    return SharedPrefixLayout(grid(ids), grid(positions), attend[:, None], token_pos)
+
+
+def pack_shared_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, row_tokens: int
+) -> SharedPromptLayout:
+    """Pack [left-padded prompt | right-padded response] rows with one prompt copy per group of rows with
+    identical real prompt tokens (`pack_prefix_groups` with the prompt as the prefix)."""
+    batch, total = input_ids.shape
+    prompt_width = total - response_width
+    prompts, _ = real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    responses, response_cells = real_tokens(input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
+    groups = [PrefixGroup(rows, len(prompts[rows[0]])) for rows in group_rows_by_prompt(prompts)]
+    sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
+    layout = pack_prefix_groups(sequences, groups, row_tokens, input_ids.device)
+    # the output before each response token predicts it (the prompt's last output predicts token 0)
+    cell_rows, cell_cols, cell_pos = [], [], []
+    for i, cells in enumerate(response_cells):
+        start = len(prompts[i])
+        cell_rows += [i] * len(cells)
+        cell_cols += cells
+        cell_pos += layout.token_pos[i][start - 1 : start - 1 + len(cells)]
+    predict_pos = torch.full((batch, response_width), -1, dtype=torch.long, device=input_ids.device)
+    predict_pos[cell_rows, cell_cols] = torch.tensor(cell_pos, dtype=torch.long, device=input_ids.device)
+    return SharedPromptLayout(
+        layout.input_ids.to(input_ids.dtype), layout.position_ids, layout.attention_mask, predict_pos
+    )
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -225,7 +225,7 @@ class TrainEngine:
             raise ConfigError("target log-probs need the lm head")
         if self.config.remove_padding:
             return packed_target_log_probs(
-                self.model, ids, mask, targets, self.config.pack_row_tokens, temperature
+                self.model, ids, mask, targets, self._packing_options(), temperature
             )
         return target_log_probs(self.model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
 

@@ -26,6 +26,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.lora import untie_output_embeddings
+from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
@@ -105,7 +106,7 @@ class ApiWorker:
             attn_implementation=self.spec.attn_implementation,
             micro_batch_size=self.spec.micro_batch_size,
             pack_row_tokens=self.spec.pack_row_tokens,
-            share_prompt=False,
+            share_prompt=self.spec.attn_implementation in MASKED_ATTENTION,  # datums' common prefixes
             lora=model.lora() if model.lora_rank > 0 else LoraConfig(),
         )
         self.models[model_id] = TrainEngine(config, self.dist_info)

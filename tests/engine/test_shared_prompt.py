@@ -10,9 +10,21 @@ import torch
 
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
-from posttrain.engine.log_probs import response_log_probs, response_values
-from posttrain.engine.packing import PackingOptions, packed_response_log_probs, packed_response_values
-from posttrain.engine.shared_prompt import group_rows_by_prompt, pack_shared_prompts
+from posttrain.engine.log_probs import response_log_probs, response_values, target_log_probs
+from posttrain.engine.packing import (
+    PackingOptions,
+    packed_response_log_probs,
+    packed_response_values,
+    packed_target_log_probs,
+)
+from posttrain.engine.shared_prompt import (
+    PrefixGroup,
+    detect_shared_prefixes,
+    group_rows_by_prompt,
+    pack_prefix_groups,
+    pack_shared_prompts,
+    real_tokens,
+)
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_value_model
@@ -109,3 +121,81 @@ def test_settings_that_cannot_share_prompts_are_rejected(tiny_model_dir: Path) -
         TrainEngine(replace(base, remove_padding=False))
     with pytest.raises(ConfigError, match="attn_implementation=flash_attention_2"):
         TrainEngine(replace(base, attn_implementation="flash_attention_2"))
+
+
+def test_detected_prefix_groups_save_the_most_tokens() -> None:
+    rows = [
+        [1, 2, 3, 4, 9],  # prompt A + response
+        [7, 8, 5],  # shares nothing
+        [1, 2, 3, 4, 8, 8],  # prompt A + another response
+        [1, 2, 6],  # shares only [1, 2] with the A rows: grouping it would cost them 2 tokens each
+        [1, 2, 3, 4],  # prompt A alone (a prefix of the others)
+    ]
+    groups = detect_shared_prefixes(rows)
+    as_sets = sorted((sorted(g.rows), g.prefix_len) for g in groups)
+    assert as_sets == [([0, 2, 4], 4), ([1], 3), ([3], 3)]
+    assert sorted(i for g in groups for i in g.rows) == list(range(5))
+    assert detect_shared_prefixes([[3, 4], [3, 4]]) == [PrefixGroup([0, 1], 2)]  # identical rows
+
+
+def api_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded explicit-API rows: 3 prompts x 3 samples, a duplicate and a row that is its prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    sequences = []
+    for p in range(3):
+        prompt = torch.randint(3, 60, (4 + 2 * p,), generator=gen).tolist()
+        for _ in range(3):
+            sequences.append(
+                prompt
+                + torch.randint(
+                    3, 60, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen
+                ).tolist()
+            )
+    sequences += [sequences[0], sequences[3][:4]]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    targets = torch.randint(3, 60, ids.shape, generator=gen) * mask
+    return ids, mask, targets
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_target_log_probs_and_gradients_equal_padded(tiny_model_dir: Path, attn: str) -> None:
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_dir, attn_implementation=attn)
+    ids, mask, targets = api_rows(seed=3)
+    weights = torch.randn(ids.shape)
+
+    def run(shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if shared:
+            options = PackingOptions(16, True, torch.float32 if attn == "eager" else None)
+            lp = packed_target_log_probs(model, ids, mask, targets, options, temperature=0.8)
+        else:
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            lp = target_log_probs(model, ids, mask, pos, targets, temperature=0.8)
+        (lp * weights * mask).sum().backward()
+        return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    shared_lp, shared_grads = run(True)
+    lp, grads = run(False)
+    valid = mask.bool()
+    torch.testing.assert_close(shared_lp[valid], lp[valid], atol=2e-5, rtol=0)
+    assert (shared_lp[~valid] == 0).all()
+    torch.testing.assert_close(shared_grads, grads, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_prefixes_run_once_per_group() -> None:
+    ids, mask, _ = api_rows(seed=4)
+    sequences, _ = real_tokens(ids, mask)
+    groups = detect_shared_prefixes(sequences)
+    saved = sum((len(g.rows) - 1) * g.prefix_len for g in groups)
+    assert saved > 0
+    layout = pack_prefix_groups(sequences, groups, 64, torch.device("cpu"))
+    distinct = {p for row in layout.token_pos for p in row}
+    assert len(distinct) == int(mask.sum()) - saved  # each shared prefix token computed once
+    flat = layout.input_ids.flatten().tolist()
+    assert all([flat[p] for p in layout.token_pos[i]] == sequences[i] for i in range(len(sequences)))
