@@ -35,6 +35,7 @@ from posttrain.engine.log_probs import (
     target_log_probs,
 )
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
+from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.packing import (
     PackingOptions,
     packed_next_token_log_probs,
@@ -161,6 +162,7 @@ class TrainEngine:
             model = apply_lora(model, config.lora)
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
+        self.adapters: MultiLora | None = None  # tenants' LoRA adapters over a frozen base (attach_adapters)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if config.trainable:
@@ -175,6 +177,17 @@ class TrainEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_factor(config.optim, config.total_steps)
             )
+
+    def attach_adapters(self) -> MultiLora:
+        """LoRA adapters added and removed at run time over this frozen base (engine.multi_lora): gradients
+        then flow to whichever adapter is active, and the base stays as loaded."""
+        if self.config.trainable or self.config.head != "lm" or self.lora:
+            raise ConfigError(
+                "adapters attach to a frozen lm-head engine without peft LoRA (trainable=False)"
+            )
+        if self.adapters is None:
+            self.adapters = MultiLora(self.model)
+        return self.adapters
 
     # ---- compute -------------------------------------------------------------------------------
     def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
@@ -295,8 +308,8 @@ class TrainEngine:
         self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, with_entropy: bool = False
     ) -> dict[str, float]:
         """Run `loss_fn` on each micro-batch and accumulate gradients; returns averaged metrics."""
-        if self.optimizer is None:
-            raise ConfigError("forward_backward called on a frozen engine (trainable=False)")
+        if self.optimizer is None and self.adapters is None:
+            raise ConfigError("forward_backward called on a frozen engine (trainable=False) without adapters")
         micro_batches = self._micro_batches(batch)
         totals: dict[str, float] = {}
         loss_sum = 0.0

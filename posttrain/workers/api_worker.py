@@ -1,7 +1,8 @@
 """The explicit API's worker: training models and samplers by id, on one SPMD rank.
 
-Each training model (one per `TrainingClient`) is a `TrainEngine`: LoRA adapters over a base model, or the
-full weights. Each sampler (one per `SamplingClient`) is a rollout engine holding a snapshot of a model's
+Each training model (one per `TrainingClient`) is either the full weights (a `TrainEngine` of its own) or a
+LoRA adapter (`AdapterModel`) on the one frozen base engine that all of the worker's adapters share, so N
+tenants cost one copy of the base plus N small adapters. Each sampler (one per `SamplingClient`) is a rollout engine holding a snapshot of a model's
 weights, taken in-process from the training engine (`snapshot_sampler`) or loaded from a directory.
 Batches arrive split for this rank, in the explicit API's layout (`data/keys.py`: `input_ids` right-padded,
 `target_tokens`, the loss inputs under `api/<name>`, `api/row` and `api/valid` for each row). A plain class:
@@ -24,8 +25,10 @@ from posttrain.algorithms.api_losses import API_LOSSES
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.lora import untie_output_embeddings
+from posttrain.engine.multi_lora import AdapterSpec
 from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
 from posttrain.errors import ConfigError
@@ -86,37 +89,65 @@ class ApiWorker:
         prepare_worker_process(spec.threads, rank_seed(spec.seed, self.dist_info.rank))
         self.spec = spec
         self.rank = self.dist_info.rank
-        self.models: dict[str, TrainEngine] = {}
+        self.base: TrainEngine | None = None  # the frozen base every LoRA adapter of this worker shares
+        self.models: dict[str, TrainEngine | AdapterModel] = {}
         self.model_specs: dict[str, ModelSpec] = {}
         self.samplers: dict[str, RolloutEngine] = {}
         self._engines_made = itertools.count()
+        self._adapters_made = itertools.count()
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid()}
 
     # ---- models --------------------------------------------------------------------------------
-    def create_model(self, model_id: str, model: ModelSpec) -> None:
-        if model_id in self.models:
-            raise ConfigError(f"model {model_id!r} exists already")
-        if model.seed is not None:  # the LoRA A matrices (and nothing else random) come from this seed
-            torch.manual_seed(model.seed)
-        config = EngineConfig(
-            model_path=model.base_model,
+    def _engine_config(self, base_model: str, **overrides: Any) -> EngineConfig:
+        return EngineConfig(
+            model_path=base_model,
             dtype=self.spec.dtype,
             attn_implementation=self.spec.attn_implementation,
             micro_batch_size=self.spec.micro_batch_size,
             pack_row_tokens=self.spec.pack_row_tokens,
             share_prompt=self.spec.attn_implementation in MASKED_ATTENTION,  # datums' common prefixes
-            lora=model.lora() if model.lora_rank > 0 else LoraConfig(),
+            **overrides,
         )
-        self.models[model_id] = TrainEngine(config, self.dist_info)
+
+    def create_model(self, model_id: str, model: ModelSpec) -> None:
+        """A full-weight model (its own engine), or a LoRA adapter on the one shared frozen base."""
+        if model_id in self.models:
+            raise ConfigError(f"model {model_id!r} exists already")
+        if model.lora_rank == 0:
+            if model.seed is not None:
+                torch.manual_seed(model.seed)
+            self.models[model_id] = TrainEngine(self._engine_config(model.base_model), self.dist_info)
+        else:
+            if self.base is None:
+                self.base = TrainEngine(
+                    self._engine_config(model.base_model, trainable=False), self.dist_info
+                )
+            elif Path(self.base.config.model_path).resolve() != Path(model.base_model).resolve():
+                raise ConfigError(
+                    f"this backend's base model is {self.base.config.model_path}, not {model.base_model}"
+                )
+            lora = model.lora()
+            spec = AdapterSpec(lora.rank, lora.alpha, tuple(lora.target_modules))
+            # the A matrices come from the client's seed, or else from one every rank draws alike (adapters
+            # are replicated: all ranks must start from the same matrices)
+            seed = (
+                model.seed
+                if model.seed is not None
+                else rank_seed(self.spec.seed, self.rank, "adapter") + next(self._adapters_made)
+            )
+            adapters = self.base.attach_adapters()
+            self.models[model_id] = AdapterModel(self.base, adapters, model_id, spec, seed)
         self.model_specs[model_id] = model
 
     def drop_model(self, model_id: str) -> None:
-        self.models.pop(model_id, None)
+        model = self.models.pop(model_id, None)
+        if isinstance(model, AdapterModel):
+            model.close()
         self.model_specs.pop(model_id, None)
 
-    def _model(self, model_id: str) -> TrainEngine:
+    def _model(self, model_id: str) -> TrainEngine | AdapterModel:
         if model_id not in self.models:
             raise ConfigError(f"no model {model_id!r} on this backend")
         return self.models[model_id]

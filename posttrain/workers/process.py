@@ -16,14 +16,20 @@ import numpy as np
 import torch
 
 # Offsets per rank of each seed stream (kept as they were, so runs repeat across versions).
-SeedStream = Literal["process", "critic", "sampler"]
-_RANK_STRIDE = {"process": 1000, "critic": 1000, "sampler": 7919}
-_ROLE_OFFSET = {"process": 0, "critic": 17, "sampler": 0}
+SeedStream = Literal["process", "critic", "sampler", "adapter"]
+_RANK_STRIDE = {
+    "process": 1000,
+    "critic": 1000,
+    "sampler": 7919,
+    "adapter": 0,
+}  # adapters: alike on all ranks
+_ROLE_OFFSET = {"process": 0, "critic": 17, "sampler": 0, "adapter": 31}
 
 
 def rank_seed(seed: int, rank: int, stream: SeedStream = "process") -> int:
     """The seed of `stream` on `rank`: `process` for a worker's global RNGs (actor, sampler pool), `critic`
-    for the critic's, `sampler` for a rollout engine's generator."""
+        for the critic's, `sampler` for a rollout engine's generator, `adapter` for new LoRA adapters (the same on
+    every rank: adapters are replicated)."""
     return seed + _RANK_STRIDE[stream] * rank + _ROLE_OFFSET[stream]
 
 

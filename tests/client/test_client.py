@@ -167,6 +167,8 @@ def test_two_lora_clients_never_change_each_other(
     la = logprobs(a.forward(probe, "cross_entropy").result())[0]
     lb = logprobs(b.forward(probe, "cross_entropy").result())[0]
     assert not torch.allclose(la, lb), "trained on different data, the adapters differ"
+    worker = service.backend.group.dispatcher.worker  # the local backend's one in-process worker
+    assert worker.models[a.model_id].base is worker.models[b.model_id].base is worker.base  # one base model
     with pytest.raises(ValueError, match="full-weight training client cannot share a backend"):
         service.create_training_client(str(tiny_model_dir))
 

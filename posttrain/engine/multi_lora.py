@@ -1,0 +1,204 @@
+"""Many LoRA adapters on one frozen base model, added and removed while it runs (the explicit API's tenants).
+
+    y = W x + (alpha / r) * B (A x)          (Hu et al. 2021, "LoRA"; A: r x in, B: out x r, B = 0 at start)
+
+peft wraps a model for a fixed set of adapters, and the base model here is sharded by FSDP2 once and for
+all; tenants come and go. So adapters live outside the model: each is a small module of A/B pairs, and a
+forward hook on every adapted `nn.Linear` adds the delta of the adapter active for the current pass
+(`MultiLora.use`). The base weights stay frozen and sharded; adapters are small and replicated on every
+rank (their gradients are averaged across ranks in `AdapterModel.optim_step`). The initialisation and the
+scale are peft's (A ~ kaiming-uniform(a=sqrt(5)), B = 0), and an adapter is saved in peft's format
+(`adapter_config.json` + `adapter_model.safetensors`), so peft (and vLLM) load what this writes and the
+tests use peft as the oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from posttrain.errors import ConfigError
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]  # last name components of the adapted linear layers (peft's rule)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _key(module_name: str) -> str:
+    return module_name.replace(".", "__")  # ParameterDict keys cannot hold dots
+
+
+def targeted_linears(model: nn.Module, targets: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """The linear layers whose last name component is in `targets`; an error lists what exists."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    available = {n.rsplit(".", 1)[-1] for n in linears}
+    missing = sorted(set(targets) - available)
+    if missing or not targets:
+        raise ConfigError(
+            f"LoRA target modules {missing or list(targets)} {'not found' if missing else 'empty'}; "
+            f"linear layers of this model: {', '.join(sorted(available))}"
+        )
+    return {n: m for n, m in linears.items() if n.rsplit(".", 1)[-1] in targets}
+
+
+class LoraAdapter(nn.Module):
+    """The A and B matrices of one adapter, for each adapted linear layer (by its module name)."""
+
+    def __init__(
+        self,
+        spec: AdapterSpec,
+        linears: dict[str, nn.Linear],
+        dtype: torch.dtype,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if spec.rank < 1 or spec.alpha <= 0:
+            raise ConfigError(
+                f"LoRA rank must be >= 1 and alpha > 0; got rank={spec.rank}, alpha={spec.alpha}"
+            )
+        self.spec = spec
+        self.module_names = sorted(linears)
+        self.lora_a = nn.ParameterDict()
+        self.lora_b = nn.ParameterDict()
+        for name in self.module_names:
+            linear = linears[name]
+            a = torch.empty(spec.rank, linear.in_features, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # peft's init of lora_A
+            self.lora_a[_key(name)] = nn.Parameter(a.to(device=device, dtype=dtype))
+            b = torch.zeros(linear.out_features, spec.rank, dtype=dtype, device=device)
+            self.lora_b[_key(name)] = nn.Parameter(b)
+
+    def delta(self, module_name: str, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_a[_key(module_name)], self.lora_b[_key(module_name)]
+        return (x.to(a.dtype) @ a.T) @ b.T * self.spec.scale
+
+    # ---- peft's on-disk format -----------------------------------------------------------------
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        """Tensors under peft's names (`base_model.model.<module>.lora_A.weight`), contiguous, on CPU."""
+        state = {}
+        for name in self.module_names:
+            state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = self.lora_a[_key(name)].detach().cpu().contiguous()
+            state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = self.lora_b[_key(name)].detach().cpu().contiguous()
+        return state
+
+    def save_peft(self, folder: Path, base_model: str) -> None:
+        """`adapter_config.json` + `adapter_model.safetensors`, as `PeftModel.from_pretrained` reads them."""
+        folder.mkdir(parents=True, exist_ok=True)
+        safetensors.torch.save_file(self.peft_state(), str(folder / "adapter_model.safetensors"))
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.spec.rank,
+            "lora_alpha": self.spec.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(self.spec.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+        }
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+    @torch.no_grad()
+    def load_peft(self, folder: Path) -> None:
+        """The tensors of `save_peft` (shapes checked; every adapted layer must be there)."""
+        state = safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
+        expected = self.peft_state()
+        if set(state) != set(expected):
+            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            raise ConfigError(
+                f"adapter in {folder} does not match: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        for name in self.module_names:
+            for table, kind in ((self.lora_a, "A"), (self.lora_b, "B")):
+                value = state[f"{PEFT_PREFIX}{name}.lora_{kind}.weight"]
+                if value.shape != table[_key(name)].shape:
+                    raise ConfigError(
+                        f"adapter in {folder}: {name} lora_{kind} has shape {tuple(value.shape)}"
+                    )
+                table[_key(name)].copy_(value)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class MultiLora:
+    """Adapters by name over one base model; `use(name)` makes one the active adapter of the passes inside.
+
+    One forward hook per adapted linear layer (installed when the first adapter targets it); outside `use`
+    the hooks add nothing, so the base model is exactly itself (the reference policy, a base sampler).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self._active: LoraAdapter | None = None
+
+    def add(
+        self, name: str, spec: AdapterSpec, dtype: torch.dtype, device: torch.device, seed: int | None
+    ) -> LoraAdapter:
+        if name in self.adapters:
+            raise ConfigError(f"adapter {name!r} exists already")
+        linears = targeted_linears(self.model, spec.target_modules)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        adapter = LoraAdapter(spec, linears, dtype, device, generator)
+        for module_name, linear in linears.items():
+            if module_name not in self._hooks:
+                self._hooks[module_name] = linear.register_forward_hook(self._hook(module_name))
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def _hook(self, module_name: str):  # noqa: ANN202
+        def add_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            adapter = self._active
+            if adapter is None or _key(module_name) not in adapter.lora_a:
+                return out
+            return out + adapter.delta(module_name, args[0]).to(out.dtype)
+
+        return add_delta
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[LoraAdapter]:
+        """Passes inside run with adapter `name` on every layer it adapts."""
+        if name not in self.adapters:
+            raise ConfigError(f"no adapter {name!r}")
+        previous, self._active = self._active, self.adapters[name]
+        try:
+            yield self._active
+        finally:
+            self._active = previous
+
+    @torch.no_grad()
+    def merged_weights(self, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, W + scale * B @ A) of every layer adapter `name` adapts, one at a time (a collective
+        on sharded bases: every rank iterates): all a sampler built from the base directory needs."""
+        adapter = self.adapters[name]
+        modules = dict(self.model.named_modules())
+        for module_name in adapter.module_names:
+            weight = _full(modules[module_name].weight)
+            delta = adapter.lora_b[_key(module_name)].float() @ adapter.lora_a[_key(module_name)].float()
+            yield f"{module_name}.weight", (weight.float() + delta * adapter.spec.scale).to(weight.dtype)
