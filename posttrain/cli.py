@@ -95,6 +95,15 @@ def _demo(args: argparse.Namespace) -> None:
     )
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from posttrain.serve.server import serve
+
+    serve(
+        args.model, model_name=args.model_name, keys_file=args.keys, root_dir=args.state_dir,
+        host=args.host, port=args.port, backend=args.backend, n_workers=args.n_workers,
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -135,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--adapter", action="store_true", help="LoRA runs: write the adapter alone, not merged")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser(
+        "serve", help="the explicit API over HTTP, tinker's wire protocol (the tinker SDK works)"
+    )
+    p.add_argument("--model", required=True, help="the base model directory every tenant's adapter trains on")
+    p.add_argument("--model-name", help="the name clients ask for (default: the directory's name)")
+    p.add_argument("--keys", help="JSON file of API key -> tenant (default: $POSTTRAIN_API_KEYS)")
+    p.add_argument("--state-dir", default="serve-state", help="where tenants' checkpoints go")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=["local", "ray"], default="local")
+    p.add_argument("--n-workers", type=int, default=1, help="ray backend: data-parallel workers")
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser(
         "demo", help="tiny model -> task data -> SFT warm start -> GRPO on Ray; before/after table"
