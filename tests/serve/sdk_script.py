@@ -1,0 +1,61 @@
+"""The acceptance script of `posttrain serve`: only `import tinker`, configured by TINKER_BASE_URL and
+TINKER_API_KEY. Trains a LoRA adapter, samples from it, saves and restores it; prints one JSON line."""
+
+import json
+import sys
+
+import numpy as np
+import tinker
+from tinker import types
+
+base_model = sys.argv[1]
+service = tinker.ServiceClient()
+training = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
+tokenizer = training.get_tokenizer()
+
+
+def datum(text: str) -> types.Datum:
+    ids = tokenizer.encode(text)
+    weights = np.ones(len(ids) - 1, dtype=np.float32)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
+    )
+
+
+data = [datum("1+2=3"), datum("4+4=8"), datum("7+1=8")]
+losses = []
+for _ in range(6):
+    fb = training.forward_backward(data, "cross_entropy")
+    step = training.optim_step(types.AdamParams(learning_rate=1e-2))
+    losses.append(fb.result().metrics["loss:sum"])
+    step.result()
+sampler = training.save_weights_and_get_sampling_client().result()
+samples = sampler.sample(
+    types.ModelInput.from_ints(tokenizer.encode("1+2=")),
+    num_samples=3,
+    sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=7),
+).result()
+saved = training.save_state("after-six").result()
+restored = service.create_training_client_from_state_with_optimizer(saved.path).result()
+after = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+restored_loss = restored.forward(data, "cross_entropy").result().metrics["loss:sum"]
+# one more identical step on both: the same Adam moments give the same result
+for client in (training, restored):
+    client.forward_backward(data, "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+next_losses = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (training, restored)]
+print(
+    json.dumps(
+        {
+            "model_id": training.model_id,
+            "losses": losses,
+            "samples": [list(s.tokens) for s in samples.sequences],
+            "sample_logprobs": [list(s.logprobs or []) for s in samples.sequences],
+            "path": saved.path,
+            "after": after,
+            "restored": restored_loss,
+            "next": next_losses,
+        }
+    )
+)

@@ -1,0 +1,78 @@
+"""The official tinker SDK against `posttrain serve`: it trains, samples, saves and restores, unmodified;
+another tenant can reach none of it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import KEYS, Running
+
+ALICE, BOB = list(KEYS)
+SCRIPT = Path(__file__).with_name("sdk_script.py")
+
+
+@pytest.fixture(scope="module")
+def alice_run(server: Running) -> dict:
+    env = {**os.environ, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": ALICE, "TINKER_TELEMETRY": "0"}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(SCRIPT), server.model_name],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_tinker_sdk_trains_samples_saves_and_restores(alice_run: dict) -> None:
+    losses = alice_run["losses"]
+    assert losses[-1] < 0.6 * losses[0], losses  # it learns (the tiny model memorises 3 sums)
+    assert len(alice_run["samples"]) == 3 and all(1 <= len(s) <= 4 for s in alice_run["samples"])
+    assert all(lp <= 0 and math.isfinite(lp) for row in alice_run["sample_logprobs"] for lp in row)
+    assert alice_run["path"].startswith("tinker://") and alice_run["path"].endswith("/weights/after-six")
+    assert alice_run["restored"] == alice_run["after"]  # weights restored exactly
+    trained, restored = alice_run["next"]
+    assert abs(trained - restored) < 1e-4 * abs(trained)  # and the optimizer state with them
+
+
+def test_another_tenant_reaches_nothing_of_alice(server: Running, alice_run: dict) -> None:
+    with server.client(BOB) as bob, server.client(ALICE) as alice:
+        model_id, path = alice_run["model_id"], alice_run["path"]
+        assert (
+            alice.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}).status_code == 200
+        )
+        assert (
+            bob.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}).status_code == 404
+        )
+        session = bob.post(
+            "/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}
+        )
+        session_id = session.json()["session_id"]
+        load = {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "path": path,
+            "optimizer": True,
+            "type": "load_weights",
+        }
+        assert bob.post("/api/v1/load_weights", json=load).status_code == 404
+        sample = {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": path}
+        assert bob.post("/api/v1/create_sampling_session", json=sample).status_code == 404
+        step = {
+            "model_id": model_id,
+            "seq_id": 99,
+            "adam_params": {"learning_rate": 1.0},
+            "type": "optim_step",
+        }
+        assert bob.post("/api/v1/optim_step", json=step).status_code == 404
+        # alice's own session works with her own path
+        own = alice.post(
+            "/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}
+        )
+        load["session_id"] = own.json()["session_id"]
+        assert alice.post("/api/v1/load_weights", json=load).status_code == 200
