@@ -17,6 +17,10 @@ only correct for a single piece, hence `dp_size` must then be 1.
 Counting convention (use `global_totals` to compute it the same way): tokens are `response_mask.sum()`,
 sequences are rows with at least one valid response token (as verl; padding rows add nothing).
 
+Every mode is linear in the per-token losses once the totals are fixed: `aggregation_weights` gives the
+per-token coefficients c, and `aggregate_loss` is sum(c * loss). The explicit API's `policy_loss` uses the
+coefficients directly, to fit verl's modes into its per-token-then-summed convention.
+
 Pure: tensors in, tensors out; no distributed code (the caller all-reduces the counts).
 """
 
@@ -51,37 +55,39 @@ def global_totals(response_mask: torch.Tensor) -> tuple[int, int]:
     return int(valid.sum().item()), int(valid.any(dim=-1).sum().item())
 
 
-def aggregate_loss(
-    loss_mat: torch.Tensor,
+def aggregation_weights(
     mask: torch.Tensor,
     mode: str,
     global_tokens: int | float | torch.Tensor | None = None,
     global_seqs: int | float | torch.Tensor | None = None,
     dp_size: int = 1,
+    width: int | float | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, R) per-token loss to a scalar under `mode`, normalised by mini-batch totals.
+    """The per-token coefficients c of `mode`: every mode is linear in the per-token losses given the
+    mini-batch totals, so `aggregate_loss(l, mask, mode, ...) = sum_it c_it * l_it`.
 
-    With m the mask, N = global_tokens, S = global_seqs, n_i = sum_t m_it, D = dp_size, W = R (width):
+    With m the mask, N = global_tokens, S = global_seqs, n_i = sum_t m_it, D = dp_size, W = width:
 
-    * "token-mean":              D * sum_it l_it m_it / N        (DAPO's token-level loss, Yu et al. 2025)
-    * "token-sum":               D * sum_it l_it m_it
-    * "seq-mean-token-sum":      D * sum_i (sum_t l_it m_it) / S
-    * "seq-mean-token-mean":     D * sum_i (sum_t l_it m_it / n_i) / S   (original GRPO, Shao et al. 2024)
-    * "seq-mean-token-sum-norm": D * sum_it l_it m_it / W / S    (Dr. GRPO, Liu et al. 2025)
+    * "token-mean":              c_it = D * m_it / N        (DAPO's token-level loss, Yu et al. 2025)
+    * "token-sum":               c_it = D * m_it
+    * "seq-mean-token-sum":      c_it = D * m_it / S
+    * "seq-mean-token-mean":     c_it = D * m_it / n_i / S   (original GRPO, Shao et al. 2024)
+    * "seq-mean-token-sum-norm": c_it = D * m_it / W / S    (Dr. GRPO, Liu et al. 2025)
 
-    The last mode divides by the response width W = mask.shape[-1] as a constant standing for the maximum
-    response length, as verl does; it is split-invariant only when every micro-batch is padded to the same
-    width. See the module docstring for why the totals and D appear. A zero total (an all-padding batch)
-    is treated as 1 so the loss is 0, not NaN.
+    W defaults to the response width mask.shape[-1], a constant standing for the maximum response length,
+    as verl does; the last mode is split-invariant only when every micro-batch is padded to the same width
+    (or W is given). Without `global_*` the local totals are used (N = sum m, S = rows with a valid token);
+    see the module docstring for why the totals and D appear. A zero total (an all-padding batch) and
+    n_i = 0 are treated as 1, so such rows weigh 0, not NaN. The result has the mask's shape, in the mask's
+    dtype if it is floating (else float32), and no gradient of its own.
 
-    Raises ConfigError for an unknown mode, or for `dp_size != 1` without global totals.
+    Raises ConfigError for an unknown mode, dp_size < 1, `dp_size != 1` without the global totals the mode
+    needs, or width <= 0.
     """
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
     if dp_size < 1:
         raise ConfigError(f"dp_size must be >= 1, got {dp_size}")
-    mask = mask.to(loss_mat.dtype)
-    masked = loss_mat * mask
     needs_tokens = mode == "token-mean"
     needs_seqs = mode.startswith("seq-mean")
     if dp_size != 1 and ((needs_tokens and global_tokens is None) or (needs_seqs and global_seqs is None)):
@@ -89,23 +95,59 @@ def aggregate_loss(
             f"loss_agg_mode {mode!r} with dp_size={dp_size} needs the mini-batch totals "
             "(global_tokens / global_seqs); local totals are only correct on a single rank"
         )
+    if width is not None and not width > 0:
+        raise ConfigError(f"the width of loss_agg_mode 'seq-mean-token-sum-norm' must be > 0, got {width}")
+    m = mask.detach().to(mask.dtype if mask.is_floating_point() else torch.float32)
+    m = m * dp_size
 
     if mode == "token-sum":
-        return masked.sum() * dp_size
+        return m
     if mode == "token-mean":
         total = mask.sum() if global_tokens is None else global_tokens
-        return masked.sum() / _at_least_one(total, loss_mat) * dp_size
+        return m / _at_least_one(total, m)
 
     seqs = (mask > 0).any(dim=-1).sum() if global_seqs is None else global_seqs
-    seqs = _at_least_one(seqs, loss_mat)
-    seq_sums = masked.sum(dim=-1)
+    m = m / _at_least_one(seqs, m)
     if mode == "seq-mean-token-sum":
-        return seq_sums.sum() / seqs * dp_size
+        return m
     if mode == "seq-mean-token-mean":
-        seq_means = seq_sums / mask.sum(dim=-1).clamp(min=1.0)
-        return seq_means.sum() / seqs * dp_size
+        lengths = mask.detach().to(m.dtype).sum(dim=-1, keepdim=True).clamp(min=1.0)
+        return m / lengths
     # "seq-mean-token-sum-norm"
-    return seq_sums.sum() / mask.shape[-1] / seqs * dp_size
+    return m / (mask.shape[-1] if width is None else width)
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: int | float | torch.Tensor | None = None,
+    global_seqs: int | float | torch.Tensor | None = None,
+    dp_size: int = 1,
+    width: int | float | None = None,
+) -> torch.Tensor:
+    """Reduce a (B, R) per-token loss to a scalar under `mode`, normalised by mini-batch totals:
+
+            loss = sum_it c_it * l_it,    c = aggregation_weights(mask, mode, totals..., dp_size, width)
+
+    i.e. with m the mask, N = global_tokens, S = global_seqs, n_i = sum_t m_it, D = dp_size, W = width
+    (default R = mask.shape[-1]):
+
+    * "token-mean":              D * sum_it l_it m_it / N        (DAPO's token-level loss, Yu et al. 2025)
+    * "token-sum":               D * sum_it l_it m_it
+    * "seq-mean-token-sum":      D * sum_i (sum_t l_it m_it) / S
+    * "seq-mean-token-mean":     D * sum_i (sum_t l_it m_it / n_i) / S   (original GRPO, Shao et al. 2024)
+    * "seq-mean-token-sum-norm": D * sum_it l_it m_it / W / S    (Dr. GRPO, Liu et al. 2025)
+
+    The last mode divides by the response width as a constant standing for the maximum response length,
+    as verl does; it is split-invariant only when every micro-batch is padded to the same width. See the
+    module docstring for why the totals and D appear. A zero total (an all-padding batch) is treated as 1
+    so the loss is 0, not NaN.
+
+    Raises ConfigError for an unknown mode, or for `dp_size != 1` without global totals.
+    """
+    weights = aggregation_weights(mask.to(loss_mat.dtype), mode, global_tokens, global_seqs, dp_size, width)
+    return (loss_mat * weights).sum()
 
 
 def _at_least_one(total: int | float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""tinker's built-in losses by name, for the explicit API's `forward_backward(data, loss_fn, loss_fn_config)`.
+"""tinker's built-in losses by name, for the explicit API's `forward_backward(data, loss_fn, loss_fn_config)`,
+and `policy_loss`, posttrain's verl-named policy losses through loss_fn_config.
 
 The names, inputs, config keys and formulas are tinker 0.38.0's (the server computes them; the formulas are
 tinker-docs.thinkingmachines.ai/tinker/losses/* and tinker-cookbook's tutorials/202_loss_functions.py).
@@ -13,14 +14,34 @@ input are that datum's [N] tensors, the result is the [N] per-token loss. tinker
 SUM over tokens and over datums (no mean, no normalisation by token count: users pre-scale weights or
 advantages), so the caller sums the per-token losses of every datum; that total is `loss:sum`. Per datum
 because that is tinker's unit (gspo's sequence ratio is a datum's) and datums have different lengths.
-Only gspo reduces (over the last dim), so a (B, N) stack of equal-length datums also works; padding is
-the caller's to mask. `metrics` keys carry their reduction over datums (":sum"), as tinker's do.
+Only gspo and policy_loss reduce (over the last dim; policy_loss's clip_cov / kl_cov over the block), so
+a (B, N) stack of equal-length datums also works; padding is the caller's to mask. `metrics` keys carry their reduction over datums (":sum"), as tinker's do.
+
+One more loss is posttrain's own, so that a name never means two things: `policy_loss` reaches the
+verl-named policy losses of `posttrain.algorithms` (vanilla, gspo, sapo, cispo, dro, gpg, clip_cov,
+kl_cov) and verl's loss aggregation through loss_fn_config, while "gspo", "cispo", "dro" as loss names
+stay tinker's:
+
+    forward_backward(data, "policy_loss",
+                     {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean", "clip_ratio_high": 4e-4})
+
+Inputs `target_tokens`, `logprobs` (the behaviour policy's), `advantages`, `weights` (the 0/1 response
+mask: 0 on the prompt). Config: `policy_loss` (default "vanilla"), `loss_agg_mode` (default "token-mean";
+token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm), `max_response_length` (the
+constant of seq-mean-token-sum-norm) and the chosen policy loss's own options (their defaults are its
+signature's). verl's aggregation is linear in the per-token losses given the totals of the whole
+request, so it fits the per-token-then-summed convention: loss_bt = c_bt * pg_bt with the coefficients
+c of `aggregation.aggregation_weights`, and `loss:sum` is exactly `compute_policy_loss` on the whole
+request (formulas in `api_policy_loss`). The totals (valid tokens, sequences, counted as verl's
+`global_totals`) are computed once over every datum by `request_config` on the client, before the
+request is split over workers.
 
 Per datum, the worker calls `check_api_loss` (name, the datum's input keys, config -> resolved config;
 set operations, cheap), `check_input_lengths`, then `API_LOSSES.get(name)(lp, inputs, **config)`;
-`compute_api_loss` does the three. Errors are `ApiLossError`, a ValueError listing what is valid, as
-tinker's server rejects these requests. Not here: "custom" (the worker runs the user's LossHandle) and
-"stable_reinforce" (server-private in tinker). Pure: torch and the policy-loss helper, no I/O.
+`compute_api_loss` does the three (plus `request_config`, the datum being the request). Errors are
+`ApiLossError`, a ValueError listing what is valid, as tinker's server rejects these requests. Not here:
+"custom" (the worker runs the user's LossHandle) and "stable_reinforce" (server-private in tinker). Pure:
+torch and the policy-loss helpers, no I/O.
 """
 
 from __future__ import annotations
@@ -39,6 +60,11 @@ from posttrain.errors import ConfigError
 
 Tensor = torch.Tensor
 ApiLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+ConfigValue = float | str
+# (the user's loss_fn_config) -> the resolved config; raises ApiLossError
+ConfigResolver = Callable[[Mapping[str, object]], dict[str, ConfigValue]]
+# (every datum's loss_fn_inputs, the resolved config) -> the request-wide entries to add to the config
+RequestTotals = Callable[[Sequence[Mapping[str, Tensor]], Mapping[str, ConfigValue]], dict[str, ConfigValue]]
 
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 
@@ -53,21 +79,27 @@ class ApiLoss:
     """One tinker loss: its function and what it accepts.
 
     `config` maps each loss_fn_config key to its default (None: the key is required); the defaults are the
-    function's keyword-only parameters, so they live in one place, the function's signature.
+    function's keyword-only parameters, so they live in one place, the function's signature. A loss whose
+    accepted keys depend on the config itself (`policy_loss`) brings its own `resolve` instead of the
+    generic numeric check, and `request_totals` when it needs totals over the whole request (every datum,
+    before the split over workers) in its config, computed from the inputs `totals_inputs` of every datum.
     """
 
     name: str
     fn: ApiLossFn
     required_inputs: tuple[str, ...]
     optional_inputs: tuple[str, ...]
-    config: Mapping[str, float | None]
+    config: Mapping[str, ConfigValue | None]
+    resolve: ConfigResolver | None = None
+    request_totals: RequestTotals | None = None
+    totals_inputs: tuple[str, ...] = ()
 
     @property
     def input_keys(self) -> tuple[str, ...]:
         return self.required_inputs + self.optional_inputs
 
     def __call__(
-        self, lp: Tensor, inputs: Mapping[str, Tensor], **config: float
+        self, lp: Tensor, inputs: Mapping[str, Tensor], **config: ConfigValue
     ) -> tuple[Tensor, dict[str, float]]:
         return self.fn(lp, inputs, **config)
 
@@ -76,20 +108,39 @@ API_LOSSES: Registry[ApiLoss] = Registry("loss function", error=ApiLossError)
 
 
 def _api_loss(
-    name: str, *, required: tuple[str, ...], optional: tuple[str, ...] = ()
+    name: str,
+    *,
+    required: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    config: Mapping[str, ConfigValue | None] | None = None,
+    resolve: ConfigResolver | None = None,
+    request_totals: RequestTotals | None = None,
+    totals_inputs: tuple[str, ...] = (),
 ) -> Callable[[ApiLossFn], ApiLossFn]:
-    """Register `fn` under tinker's `name`; its keyword-only parameters are its loss_fn_config."""
+    """Register `fn` under `name`; its keyword-only parameters are its loss_fn_config unless `config`
+    (with `resolve`, see ApiLoss) says otherwise."""
 
     def decorator(fn: ApiLossFn) -> ApiLossFn:
         if name in API_LOSSES:  # Registry's own duplicate message reads a function's __qualname__
             raise ApiLossError(f"loss function {name!r} is already registered")
         params = inspect.signature(fn).parameters.values()
-        config = {
-            p.name: None if p.default is inspect.Parameter.empty else float(p.default)
-            for p in params
-            if p.kind is inspect.Parameter.KEYWORD_ONLY
-        }
-        entry = ApiLoss(name, fn, ("target_tokens", *required), optional, MappingProxyType(config))
+        keys = config
+        if keys is None:
+            keys = {
+                p.name: None if p.default is inspect.Parameter.empty else float(p.default)
+                for p in params
+                if p.kind is inspect.Parameter.KEYWORD_ONLY
+            }
+        entry = ApiLoss(
+            name,
+            fn,
+            ("target_tokens", *required),
+            optional,
+            MappingProxyType(dict(keys)),
+            resolve,
+            request_totals,
+            totals_inputs,
+        )
         API_LOSSES.register(name)(entry)
         return fn
 
@@ -247,7 +298,14 @@ def api_gspo(
     return _clipped_min(ratio, _input(inputs, "advantages", lp), low, high)
 
 
-API_LOSS_NAMES: tuple[str, ...] = tuple(API_LOSSES.names())
+# --- shared by the checks -------------------------------------------------------------------------
+
+
+def _number(loss: str, key: str, value: object) -> float:
+    """`value` as a float, or ApiLossError unless it is a finite int or float (bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ApiLossError(f"loss {loss!r}: loss_fn_config {key!r} must be a finite number, got {value!r}")
+    return float(value)
 
 
 # --- checks ---------------------------------------------------------------------------------------------
@@ -259,9 +317,10 @@ def _listing(keys: Collection[str]) -> str:
 
 def check_api_loss(
     name: str, input_keys: Collection[str], config: Mapping[str, object] | None = None
-) -> dict[str, float]:
+) -> dict[str, ConfigValue]:
     """Validate a forward_backward request's loss name, one datum's loss_fn_inputs keys and the
-    loss_fn_config; return the config with every default filled in.
+    loss_fn_config; return the config with every default filled in (`policy_loss`: see
+    `resolve_policy_loss_config`). The request-wide totals are `request_config`'s.
 
     ApiLossError (a ValueError) for: an unknown loss name (lists the valid ones), an input key the loss does
     not take (lists its keys), a missing required input (names it), an unknown config key (lists the valid
@@ -284,6 +343,8 @@ def check_api_loss(
         )
 
     given = dict(config or {})
+    if entry.resolve is not None:
+        return entry.resolve(given)
     unknown = set(given) - set(entry.config)
     if unknown:
         raise ApiLossError(
@@ -296,11 +357,7 @@ def check_api_loss(
             raise ApiLossError(
                 f"loss {name!r} needs loss_fn_config {key!r} (no default); valid: {_listing(entry.config)}"
             )
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ApiLossError(
-                f"loss {name!r}: loss_fn_config {key!r} must be a finite number, got {value!r}"
-            )
-        resolved[key] = float(value)
+        resolved[key] = _number(name, key, value)
     if set(CLIP_KEYS) <= set(resolved) and resolved[CLIP_KEYS[0]] > resolved[CLIP_KEYS[1]]:
         raise ApiLossError(
             f"loss {name!r}: clip_low_threshold ({resolved[CLIP_KEYS[0]]}) must not exceed "
@@ -308,7 +365,21 @@ def check_api_loss(
         )
     if resolved.get("beta", 0.0) < 0.0:
         raise ApiLossError(f"loss {name!r}: loss_fn_config 'beta' must be >= 0, got {resolved['beta']}")
-    return resolved
+    return {**resolved}
+
+
+def request_config(
+    name: str, inputs: Sequence[Mapping[str, Tensor]], resolved: Mapping[str, ConfigValue]
+) -> dict[str, ConfigValue]:
+    """The config sent to the workers: `resolved` (from `check_api_loss`) plus, for a loss that needs
+    them (`policy_loss`), its totals over the whole request, from every datum's loss_fn_inputs `inputs`
+    (at least the loss's `totals_inputs`). Workers see only their split, so these are computed once,
+    here, before it."""
+    entry = API_LOSSES.get(name)
+    config = dict(resolved)
+    if entry.request_totals is not None:
+        config.update(entry.request_totals(inputs, config))
+    return config
 
 
 def check_input_lengths(shapes: Mapping[str, Sequence[int]], *, model_input_length: int | None = None) -> int:
@@ -343,9 +414,10 @@ def compute_api_loss(
     *,
     model_input_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """One datum's per-token loss under tinker's loss `name`, after every check above.
+    """One datum's per-token loss under the loss `name`, after every check above.
 
-    `lp` must have target_tokens' shape (the worker gathers it at target_tokens).
+    `lp` must have target_tokens' shape (the worker gathers it at target_tokens). The datum is the whole
+    request: `policy_loss`'s totals are its own.
     """
     resolved = check_api_loss(name, inputs.keys(), config)
     check_input_lengths(
@@ -356,4 +428,11 @@ def compute_api_loss(
             f"learner log-probs have shape {tuple(lp.shape)} "
             f"but target_tokens {tuple(inputs['target_tokens'].shape)}"
         )
-    return API_LOSSES.get(name)(lp, inputs, **resolved)
+    return API_LOSSES.get(name)(lp, inputs, **request_config(name, [inputs], resolved))
+
+
+# posttrain's verl-named policy losses (loss name `policy_loss`) live in their own module; importing it
+# registers them, so `API_LOSSES` is complete whenever this module is.
+from posttrain.algorithms import api_policy_loss  # noqa: E402, F401
+
+API_LOSS_NAMES: tuple[str, ...] = tuple(API_LOSSES.names())

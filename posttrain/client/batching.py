@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tinker import types
 
-from posttrain.algorithms.api_losses import check_api_loss, check_input_lengths
+from posttrain.algorithms.api_losses import API_LOSSES, check_api_loss, check_input_lengths, request_config
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 
@@ -32,11 +32,13 @@ def model_input_tokens(model_input: types.ModelInput) -> list[int]:
 
 def check_request(
     data: Sequence[types.Datum], loss_fn: str, config: Mapping[str, float | str] | None
-) -> dict[str, float]:
-    """The loss's resolved config, after checking every datum's inputs and lengths against it."""
+) -> dict[str, float | str]:
+    """The loss's resolved config, after checking every datum's inputs and lengths against it, with the
+    totals over the whole request that the loss needs (`request_config`: `policy_loss`'s token and
+    sequence counts), computed here once because each worker sees only its split."""
     if not data:
         raise ValueError("No data provided")
-    resolved: dict[str, float] = {}
+    resolved: dict[str, float | str] = {}
     for i, datum in enumerate(data):
         resolved = check_api_loss(loss_fn, set(datum.loss_fn_inputs), dict(config or {}))
         length = model_input_tokens(datum.model_input)
@@ -45,7 +47,11 @@ def check_request(
             check_input_lengths(shapes, model_input_length=len(length))
         except ValueError as exc:
             raise type(exc)(f"datum {i}: {exc}") from None
-    return resolved
+    needed = API_LOSSES.get(loss_fn).totals_inputs
+    if not needed:
+        return resolved
+    inputs = [{k: torch.tensor(d.loss_fn_inputs[k].to_numpy()) for k in needed} for d in data]
+    return request_config(loss_fn, inputs, resolved)
 
 
 def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:

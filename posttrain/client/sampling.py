@@ -78,13 +78,32 @@ class SamplingClient(ResolvedFuture):
         sampling_params: types.SamplingParams,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
         """`num_samples` responses to `prompt` (tokens, the sampled tokens' log-probs, stop reason); with
-        `include_prompt_logprobs`, the prompt's own log-probs (None at position 0)."""
+        `include_prompt_logprobs`, the prompt's own log-probs (None at position 0).
+
+        tinker 0.38's signature; its top-k, target, alternative-token and last-n prompt log-probs are not
+        implemented: asking for them (a value other than the default) is a ValueError, never ignored.
+        """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if topk_prompt_logprobs:
-            raise ValueError("topk_prompt_logprobs is not supported by this backend (use 0)")
+        unsupported = {
+            "topk_prompt_logprobs": (topk_prompt_logprobs != 0, "top-k prompt log-probs are"),
+            "topk_sample_logprobs": (topk_sample_logprobs != 0, "top-k sample log-probs are"),
+            "target_prompt_logprobs": (target_prompt_logprobs is not None, "log-probs of chosen tokens are"),
+            "prompt_alt_tokens_k": (prompt_alt_tokens_k != 0, "alternative prompt tokens are"),
+            "prompt_logprobs_last_n": (prompt_logprobs_last_n is not None, "scoring the last n tokens is"),
+        }
+        for name, (asked, what) in unsupported.items():
+            if asked:
+                raise ValueError(
+                    f"{name}: {what} not supported by this backend; leave it at its default "
+                    "(include_prompt_logprobs=True gives the prompt tokens' own log-probs)"
+                )
         tokens = model_input_tokens(prompt)
         if not tokens:
             raise ValueError("the prompt is empty")

@@ -3,8 +3,10 @@
 Every verb returns a future at once and runs on the backend's thread in call order, so
 `fb = tc.forward_backward(...); opt = tc.optim_step(...)` pipelines and the step sees those gradients.
 Losses are tinker's by name (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`, `gspo`; see
-posttrain/algorithms/api_losses.py), summed over tokens and datums as tinker's are; a bad name, input key,
-config key or length is a ValueError raised at the call, listing what is valid.
+posttrain/algorithms/api_losses.py), summed over tokens and datums as tinker's are, plus posttrain's
+`policy_loss`: a verl-named policy loss and loss aggregation chosen by loss_fn_config (`{"policy_loss":
+"gspo", "loss_agg_mode": "seq-mean-token-mean"}`), normalised by the whole request's totals. A bad name,
+input key, config key or length is a ValueError raised at the call, listing what is valid.
 """
 
 from __future__ import annotations

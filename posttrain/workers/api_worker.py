@@ -265,10 +265,11 @@ class ApiWorker:
 
 @dataclass(frozen=True)
 class ApiLossSpec:
-    """A tinker loss by name with its loss_fn_config (checked by the client before it is sent)."""
+    """A loss by name with its loss_fn_config (checked and resolved by the client before it is sent; a
+    name or mode is a string, e.g. `policy_loss`'s, and request-wide totals are numbers)."""
 
     name: str
-    config: dict[str, float] = field(default_factory=dict)
+    config: dict[str, float | str] = field(default_factory=dict)
 
 
 def api_loss(

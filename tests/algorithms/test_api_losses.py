@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from posttrain.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from posttrain.algorithms.api_losses import (
     API_LOSS_NAMES,
     API_LOSSES,
@@ -19,7 +20,11 @@ from posttrain.algorithms.api_losses import (
     check_api_loss,
     check_input_lengths,
     compute_api_loss,
+    request_config,
 )
+from posttrain.algorithms.api_policy_loss import api_policy_loss, policy_loss_totals
+from posttrain.algorithms.policy_loss import compute_policy_loss, own_options
+from posttrain.algorithms.registry import POLICY_LOSSES, get_policy_loss
 from posttrain.errors import ConfigError
 
 
@@ -214,7 +219,15 @@ def test_gspo_empty_sequence_ratio_mask_is_an_error():
 
 
 def test_names_and_registry_entries():
-    assert set(API_LOSS_NAMES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert set(API_LOSS_NAMES) == {
+        "cross_entropy",
+        "importance_sampling",
+        "ppo",
+        "cispo",
+        "dro",
+        "gspo",
+        "policy_loss",
+    }
     assert API_LOSSES.get("ppo").fn is api_ppo
     gspo = API_LOSSES.get("gspo")
     assert gspo.required_inputs == ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")
@@ -332,3 +345,201 @@ def test_compute_api_loss_checks_before_computing():
         compute_api_loss("ppo", leaf(PPO_LP), rl_inputs(PPO_LP, PPO_R, PPO_A), {"beta": 1.0})
     with pytest.raises(ValueError, match="learner log-probs have shape"):
         compute_api_loss("ppo", leaf(PPO_LP[:2]), rl_inputs(PPO_LP, PPO_R, PPO_A))
+
+
+# --- policy_loss: posttrain's verl-named policy losses and verl's aggregation, by loss_fn_config -----------
+# Two datums of 4 positions as a (2, 4) block; weights 0 on the prompt. Vanilla PPO, clip 0.2 / 0.2, dual
+# clip 3 (its defaults), on the weighted tokens:
+#   datum 0, t1  r 1.0, A  1: max(-1, -1)         = -1    grad -r*A = -1  (inside the range)
+#            t2  r 1.5, A  1: max(-1.5, -1.2)     = -1.2  grad 0          (clipped)
+#            t3  r 0.5, A -1: max(0.5, 0.8)       =  0.8  grad 0          (clipped; dual bound 3 not hit)
+#   datum 1, t2  r 1.1, A  2: max(-2.2, -2.2)     = -2.2  grad -2.2       (1.1 is inside [0.8, 1.2])
+#            t3  r 4.0, A -1: min(max(4, 1.2), 3) =  3    grad 0          (dual clip)
+# sums: datum 0 -1.4 over 3 tokens, datum 1 0.8 over 2 tokens; 5 tokens, 2 sequences, longest response 3.
+PL_LP = [[-1.0, -1.0, -2.0, -0.5], [-0.3, -0.7, -1.5, -2.5]]
+PL_R = [[1.0, 1.0, 1.5, 0.5], [1.0, 1.0, 1.1, 4.0]]
+PL_A = [[0.0, 1.0, 1.0, -1.0], [0.0, 0.0, 2.0, -1.0]]
+PL_W = [[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]
+PL_EXPECTED = {  # mode -> (loss, gradient of the loss w.r.t. lp)
+    "token-mean": (-0.6 / 5, [[0, -1 / 5, 0, 0], [0, 0, -2.2 / 5, 0]]),
+    "token-sum": (-0.6, [[0, -1, 0, 0], [0, 0, -2.2, 0]]),
+    "seq-mean-token-sum": (-0.6 / 2, [[0, -1 / 2, 0, 0], [0, 0, -2.2 / 2, 0]]),
+    "seq-mean-token-mean": ((-1.4 / 3 + 0.8 / 2) / 2, [[0, -1 / 6, 0, 0], [0, 0, -2.2 / 4, 0]]),
+    "seq-mean-token-sum-norm": (-0.6 / 3 / 2, [[0, -1 / 6, 0, 0], [0, 0, -2.2 / 6, 0]]),
+}
+PL_KEYS = {"target_tokens", "logprobs", "advantages", "weights"}
+
+
+def pl_inputs(lp=PL_LP, ratios=PL_R, advantages=PL_A, weights=PL_W):
+    q = [[x - math.log(r) for x, r in zip(row, rs, strict=True)] for row, rs in zip(lp, ratios, strict=True)]
+    return {
+        "target_tokens": torch.zeros(len(lp), len(lp[0]), dtype=torch.long),
+        "logprobs": t(q),
+        "advantages": t(advantages),
+        "weights": t(weights),
+    }
+
+
+def pl_request_config(inputs, config=None):
+    """What the client sends the workers: the resolved config plus the request's totals."""
+    datums = [{k: v[i] for k, v in inputs.items()} for i in range(len(inputs["weights"]))]
+    return request_config("policy_loss", datums, check_api_loss("policy_loss", PL_KEYS, config))
+
+
+@pytest.mark.parametrize("mode", sorted(PL_EXPECTED))
+def test_policy_loss_vanilla_hand_computed(mode):
+    inputs = pl_inputs()
+    config = pl_request_config(inputs, {"loss_agg_mode": mode})
+    losses, grad, metrics = loss_and_grad(api_policy_loss, PL_LP, inputs, **config)
+    loss, expected_grad = PL_EXPECTED[mode]
+    assert losses.sum().item() == pytest.approx(loss, abs=1e-6)
+    close(grad, expected_grad)
+    assert metrics == {}
+    assert (losses[torch.tensor(PL_W) == 0] == 0).all(), "prompt positions weigh nothing"
+
+
+def test_policy_loss_request_totals_follow_verls_counting():
+    inputs = pl_inputs()
+    assert pl_request_config(inputs) == {
+        "policy_loss": "vanilla",
+        "loss_agg_mode": "token-mean",
+        "global_tokens": 5.0,
+        "global_seqs": 2.0,
+    }
+    # seq-mean-token-sum-norm: W is the request's longest response (first to last weighted position) ...
+    assert pl_request_config(inputs, {"loss_agg_mode": "seq-mean-token-sum-norm"})["max_response_length"] == 3
+    gappy = [{"weights": t([0, 1, 0, 0, 1, 0])}, {"weights": t([1, 1, 0, 0, 0, 0])}]
+    assert policy_loss_totals(gappy, {"loss_agg_mode": "seq-mean-token-sum-norm"}) == {
+        "global_tokens": 4.0,
+        "global_seqs": 2.0,
+        "max_response_length": 4.0,
+    }
+    # ... unless given, e.g. the sampler's max_tokens (the trainer's W, data.max_response_length)
+    given = pl_request_config(inputs, {"loss_agg_mode": "seq-mean-token-sum-norm", "max_response_length": 6})
+    assert given["max_response_length"] == 6.0
+    losses, _ = api_policy_loss(leaf(PL_LP), inputs, **given)
+    assert losses.sum().item() == pytest.approx(-0.6 / 6 / 2, abs=1e-6)
+    # a datum without a weighted token is no sequence (verl's global_totals)
+    empty = {"weights": t([0, 0, 0])}
+    assert policy_loss_totals([*gappy, empty], {"loss_agg_mode": "token-mean"})["global_seqs"] == 2.0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_split_over_workers_sums_to_the_whole_request(mode):
+    """Each datum alone, with the request's totals: the parts sum to the whole (what workers do)."""
+    inputs = pl_inputs()
+    config = pl_request_config(inputs, {"loss_agg_mode": mode})
+    whole, _ = api_policy_loss(leaf(PL_LP), inputs, **config)
+    parts = [
+        api_policy_loss(leaf(PL_LP[i]), {k: v[i] for k, v in inputs.items()}, **config)[0] for i in (0, 1)
+    ]
+    assert sum(p.sum().item() for p in parts) == pytest.approx(whole.sum().item(), abs=1e-6)
+    # one datum through compute_api_loss is its own request: its own totals
+    alone, _ = compute_api_loss("policy_loss", leaf(PL_LP[0]), {k: v[0] for k, v in inputs.items()})
+    assert alone.sum().item() == pytest.approx(-1.4 / 3, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_LOSSES.names() if n != "clip_cov"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_equals_compute_policy_loss(name, mode):
+    """Loss and gradient equal posttrain's compute_policy_loss on the same tensors, for every policy loss
+    (clip_cov drops random tokens) and mode, with options passed through."""
+    torch.manual_seed(0)
+    lp_values = (torch.randn(3, 6) * 0.3 - 1.0).tolist()
+    weights = [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]]
+    ratios = (torch.rand(3, 6) + 0.5).tolist()
+    advantages = (torch.randn(3, 1) * torch.ones(3, 6)).tolist()
+    inputs = pl_inputs(lp_values, ratios, advantages, weights)
+    options = {"clip_ratio_high": 0.3} if "clip_ratio_high" in own_options(get_policy_loss(name)) else {}
+    config = {"policy_loss": name, "loss_agg_mode": mode, **options}
+    if mode == "seq-mean-token-sum-norm":
+        config["max_response_length"] = 6  # aggregate_loss's W: the block's width
+    losses, grad, _ = loss_and_grad(api_policy_loss, lp_values, inputs, **pl_request_config(inputs, config))
+
+    lp = leaf(lp_values)
+    expected, _ = compute_policy_loss(
+        get_policy_loss(name),
+        lp,
+        inputs["logprobs"],
+        inputs["advantages"],
+        inputs["weights"],
+        options=options,
+        loss_agg_mode=mode,
+    )
+    expected.backward()
+    assert losses.sum().item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad, lp.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_policy_loss_options_default_to_the_policy_losss_own():
+    inputs = pl_inputs()
+    default = pl_request_config(inputs, {"policy_loss": "vanilla"})
+    wider = pl_request_config(inputs, {"policy_loss": "vanilla", "clip_ratio_high": 0.6, "clip_ratio_c": 10})
+    totals = {"global_tokens": 5.0, "global_seqs": 2.0}
+    assert default == {"policy_loss": "vanilla", "loss_agg_mode": "token-mean", **totals}
+    assert wider == default | {"clip_ratio_high": 0.6, "clip_ratio_c": 10.0}
+    # r 1.5 is no longer clipped at 1.6 and the dual clip at 10 leaves r 4: -1 - 1.5 + 0.8 - 2.2 + 4 = 0.1
+    losses, _ = api_policy_loss(leaf(PL_LP), inputs, **wider)
+    assert losses.sum().item() == pytest.approx(0.1 / 5, abs=1e-6)
+    gspo = check_api_loss(
+        "policy_loss", PL_KEYS, {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"}
+    )
+    assert gspo == {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"}
+
+
+def test_policy_loss_unknown_names_modes_and_options_list_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'; valid: .*gspo.*vanilla") as err:
+        check_api_loss("policy_loss", PL_KEYS, {"policy_loss": "ppo2"})
+    assert isinstance(err.value, ApiLossError)
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token_mean'; valid: token-mean, token-sum"):
+        check_api_loss("policy_loss", PL_KEYS, {"loss_agg_mode": "token_mean"})
+    with pytest.raises(
+        ValueError,
+        match="policy loss 'vanilla' does not take loss_fn_config tau_pos; valid: clip_ratio_c, "
+        "clip_ratio_high, clip_ratio_low, loss_agg_mode, max_response_length, policy_loss",
+    ):
+        check_api_loss("policy_loss", PL_KEYS, {"tau_pos": 1.0})
+    # tinker's names for the clip are not the policy losses' (a name never means two things)
+    with pytest.raises(ValueError, match="does not take loss_fn_config clip_low_threshold"):
+        check_api_loss("policy_loss", PL_KEYS, {"policy_loss": "gspo", "clip_low_threshold": 0.9})
+    # the totals are the client's to compute, not the user's to set; clip_cov's generator is no number
+    with pytest.raises(ValueError, match="does not take loss_fn_config global_tokens"):
+        check_api_loss("policy_loss", PL_KEYS, {"global_tokens": 10})
+    with pytest.raises(ValueError, match="does not take loss_fn_config generator"):
+        check_api_loss("policy_loss", PL_KEYS, {"policy_loss": "clip_cov", "generator": 0})
+    with pytest.raises(ValueError, match="'policy_loss' must be a name"):
+        check_api_loss("policy_loss", PL_KEYS, {"policy_loss": 1.0})
+
+
+def test_policy_loss_bad_values_and_inputs_are_errors_at_the_call():
+    with pytest.raises(ValueError, match="needs loss_fn_inputs weights"):
+        check_api_loss("policy_loss", PL_KEYS - {"weights"})
+    with pytest.raises(ValueError, match="does not take loss_fn_inputs sequence_ratio_mask"):
+        check_api_loss("policy_loss", PL_KEYS | {"sequence_ratio_mask"})
+    with pytest.raises(ValueError, match="'clip_ratio_high' must be a finite number"):
+        check_api_loss("policy_loss", PL_KEYS, {"clip_ratio_high": "0.2"})
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1.0"):  # the policy loss's own check
+        check_api_loss("policy_loss", PL_KEYS, {"clip_ratio_c": 0.5})
+    with pytest.raises(ValueError, match="max_response_length is the constant of loss_agg_mode"):
+        check_api_loss("policy_loss", PL_KEYS, {"max_response_length": 16})
+    with pytest.raises(ValueError, match="max_response_length must be > 0"):
+        check_api_loss(
+            "policy_loss", PL_KEYS, {"loss_agg_mode": "seq-mean-token-sum-norm", "max_response_length": 0}
+        )
+    with pytest.raises(ValueError, match="datum 1: weights must be the 0/1 response mask, got 0.5"):
+        policy_loss_totals(
+            [{"weights": t([0, 1])}, {"weights": t([0, 0.5])}], {"loss_agg_mode": "token-mean"}
+        )
+
+
+def test_aggregate_loss_is_the_policy_loss_coefficients_dot_the_losses():
+    per_token = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    mask = t(PL_W)
+    for mode in LOSS_AGG_MODES:
+        config = {"policy_loss": "gpg", "loss_agg_mode": mode}
+        # gpg's per-token loss is -A * lp: with A = 1 the coefficients times -lp
+        inputs = pl_inputs(per_token.neg().tolist(), [[1.0] * 4] * 2, [[1.0] * 4] * 2)
+        losses, _ = api_policy_loss(per_token.neg(), inputs, **pl_request_config(inputs, config))
+        assert losses.sum().item() == pytest.approx(
+            aggregate_loss(per_token, mask, mode, width=3).item(), abs=1e-6
+        )
