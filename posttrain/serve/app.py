@@ -31,6 +31,7 @@ from posttrain.client import ServiceClient
 from posttrain.client.sampling import SamplingClient
 from posttrain.client.training import TrainingClient
 from posttrain.serve.futures import FutureStore, Sequencer, UnknownRequest, failed, resolved
+from posttrain.serve.limits import Limits, Meter
 from posttrain.serve.tenants import ApiKeys
 from posttrain.serve.wire import (
     WireError,
@@ -66,12 +67,21 @@ class ServerState:
     keys: ApiKeys
     served: dict[str, str]  # base model name -> model directory
     poll_timeout_s: float = 20.0
+    limits: Limits = field(default_factory=Limits)
+    meter: Meter = field(init=False)
     futures: FutureStore = field(default_factory=lambda: FutureStore(uuid.uuid4().hex[:8]))
     sequencer: Sequencer = field(default_factory=Sequencer)
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> tenant
     models: dict[str, TrainingModel] = field(default_factory=dict)  # tinker model id -> model
     samplers: dict[str, Sampler] = field(default_factory=dict)
     checkpoint_owner: dict[str, str] = field(default_factory=dict)  # backend model id -> tenant
+    creating: dict[str, str] = field(default_factory=dict)  # model ids being created -> tenant (slots held)
+
+    def __post_init__(self) -> None:
+        self.meter = Meter(self.limits)
+
+    def queued(self, tenant: str) -> int:
+        return sum(1 for r in self.futures.pending() if r.tenant == tenant)
 
     # ---- ownership -----------------------------------------------------------------------------
     def session(self, session_id: str, tenant: str) -> None:
@@ -106,6 +116,15 @@ class ServerState:
             )
         return self.served[name]
 
+    def hold_slot(self, model_id: str, tenant: str) -> None:
+        """Count a model being created against the adapter limits from the moment it is asked for."""
+        if model_id in self.models or model_id in self.creating:
+            raise HTTPException(409, f"model {model_id!r} exists already")
+        mine = sum(1 for m in self.models.values() if m.tenant == tenant)
+        mine += sum(1 for t in self.creating.values() if t == tenant)
+        self.limits.check_adapters(mine, len(self.models) + len(self.creating))
+        self.creating[model_id] = tenant
+
     def add_model(self, model_id: str, tenant: str, client: TrainingClient, base_name: str) -> None:
         self.models[model_id] = TrainingModel(tenant, client, base_name)
         self.checkpoint_owner[client.model_id] = tenant
@@ -124,7 +143,10 @@ def make_app(state: ServerState) -> FastAPI:
     app.state.server = state
 
     async def tenant_of(request: Request) -> str:
-        return state.keys.tenant(request.headers.get("x-api-key"))
+        tenant = state.keys.tenant(request.headers.get("x-api-key"))
+        if request.url.path != "/api/v1/retrieve_future":  # polling is how results arrive: never limited
+            state.meter.admit(tenant)
+        return tenant
 
     async def body_as(request: Request, model: type[pydantic.BaseModel]) -> Any:
         try:
@@ -133,6 +155,7 @@ def make_app(state: ServerState) -> FastAPI:
             raise HTTPException(400, f"{model.__name__}: {exc.errors(include_url=False)}") from None
 
     def submitted(tenant: str, kind: str, future: Any, encode: Callable[[Any], Any], **extra: Any) -> dict:
+        state.limits.check_queued(state.queued(tenant))
         request_id = state.futures.add(tenant, kind, future, encode)
         return {"request_id": request_id, **extra}
 
@@ -159,6 +182,8 @@ def make_app(state: ServerState) -> FastAPI:
     async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         start = time.perf_counter()
         response = await call_next(request)
+        tenant = state.keys.peek(request.headers.get("x-api-key"))
+        state.meter.record(tenant, request.url.path, response.status_code, time.perf_counter() - start)
         log.info(
             "%s %s %d %.1fms tenant=%s", request.method, request.url.path, response.status_code,
             1000 * (time.perf_counter() - start), state.keys.peek(request.headers.get("x-api-key")),
@@ -166,6 +191,10 @@ def make_app(state: ServerState) -> FastAPI:
         return response
 
     # ---- service ------------------------------------------------------------------------------
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(state.meter.prometheus(), media_type="text/plain; version=0.0.4")
+
     @app.get("/api/v1/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
@@ -222,18 +251,21 @@ def make_app(state: ServerState) -> FastAPI:
         state.session(body.session_id, tenant)
         path = state.base_dir(body.base_model)
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
-        if model_id in state.models:
-            raise HTTPException(409, f"model {model_id!r} exists already")
         if body.lora_config is None:
             raise HTTPException(400, "create_model needs a lora_config: this server trains LoRA adapters")
         lora = body.lora_config
+        state.limits.check_rank(lora.rank)
+        state.hold_slot(model_id, tenant)
 
         def create() -> types.CreateModelResponse:
-            client = state.service.create_lora_training_client(
-                path, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                train_attn=lora.train_attn, train_unembed=lora.train_unembed,
-            )  # fmt: skip
-            state.add_model(model_id, tenant, client, body.base_model)
+            try:
+                client = state.service.create_lora_training_client(
+                    path, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                    train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                )  # fmt: skip
+                state.add_model(model_id, tenant, client, body.base_model)
+            finally:
+                state.creating.pop(model_id, None)
             return types.CreateModelResponse(model_id=model_id)
 
         future = _in_thread(create)
@@ -267,6 +299,9 @@ def make_app(state: ServerState) -> FastAPI:
         except WireError as exc:
             raise HTTPException(400, str(exc)) from None
         model = state.model(call.model_id, tenant)
+        tokens = sum(d.model_input.length for d in call.data)
+        state.limits.check_tokens(tokens)
+        state.meter.count_tokens(tenant, tokens)
         verb = model.client.forward if call.forward_only else model.client.forward_backward
 
         def start() -> Any:
@@ -338,6 +373,7 @@ def make_app(state: ServerState) -> FastAPI:
         state.session(body.session_id, tenant)
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
         service = state.service
+        state.hold_slot(model_id, tenant)
 
         def create() -> types.LoadWeightsResponse:
             make = (
@@ -345,7 +381,10 @@ def make_app(state: ServerState) -> FastAPI:
                 if body.optimizer
                 else service.create_training_client_from_state
             )
-            client = make(body.path)
+            try:
+                client = make(body.path)
+            finally:
+                state.creating.pop(model_id, None)
             base_name = next(
                 (n for n, p in state.served.items() if Path(p) == Path(client._model.base_model)), ""
             )
@@ -391,6 +430,9 @@ def make_app(state: ServerState) -> FastAPI:
             "prompt_alt_tokens_k": body.prompt_alt_tokens_k, "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
         }  # fmt: skip
         named = [k for k, v in unsupported.items() if v]
+        tokens = body.prompt.length + body.num_samples * (body.sampling_params.max_tokens or 0)
+        state.limits.check_tokens(tokens)
+        state.meter.count_tokens(tenant, tokens)
         try:
             if named:
                 raise ValueError(f"sample options not supported here: {', '.join(named)}")

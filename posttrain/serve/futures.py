@@ -54,6 +54,9 @@ class FutureStore:
             raise UnknownRequest(request_id)
         return request
 
+    def pending(self) -> list[Request]:
+        return [r for r in list(self._requests.values()) if not r.future.done()]
+
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 

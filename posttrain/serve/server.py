@@ -10,6 +10,7 @@ import uvicorn
 from posttrain.client import ServiceClient
 from posttrain.errors import ConfigError
 from posttrain.serve.app import ServerState, make_app
+from posttrain.serve.limits import Limits
 from posttrain.serve.tenants import ApiKeys
 
 log = logging.getLogger("posttrain.serve")
@@ -23,6 +24,7 @@ def build_state(
     backend: str = "local",
     n_workers: int = 1,
     poll_timeout_s: float = 20.0,
+    limits: Limits | None = None,
 ) -> ServerState:
     path = Path(model_dir)
     if not (path / "config.json").exists():
@@ -30,7 +32,9 @@ def build_state(
     name = model_name or path.name
     extra = {"n_workers": n_workers, "device": "cpu"} if backend == "ray" else {}
     service = ServiceClient(backend, root_dir=root_dir, base_models=[str(path.resolve())], **extra)  # type: ignore[arg-type]
-    return ServerState(service, keys, {name: str(path.resolve())}, poll_timeout_s=poll_timeout_s)
+    return ServerState(
+        service, keys, {name: str(path.resolve())}, poll_timeout_s=poll_timeout_s, limits=limits or Limits()
+    )
 
 
 def serve(

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from posttrain.serve.app import make_app
+from posttrain.serve.limits import Limits
 from posttrain.serve.server import build_state
 from posttrain.serve.tenants import ApiKeys
 
@@ -40,7 +41,12 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     state = build_state(
-        str(tiny_model_dir), "tiny", ApiKeys(KEYS), str(tmp_path_factory.mktemp("serve")), poll_timeout_s=5
+        str(tiny_model_dir),
+        "tiny",
+        ApiKeys(KEYS),
+        str(tmp_path_factory.mktemp("serve")),
+        poll_timeout_s=5,
+        limits=Limits(adapters_per_tenant=16, adapters_total=32),  # the session's tests share the server
     )
     port = free_port()
     config = uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning")

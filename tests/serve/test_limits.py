@@ -1,0 +1,67 @@
+"""Per-tenant limits answer with a 4xx naming the limit; /metrics counts per tenant."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from fastapi import HTTPException
+
+from posttrain.serve.limits import Limits, Meter
+
+from .conftest import KEYS, Running
+
+ALICE, BOB = list(KEYS)
+SESSION = {"tags": [], "user_metadata": None, "sdk_version": "test"}
+
+
+def test_each_limit_names_itself() -> None:
+    limits = Limits(
+        max_lora_rank=8, adapters_per_tenant=1, adapters_total=2, tokens_per_request=10, queued_requests=3
+    )
+    cases = [
+        (lambda: limits.check_rank(16), 400, "max_lora_rank=8"),
+        (lambda: limits.check_adapters(1, 1), 403, "adapters_per_tenant=1"),
+        (lambda: limits.check_adapters(0, 2), 403, "adapters_total=2"),
+        (lambda: limits.check_tokens(11), 413, "tokens_per_request=10"),
+        (lambda: limits.check_queued(3), 429, "queued_requests=3"),
+    ]
+    for check, status, name in cases:
+        with pytest.raises(HTTPException) as caught:
+            check()
+        assert caught.value.status_code == status and name in caught.value.detail
+    limits.check_rank(8), limits.check_adapters(0, 1), limits.check_tokens(10), limits.check_queued(2)
+    meter = Meter(Limits(requests_per_second=2))
+    meter.admit("a"), meter.admit("a")
+    with pytest.raises(HTTPException, match="requests_per_second=2"):
+        meter.admit("a")
+    meter.admit("b")  # buckets are per tenant
+
+
+def test_the_server_enforces_limits_per_tenant_and_counts(server: Running) -> None:
+    state = server.state
+    saved = state.limits
+    state.limits = replace(saved, max_lora_rank=4, adapters_per_tenant=1)  # type: ignore[attr-defined]
+    try:
+        with server.client(BOB) as bob:
+            session_id = bob.post("/api/v1/create_session", json=SESSION).json()["session_id"]
+            create = {
+                "session_id": session_id,
+                "model_seq_id": 50,
+                "base_model": "tiny",
+                "lora_config": {"rank": 8},
+            }
+            too_big = bob.post("/api/v1/create_model", json=create)
+            assert too_big.status_code == 400 and "max_lora_rank=4" in too_big.text
+            create["lora_config"] = {"rank": 2}
+            assert bob.post("/api/v1/create_model", json=create).status_code == 200
+            create["model_seq_id"] = 51
+            second = bob.post("/api/v1/create_model", json=create)
+            assert second.status_code == 403 and "adapters_per_tenant=1" in second.text
+        metrics = server.client(None).get("/metrics").text
+        assert (
+            'posttrain_requests_total{tenant="bob",endpoint="/api/v1/create_model",status="403"} 1' in metrics
+        )
+        assert "# TYPE posttrain_requests_total counter" in metrics
+    finally:
+        state.limits = saved  # type: ignore[attr-defined]
