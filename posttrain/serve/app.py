@@ -30,7 +30,7 @@ from tinker import types
 from posttrain.client import ServiceClient
 from posttrain.client.sampling import SamplingClient
 from posttrain.client.training import TrainingClient
-from posttrain.serve.futures import FutureStore, Sequencer, UnknownRequest, failed, resolved
+from posttrain.serve.futures import FutureStore, Sequencer, UnknownRequest, failed, in_thread, resolved
 from posttrain.serve.limits import Limits, Meter
 from posttrain.serve.tenants import ApiKeys
 from posttrain.serve.wire import (
@@ -130,12 +130,8 @@ class ServerState:
         self.checkpoint_owner[client.model_id] = tenant
 
 
-def _json(model: pydantic.BaseModel) -> dict[str, Any]:
+def _json(model: Any) -> dict[str, Any]:
     return model.model_dump(mode="json", exclude_none=True)
-
-
-def _as_json(value: Any) -> dict[str, Any]:
-    return _json(value)
 
 
 def make_app(state: ServerState) -> FastAPI:
@@ -212,14 +208,12 @@ def make_app(state: ServerState) -> FastAPI:
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities(request: Request) -> dict:
         await tenant_of(request)
-        service = state.service
         models = [
             types.SupportedModel(
                 model_name=name, max_context_length=_context(path), trainable=True, sampleable=True
             )
             for name, path in state.served.items()
         ]
-        del service
         return _json(types.GetServerCapabilitiesResponse(supported_models=models))
 
     @app.post("/api/v1/create_session")
@@ -268,8 +262,8 @@ def make_app(state: ServerState) -> FastAPI:
                 state.creating.pop(model_id, None)
             return types.CreateModelResponse(model_id=model_id)
 
-        future = _in_thread(create)
-        return submitted(tenant, "create_model", future, _as_json, model_id=model_id)
+        future = in_thread(create)
+        return submitted(tenant, "create_model", future, _json, model_id=model_id)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict:
@@ -322,7 +316,7 @@ def make_app(state: ServerState) -> FastAPI:
                 raise ValueError(f"optimizer {type(params).__name__} is not supported; use AdamParams")
             return model.client.optim_step(params)
 
-        return in_order(body.model_id, body.seq_id, tenant, "optim_step", start, _as_json)
+        return in_order(body.model_id, body.seq_id, tenant, "optim_step", start, _json)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict:
@@ -336,7 +330,7 @@ def make_app(state: ServerState) -> FastAPI:
             tenant,
             "save_weights",
             lambda: model.client.save_state(name),
-            _as_json,
+            _json,
         )
 
     @app.post("/api/v1/save_weights_for_sampler")
@@ -355,7 +349,7 @@ def make_app(state: ServerState) -> FastAPI:
             state.samplers[sampler_id] = Sampler(tenant, client, model.base_name)
             return resolved(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id))
 
-        return in_order(body.model_id, body.seq_id, tenant, "save_weights_for_sampler", start, _as_json)
+        return in_order(body.model_id, body.seq_id, tenant, "save_weights_for_sampler", start, _json)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -366,7 +360,7 @@ def make_app(state: ServerState) -> FastAPI:
             model = state.model(body.model_id, tenant)
             load = model.client.load_state_with_optimizer if body.optimizer else model.client.load_state
             return in_order(
-                body.model_id, body.seq_id, tenant, "load_weights", lambda: load(body.path), _as_json
+                body.model_id, body.seq_id, tenant, "load_weights", lambda: load(body.path), _json
             )
         if body.session_id is None or body.model_seq_id is None:
             raise HTTPException(400, "load_weights needs model_id + seq_id, or session_id + model_seq_id")
@@ -386,12 +380,13 @@ def make_app(state: ServerState) -> FastAPI:
             finally:
                 state.creating.pop(model_id, None)
             base_name = next(
-                (n for n, p in state.served.items() if Path(p) == Path(client._model.base_model)), ""
+                (n for n, p in state.served.items() if Path(p) == Path(client.get_info().model_name or "")),
+                "",
             )
             state.add_model(model_id, tenant, client, base_name)
             return types.LoadWeightsResponse(path=body.path, model_id=model_id)
 
-        return submitted(tenant, "load_weights", _in_thread(create), _as_json, model_id=model_id)
+        return submitted(tenant, "load_weights", in_thread(create), _json, model_id=model_id)
 
     # ---- sampling -----------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
@@ -483,21 +478,3 @@ def _context(path: str) -> int | None:
     from posttrain.models import load_config
 
     return getattr(load_config(path), "max_position_embeddings", None)
-
-
-def _in_thread(fn: Callable[[], Any]) -> Any:
-    """Run a blocking creation off the event loop; its future."""
-    import concurrent.futures
-
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - delivered to the poller
-            future.set_exception(exc)
-
-    import threading
-
-    threading.Thread(target=run, daemon=True).start()
-    return future

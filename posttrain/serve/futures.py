@@ -57,9 +57,6 @@ class FutureStore:
     def pending(self) -> list[Request]:
         return [r for r in list(self._requests.values()) if not r.future.done()]
 
-    def forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
     @staticmethod
     async def wait(request: Request, timeout: float) -> bool:
         """Whether the request finished within `timeout` seconds (the long poll)."""
@@ -84,6 +81,20 @@ def as_concurrent(future: Any) -> concurrent.futures.Future[Any]:
 def failed(exc: BaseException) -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_exception(exc)
+    return future
+
+
+def in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """Run a blocking call (a model's creation) on a thread of its own, off the event loop; its future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - delivered to the poller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
     return future
 
 

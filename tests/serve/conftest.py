@@ -18,6 +18,7 @@ from posttrain.serve.limits import Limits
 from posttrain.serve.server import build_state
 from posttrain.serve.tenants import ApiKeys
 
+SESSION = {"tags": [], "user_metadata": None, "sdk_version": "test"}  # a create_session body
 KEYS = {"tml-alice-0123456789abcdef": "alice", "tml-bob-0123456789abcdefgh": "bob"}
 
 

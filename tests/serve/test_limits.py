@@ -9,10 +9,9 @@ from fastapi import HTTPException
 
 from posttrain.serve.limits import Limits, Meter
 
-from .conftest import KEYS, Running
+from .conftest import KEYS, SESSION, Running
 
 ALICE, BOB = list(KEYS)
-SESSION = {"tags": [], "user_metadata": None, "sdk_version": "test"}
 
 
 def test_each_limit_names_itself() -> None:

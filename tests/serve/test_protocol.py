@@ -17,10 +17,9 @@ from posttrain.serve.wire import (
     encode_sample_response,
 )
 
-from .conftest import KEYS, Running
+from .conftest import KEYS, SESSION, Running
 
 ALICE, _ = list(KEYS)
-SESSION = {"tags": [], "user_metadata": None, "sdk_version": "test"}
 
 
 def test_forward_backward_requests_and_results_round_trip_through_the_sdk_codecs() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import KEYS, Running
+from .conftest import KEYS, SESSION, Running
 
 ALICE, BOB = list(KEYS)
 SCRIPT = Path(__file__).with_name("sdk_script.py")
@@ -49,9 +49,7 @@ def test_another_tenant_reaches_nothing_of_alice(server: Running, alice_run: dic
         assert (
             bob.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}).status_code == 404
         )
-        session = bob.post(
-            "/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}
-        )
+        session = bob.post("/api/v1/create_session", json=SESSION)
         session_id = session.json()["session_id"]
         load = {
             "session_id": session_id,
@@ -71,8 +69,6 @@ def test_another_tenant_reaches_nothing_of_alice(server: Running, alice_run: dic
         }
         assert bob.post("/api/v1/optim_step", json=step).status_code == 404
         # alice's own session works with her own path
-        own = alice.post(
-            "/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}
-        )
+        own = alice.post("/api/v1/create_session", json=SESSION)
         load["session_id"] = own.json()["session_id"]
         assert alice.post("/api/v1/load_weights", json=load).status_code == 200
