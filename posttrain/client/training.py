@@ -135,14 +135,26 @@ class TrainingClient(ResolvedFuture):
     # ---- state ---------------------------------------------------------------------------------
     def save_state(self, name: str, ttl_seconds: int | None = None) -> AwaitableConcurrentFuture[Any]:
         """Weights and optimizer state under `tinker://<model_id>/weights/<name>`."""
-        folder = self._backend.checkpoint_dir(self.model_id, "weights", name)
-        path = self._backend.tinker_path(self.model_id, "weights", name)
-        group, model_id = self._backend.group, self.model_id
+        return self._save(
+            "weights", name, ttl_seconds, self._backend.group.save_state, types.SaveWeightsResponse
+        )
 
-        def run() -> types.SaveWeightsResponse:
+    def _save(
+        self, kind: str, name: str, ttl_seconds: int | None, write: Any, response: Any
+    ) -> AwaitableConcurrentFuture[Any]:
+        """Write `kind` checkpoint `name` with `write(model_id, folder)` in call order; its tinker path."""
+        if ttl_seconds is not None:
+            raise ValueError(
+                "ttl_seconds: checkpoints here do not expire (they stay until deleted); pass None"
+            )
+        folder = self._backend.checkpoint_dir(self.model_id, kind, name)
+        path = self._backend.tinker_path(self.model_id, kind, name)
+        model_id = self.model_id
+
+        def run() -> Any:
             folder.mkdir(parents=True, exist_ok=True)
-            group.save_state(model_id, folder)
-            return types.SaveWeightsResponse(path=path)
+            write(model_id, folder)
+            return response(path=path)
 
         return self._backend.submit(run)
 
@@ -172,16 +184,13 @@ class TrainingClient(ResolvedFuture):
         self, name: str, ttl_seconds: int | None = None
     ) -> AwaitableConcurrentFuture[Any]:
         """The current weights (LoRA merged) as a sampler checkpoint `tinker://<model_id>/sampler_weights/<name>`."""
-        folder = self._backend.checkpoint_dir(self.model_id, "sampler_weights", name)
-        path = self._backend.tinker_path(self.model_id, "sampler_weights", name)
-        group, model_id = self._backend.group, self.model_id
-
-        def run() -> types.SaveWeightsForSamplerResponse:
-            folder.mkdir(parents=True, exist_ok=True)
-            group.export_sampler_weights(model_id, folder)
-            return types.SaveWeightsForSamplerResponse(path=path)
-
-        return self._backend.submit(run)
+        return self._save(
+            "sampler_weights",
+            name,
+            ttl_seconds,
+            self._backend.group.export_sampler_weights,
+            types.SaveWeightsForSamplerResponse,
+        )
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """A sampler with the current weights, copied in-process (no disk round trip); later training does

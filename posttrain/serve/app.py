@@ -329,7 +329,7 @@ def make_app(state: ServerState) -> FastAPI:
             body.seq_id,
             tenant,
             "save_weights",
-            lambda: model.client.save_state(name),
+            lambda: model.client.save_state(name, body.ttl_seconds),
             _json,
         )
 
@@ -343,7 +343,7 @@ def make_app(state: ServerState) -> FastAPI:
 
         def start() -> Any:
             if body.path is not None:
-                return model.client.save_weights_for_sampler(body.path)
+                return model.client.save_weights_for_sampler(body.path, body.ttl_seconds)
             sampler_id = f"{body.model_id}:sample:{body.sampling_session_seq_id}"
             client = model.client.save_weights_and_get_sampling_client()
             state.samplers[sampler_id] = Sampler(tenant, client, model.base_name)

@@ -210,6 +210,8 @@ def test_bad_calls_are_clear_errors(service: tinker.ServiceClient, tiny_model_di
     good = sft_datum(tok, "2+2=4")
     with pytest.raises(ValueError, match="unknown loss function 'grpo'; valid: .*cross_entropy"):
         tc.forward_backward([good], "grpo")
+    with pytest.raises(ValueError, match="ttl_seconds: checkpoints here do not expire"):
+        tc.save_state("kept", ttl_seconds=60)
     bad_key = types.Datum(
         model_input=good.model_input,
         loss_fn_inputs={**good.loss_fn_inputs, "mask": good.loss_fn_inputs["weights"]},
