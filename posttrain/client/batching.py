@@ -96,6 +96,54 @@ def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:
     return Batch.from_dict(tensors)
 
 
+def loss_inputs(batch: Batch) -> tuple[str, ...]:
+    """The names of a request batch's loss inputs besides `target_tokens` (its `api_in_*` columns)."""
+    return tuple(
+        k.removeprefix(keys.API_INPUT_PREFIX) for k in batch.keys() if k.startswith(keys.API_INPUT_PREFIX)
+    )
+
+
+def merge_batches(batches: Sequence[Batch]) -> Batch:
+    """The requests of several adapters as one batch for a shared pass: rows of request k get
+    `api_adapter` = k, every row is right-padded to the widest, and a loss input only some requests have is
+    zero elsewhere (each adapter's loss reads only its own request's inputs: `ApiLossSpec.inputs`).
+
+    Each request is already padded to a multiple of the workers, so the merged one is too; where a request's
+    rows land among the ranks does not matter (each rank's gradient sum is averaged over ranks, and scaled
+    by their number)."""
+    width = max(b[keys.INPUT_IDS].shape[1] for b in batches)
+    names = sorted({k for b in batches for k in b.keys()})
+    parts = []
+    for k, batch in enumerate(batches):
+        columns: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name in batch:
+                value = batch[name]
+            else:  # an input this request does not have (zeros, never read)
+                value = torch.zeros(len(batch), width, dtype=torch.float32)
+            if value.dim() == 2 and value.shape[1] < width:
+                value = torch.nn.functional.pad(value, (0, width - value.shape[1]))
+            columns[name] = value
+        columns[keys.API_ADAPTER] = torch.full((len(batch),), k, dtype=torch.long)
+        parts.append(Batch.from_dict(columns))
+    return Batch.concat(parts)
+
+
+def split_output(out: Batch, merged: Batch, batches: Sequence[Batch]) -> list[Batch]:
+    """The outputs of a shared pass, per request, in each request's own row order and width."""
+    slots = merged[keys.API_ADAPTER]
+    results = []
+    for k, batch in enumerate(batches):
+        rows = out.index(torch.nonzero(slots == k).squeeze(1))
+        width = batch[keys.INPUT_IDS].shape[1]
+        results.append(
+            Batch.from_dict(
+                {keys.API_LOGPROBS: rows[keys.API_LOGPROBS][:, :width], keys.API_LOSS: rows[keys.API_LOSS]}
+            )
+        )
+    return results
+
+
 def forward_output(data: Sequence[types.Datum], batch: Batch, out: Batch) -> types.ForwardBackwardOutput:
     """Per-datum `logprobs` (float32, the shape of its `target_tokens`) and `loss:sum`, in the order of
     `data` (`out`'s rows are in `batch`'s order, whose `api_row` says which datum each is)."""

@@ -194,6 +194,12 @@ class ApiGroup(RoleGroup):
     def forward_backward(self, model_id: str, batch: Batch, loss: ApiLossSpec) -> Batch:
         return self._batch("forward_backward", model_id, batch, loss)
 
+    def forward_routed(self, model_ids: list[str], batch: Batch, losses: list[ApiLossSpec]) -> Batch:
+        return self._batch("forward_routed", model_ids, batch, losses)
+
+    def forward_backward_routed(self, model_ids: list[str], batch: Batch, losses: list[ApiLossSpec]) -> Batch:
+        return self._batch("forward_backward_routed", model_ids, batch, losses)
+
     def optim_step(self, model_id: str, params: OptimConfig) -> Metrics:
         return self._metrics("optim_step", model_id, params)
 

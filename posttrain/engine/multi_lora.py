@@ -10,6 +10,13 @@ rank (their gradients are averaged across ranks in `AdapterModel.optim_step`). T
 scale are peft's (A ~ kaiming-uniform(a=sqrt(5)), B = 0), and an adapter is saved in peft's format
 (`adapter_config.json` + `adapter_model.safetensors`), so peft (and vLLM) load what this writes and the
 tests use peft as the oracle.
+
+Several adapters can also share one pass (`MultiLora.routed`): every token of the model's input carries the
+index of the adapter it runs under (`set_routes`), each hook gathers the tokens of each adapter, computes
+that adapter's delta on them alone and adds it back in place (one base matmul for everyone, one small LoRA
+matmul per adapter). As long as no sequence mixes adapters (attention only mixes tokens of one sequence),
+every token's output, and so every adapter's gradient, is what a pass of that adapter alone gives (tinker's
+"clock cycle" batching of many LoRA tenants; peft refuses mixed-adapter batches in training).
 """
 
 from __future__ import annotations
@@ -142,11 +149,39 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+class TokenRoutes:
+    """Which adapter each position of a pass's input runs under: flat token indices per adapter, for the
+    model's full input and for the positions the LM head keeps (`packing.packed_model_output` shows the head
+    only those)."""
+
+    def __init__(self, slots: torch.Tensor, head_slots: torch.Tensor | None, count: int) -> None:
+        self.numel = slots.numel()
+        self.tokens = [torch.nonzero(slots == k).squeeze(1) for k in range(count)]
+        self.head_numel = head_slots.numel() if head_slots is not None else -1
+        self.head_tokens = (
+            [torch.nonzero(head_slots == k).squeeze(1) for k in range(count)]
+            if head_slots is not None
+            else []
+        )
+
+    def indices(self, positions: int) -> list[torch.Tensor]:
+        if positions == self.numel:
+            return self.tokens
+        if positions == self.head_numel:
+            return self.head_tokens
+        raise RuntimeError(
+            f"a routed layer saw {positions} positions; the routes cover {self.numel} (or {self.head_numel} "
+            "at the LM head): set_routes must describe the model's input of this pass"
+        )
+
+
 class MultiLora:
-    """Adapters by name over one base model; `use(name)` makes one the active adapter of the passes inside.
+    """Adapters by name over one base model; `use(name)` makes one the active adapter of the passes inside,
+    `routed(names)` lets several share a pass (token by token, `set_routes`).
 
     One forward hook per adapted linear layer (installed when the first adapter targets it); outside `use`
-    the hooks add nothing, so the base model is exactly itself (the reference policy, a base sampler).
+    and `routed` the hooks add nothing, so the base model is exactly itself (the reference policy, a base
+    sampler).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -154,6 +189,8 @@ class MultiLora:
         self.adapters: dict[str, LoraAdapter] = {}
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._active: LoraAdapter | None = None
+        self._routed: list[LoraAdapter] | None = None
+        self._routes: TokenRoutes | None = None
 
     def add(
         self, name: str, spec: AdapterSpec, dtype: torch.dtype, device: torch.device, seed: int | None
@@ -174,12 +211,58 @@ class MultiLora:
 
     def _hook(self, module_name: str):  # noqa: ANN202
         def add_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            if self._routed is not None:
+                return self._routed_delta(module_name, args[0], out)
             adapter = self._active
             if adapter is None or _key(module_name) not in adapter.lora_a:
                 return out
             return out + adapter.delta(module_name, args[0]).to(out.dtype)
 
         return add_delta
+
+    def _routed_delta(self, module_name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` plus, for each routed adapter that adapts this layer, its delta on its own tokens only."""
+        if self._routes is None:
+            raise RuntimeError("a routed pass ran before set_routes described its tokens")
+        assert self._routed is not None
+        flat_x = x.reshape(-1, x.shape[-1])
+        deltas: torch.Tensor | None = None
+        for adapter, tokens in zip(self._routed, self._routes.indices(flat_x.shape[0]), strict=True):
+            if tokens.numel() and _key(module_name) in adapter.lora_a:
+                delta = adapter.delta(module_name, flat_x.index_select(0, tokens)).to(out.dtype)
+                if deltas is None:
+                    deltas = out.new_zeros(flat_x.shape[0], out.shape[-1])
+                deltas = deltas.index_add(0, tokens, delta)
+        return out if deltas is None else out + deltas.view(out.shape)
+
+    @contextlib.contextmanager
+    def routed(self, names: list[str]) -> Iterator[None]:
+        """Passes inside run with several adapters at once: adapter `names[k]` on the tokens routed to k.
+
+        Each pass must first say which token runs under which adapter (`set_routes`); the routes stay set
+        until the next call, so a backward that recomputes activations (gradient checkpointing) sees them.
+        """
+        missing = [n for n in names if n not in self.adapters]
+        if missing:
+            raise ConfigError(f"no adapter {missing[0]!r}")
+        if self._active is not None or self._routed is not None:
+            raise RuntimeError("a routed pass cannot nest inside another adapter context")
+        self._routed, self._routes = [self.adapters[n] for n in names], None
+        try:
+            yield
+        finally:
+            self._routed, self._routes = None, None
+
+    def set_routes(self, slots: torch.Tensor, head_slots: torch.Tensor | None = None) -> None:
+        """The adapter index (into `routed`'s names; -1 = none, the base alone) of every position of the
+        model's next input, flattened, and of the positions its LM head keeps (None: it keeps them all)."""
+        if self._routed is None:
+            raise RuntimeError("set_routes outside MultiLora.routed")
+        self._routes = TokenRoutes(slots, head_slots, len(self._routed))
+
+    @property
+    def routing(self) -> bool:
+        return self._routed is not None
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[LoraAdapter]:

@@ -10,6 +10,7 @@ no compute is spent on padding beyond the tail of each packed row. Pure tensor c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,10 @@ from torch import nn
 from posttrain.data.partition import first_fit_decreasing
 from posttrain.engine.log_probs import chunked_log_probs_and_entropy, token_log_probs
 from posttrain.engine.shared_prompt import (
+    PrefixGroup,
     additive_mask,
     detect_shared_prefixes,
+    detect_shared_prefixes_within,
     has_shared_prompts,
     pack_prefix_groups,
     pack_shared_prompts,
@@ -119,6 +122,15 @@ def unpack_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Routes:
+    """Rows of several adapters in one pass: each row's adapter index, and the hook that routes tokens
+    (`MultiLora.set_routes(position_slots, kept_position_slots)`)."""
+
+    row_slots: torch.Tensor  # (B,) long
+    set_routes: Callable[[torch.Tensor, torch.Tensor | None], None]
+
+
+@dataclass(frozen=True)
 class PackingOptions:
     """How response outputs are computed: row width, shared prompts (and how the mask is given)."""
 
@@ -207,6 +219,7 @@ def packed_target_log_probs(
     targets: torch.Tensor,
     options: PackingOptions,
     temperature: float = 1.0,
+    routes: Routes | None = None,
 ) -> torch.Tensor:
     """`log_probs.target_log_probs` on packed sequences: (B, T) log-prob of `targets[:, i]` at every real
     position i of `input_ids` (the explicit API's layout, where the target need not be the next input).
@@ -216,10 +229,18 @@ def packed_target_log_probs(
     (`shared_prompt.detect_shared_prefixes`). The outputs at a shared position are the same for every row
     of the group; each row gathers its own target from them, so the vocabulary-wide log-softmax runs once
     per distinct packed position, not once per row.
+
+    `routes`: rows of several LoRA adapters in one pass (`multi_lora.MultiLora.routed`): row i runs under
+    adapter `routes.row_slots[i]`; only rows of one adapter share a prefix, and `routes.set_routes` learns
+    the adapter of every packed position before the model runs.
     """
     device = input_ids.device
     sequences, _ = real_tokens(input_ids, attention_mask)
-    groups = detect_shared_prefixes(sequences) if options.share_prompt else []
+    groups: list[PrefixGroup] = []
+    if options.share_prompt and routes is not None:
+        groups = detect_shared_prefixes_within(sequences, routes.row_slots.tolist())
+    elif options.share_prompt:
+        groups = detect_shared_prefixes(sequences)
     mask: torch.Tensor | None = None
     if any(len(g.rows) > 1 and g.prefix_len > 0 for g in groups):
         shared = pack_prefix_groups(sequences, groups, options.row_tokens, device)
@@ -237,6 +258,11 @@ def packed_target_log_probs(
         ids, positions = layout.input_ids, layout.position_ids
         cell_pos = layout.flat_pos[attention_mask.bool()]
     keep, inverse = torch.unique(cell_pos, return_inverse=True)
+    if routes is not None:  # every real cell's adapter at its packed position; filler runs under none
+        slots = torch.full((ids.numel(),), -1, dtype=torch.long, device=device)
+        cell_rows = torch.nonzero(attention_mask.bool())[:, 0]
+        slots[cell_pos] = routes.row_slots.to(device)[cell_rows]
+        routes.set_routes(slots, slots[keep])
     logits = packed_model_output(model, ids, positions, mask, keep=keep).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature

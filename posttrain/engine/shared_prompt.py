@@ -87,6 +87,17 @@ class PrefixGroup:
     prefix_len: int
 
 
+def detect_shared_prefixes_within(sequences: list[list[int]], labels: list[int]) -> list[PrefixGroup]:
+    """`detect_shared_prefixes` among the rows of each label separately: rows of different labels (tokens of
+    different LoRA adapters in one pass) never share a prefix, whose outputs would differ between them."""
+    groups: list[PrefixGroup] = []
+    for label in sorted(set(labels)):
+        rows = [i for i, x in enumerate(labels) if x == label]
+        for group in detect_shared_prefixes([sequences[i] for i in rows]):
+            groups.append(PrefixGroup([rows[i] for i in group.rows], group.prefix_len))
+    return groups
+
+
 def detect_shared_prefixes(sequences: list[list[int]]) -> list[PrefixGroup]:
     """Rows grouped so that the prefix tokens computed once are as many as possible (detected, not declared).
 

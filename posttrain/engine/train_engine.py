@@ -38,6 +38,7 @@ from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_wei
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.packing import (
     PackingOptions,
+    Routes,
     packed_next_token_log_probs,
     packed_response_log_probs,
     packed_response_values,
@@ -236,10 +237,17 @@ class TrainEngine:
         ids, mask, targets = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.TARGET_TOKENS]
         if self.config.head != "lm":
             raise ConfigError("target log-probs need the lm head")
+        routes = None
+        if self.adapters is not None and self.adapters.routing:  # several adapters' rows in one pass
+            if keys.API_ADAPTER not in mb:
+                raise ConfigError(f"a routed pass needs each row's adapter ({keys.API_ADAPTER})")
+            routes = Routes(mb[keys.API_ADAPTER], self.adapters.set_routes)
         if self.config.remove_padding:
             return packed_target_log_probs(
-                self.model, ids, mask, targets, self._packing_options(), temperature
+                self.model, ids, mask, targets, self._packing_options(), temperature, routes
             )
+        if routes is not None:
+            routes.set_routes(routes.row_slots[:, None].expand_as(ids).reshape(-1), None)
         return target_log_probs(self.model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
 
     def _packing_options(self) -> PackingOptions:

@@ -176,6 +176,42 @@ class ApiWorker:
         engine.forward_backward(batch, loss_fn)
         return _row_outputs(batch, outputs)
 
+    # ---- several adapters in one pass ---------------------------------------------------------
+    def _routed_models(self, model_ids: list[str]) -> list[AdapterModel]:
+        models = [self._model(m) for m in model_ids]
+        if len(set(model_ids)) != len(model_ids) or not all(isinstance(m, AdapterModel) for m in models):
+            raise ConfigError("a shared pass takes distinct LoRA adapters of the shared base model")
+        return models  # type: ignore[return-value]
+
+    def forward_routed(self, model_ids: list[str], batch: Batch, losses: list[ApiLossSpec]) -> Batch:
+        """`forward` of several adapters in one pass over the shared base: row i runs under adapter
+        `model_ids[batch["api_adapter"][i]]` with that adapter's loss. Outputs in the batch's row order."""
+        models = self._routed_models(model_ids)
+        assert self.base is not None and self.base.adapters is not None
+        batch = _positions_as_rows(batch)
+        with self.base.adapters.routed([m.name for m in models]):
+            log_probs = self.base.compute_log_prob(batch)
+        outputs: dict[int, tuple[torch.Tensor, float]] = {}
+        with torch.no_grad():
+            _routed_loss(losses, log_probs, batch, outputs)
+        return _row_outputs(batch, outputs)
+
+    def forward_backward_routed(self, model_ids: list[str], batch: Batch, losses: list[ApiLossSpec]) -> Batch:
+        """`forward_backward` of several adapters in one pass (one base forward and backward for all, each
+        adapter's delta on its own tokens): each adapter's gradients are those of its rows and loss alone,
+        since no sequence mixes adapters and the adapters share no parameter."""
+        models = self._routed_models(model_ids)
+        assert self.base is not None and self.base.adapters is not None
+        batch = _positions_as_rows(batch)
+        outputs: dict[int, tuple[torch.Tensor, float]] = {}
+
+        def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch) -> Any:
+            return _routed_loss(losses, log_probs, mb, outputs) * self.base.dp_size, {}  # type: ignore[union-attr]
+
+        with self.base.adapters.routed([m.name for m in models]):
+            self.base.forward_backward(batch, loss_fn)
+        return _row_outputs(batch, outputs)
+
     def optim_step(self, model_id: str, params: OptimConfig) -> dict[str, float]:
         return self._model(model_id).optim_step(params)
 
@@ -270,6 +306,9 @@ class ApiLossSpec:
 
     name: str
     config: dict[str, float | str] = field(default_factory=dict)
+    # the loss inputs (besides target_tokens) of the request, in a batch merged from several requests whose
+    # other columns it must not read; None: every `api_in_*` column of the batch
+    inputs: tuple[str, ...] | None = None
 
 
 def api_loss(
@@ -280,13 +319,8 @@ def api_loss(
     padding rows count 0. Each row's detached log-probs and loss go to `outputs` by its `api_row`."""
     mask, valid, rows = mb[keys.ATTENTION_MASK], mb[keys.API_VALID], mb[keys.API_ROW]
     inputs = {keys.TARGET_TOKENS: mb[keys.TARGET_TOKENS]}
-    inputs.update(
-        {
-            k.removeprefix(keys.API_INPUT_PREFIX): mb[k]
-            for k in mb.keys()
-            if k.startswith(keys.API_INPUT_PREFIX)
-        }
-    )
+    names = [k.removeprefix(keys.API_INPUT_PREFIX) for k in mb.keys() if k.startswith(keys.API_INPUT_PREFIX)]
+    inputs.update({k: mb[keys.API_INPUT_PREFIX + k] for k in names if spec.inputs is None or k in spec.inputs})
     per_token, _ = API_LOSSES.get(spec.name)(log_probs, inputs, **spec.config)
     row_loss = (per_token * mask).sum(-1) * valid
     lengths = mask.sum(-1).tolist()
@@ -294,6 +328,29 @@ def api_loss(
     for i, row in enumerate(rows.tolist()):
         outputs[int(row)] = (detached[i, : int(lengths[i])], float(losses[i]))
     return row_loss.sum()
+
+
+def _positions_as_rows(batch: Batch) -> Batch:
+    """The batch with `api_row` = each row's position: rows of several requests (whose `api_row`s repeat)
+    then have one key each, and `_row_outputs` returns them in the batch's order."""
+    renumbered = batch.index(torch.arange(len(batch)))  # a copy: the caller's batch stays as it was
+    renumbered.set(keys.API_ROW, torch.arange(len(batch)))
+    return renumbered
+
+
+def _routed_loss(
+    losses: list[ApiLossSpec],
+    log_probs: torch.Tensor,
+    mb: Batch,
+    outputs: dict[int, tuple[torch.Tensor, float]],
+) -> torch.Tensor:
+    """The sum of each adapter's own loss over its own rows of the micro-batch."""
+    slots = mb[keys.API_ADAPTER]
+    total = log_probs.new_zeros(())
+    for k in torch.unique(slots).tolist():
+        rows = torch.nonzero(slots == k).squeeze(1)
+        total = total + api_loss(losses[int(k)], log_probs[rows], mb.index(rows), outputs)
+    return total
 
 
 def _row_outputs(batch: Batch, rows: dict[int, tuple[torch.Tensor, float]]) -> Batch:

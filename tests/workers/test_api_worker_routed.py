@@ -1,0 +1,103 @@
+"""Several LoRA adapters in one pass over the shared base (ApiWorker.*_routed): the same log-probs, losses and
+gradients as each adapter run alone, including rows that are identical across adapters (which must not
+share a prefix) and rows of one adapter that do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tinker import types
+
+from posttrain.client.batching import datums_to_batch, loss_inputs, merge_batches, split_output
+from posttrain.data import keys
+from posttrain.engine.adapter_model import AdapterModel
+from posttrain.workers.api_worker import ApiLossSpec, ApiWorker, ApiWorkerSpec, ModelSpec
+
+PROMPT = [5, 17, 23, 42, 8, 9, 31]
+
+
+def datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
+    targets = tokens[1:] + [3]
+    loss_inputs = {"target_tokens": types.TensorData(data=targets, dtype="int64", shape=[len(tokens)])}
+    for name, values in inputs.items():
+        loss_inputs[name] = types.TensorData(data=values, dtype="float32", shape=[len(tokens)])
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=loss_inputs)
+
+
+def requests() -> list[tuple[list[types.Datum], ApiLossSpec]]:
+    gen = torch.Generator().manual_seed(0)
+
+    def tail(n: int) -> list[int]:
+        return torch.randint(4, 200, (n,), generator=gen).tolist()
+
+    def weights(n: int) -> list[float]:
+        return torch.rand(n, generator=gen).tolist()
+
+    sft = [datum(t, weights=weights(len(t))) for t in (PROMPT + tail(5), PROMPT + tail(3), tail(9), PROMPT)]
+    rl = []
+    for t in (PROMPT + tail(4), PROMPT, tail(6)):  # PROMPT alone: the same tokens as a row of `sft`
+        n = len(t)
+        rl.append(datum(t, logprobs=(-torch.rand(n, generator=gen)).tolist(), advantages=weights(n)))
+    ppo = [datum(PROMPT + tail(2), logprobs=[-1.0] * 9, advantages=[0.5] * 9)]
+    return [
+        (sft, ApiLossSpec("cross_entropy")),
+        (rl, ApiLossSpec("importance_sampling")),
+        (ppo, ApiLossSpec("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})),
+    ]
+
+
+@pytest.fixture()
+def worker(tiny_model_dir: Path) -> ApiWorker:
+    worker = ApiWorker(ApiWorkerSpec(micro_batch_size=4))  # several micro-batches in the shared pass
+    for k in range(3):
+        worker.create_model(f"m{k}", ModelSpec(str(tiny_model_dir), lora_rank=4, seed=k))
+        model = worker.models[f"m{k}"]
+        assert isinstance(model, AdapterModel)
+        with torch.no_grad():
+            for b in model.adapter.lora_b.values():
+                b.normal_(0.0, 0.2)  # B = 0 would hide a delta applied to the wrong tokens
+    return worker
+
+
+def grads(worker: ApiWorker, model_id: str) -> dict[str, torch.Tensor]:
+    model = worker.models[model_id]
+    assert isinstance(model, AdapterModel)
+    out = {n: p.grad.clone() for n, p in model.adapter.named_parameters() if p.grad is not None}
+    model.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("verb", ["forward", "forward_backward"])
+def test_a_shared_pass_equals_each_adapter_alone(worker: ApiWorker, verb: str) -> None:
+    ids = ["m0", "m1", "m2"]
+    batches = [datums_to_batch(data) for data, _ in requests()]
+    losses = [spec for _, spec in requests()]
+    alone = [getattr(worker, verb)(m, b, spec) for m, b, spec in zip(ids, batches, losses, strict=True)]
+    alone_grads = [grads(worker, m) for m in ids]
+
+    merged = merge_batches(batches)
+    specs = [ApiLossSpec(s.name, s.config, loss_inputs(b)) for s, b in zip(losses, batches, strict=True)]
+    together = split_output(getattr(worker, f"{verb}_routed")(ids, merged, specs), merged, batches)
+    for one, shared, batch in zip(alone, together, batches, strict=True):
+        valid = batch[keys.ATTENTION_MASK].bool()
+        assert one[keys.API_LOGPROBS][valid].abs().sum() > 0
+        torch.testing.assert_close(
+            shared[keys.API_LOGPROBS][valid], one[keys.API_LOGPROBS][valid], atol=2e-5, rtol=0
+        )
+        torch.testing.assert_close(shared[keys.API_LOSS], one[keys.API_LOSS], atol=2e-5, rtol=1e-5)
+    for m, before in zip(ids, alone_grads, strict=True):
+        after = grads(worker, m)
+        assert after.keys() == before.keys()
+        assert (verb == "forward") == (not after)
+        for name in before:
+            torch.testing.assert_close(after[name], before[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_shared_pass_takes_distinct_adapters_only(worker: ApiWorker) -> None:
+    (data, spec), *_ = requests()
+    batch = datums_to_batch(data)
+    merged = merge_batches([batch, batch])
+    with pytest.raises(Exception, match="distinct LoRA adapters"):
+        worker.forward_routed(["m0", "m0"], merged, [spec, spec])
