@@ -1,7 +1,8 @@
 """Where the explicit API's work runs: an `ApiWorker` group in this process (`local`) or on Ray (`ray`).
 
-A backend owns the worker group, one thread that runs every call in submission order (so a client's
-`forward_backward` then `optim_step` pipeline without the caller waiting, and never reorder), the ids of
+A backend owns the worker group, one queue that runs every call in submission order (so a client's
+`forward_backward` then `optim_step` pipeline without the caller waiting, and never reorder; waiting passes
+of different LoRA adapters share one pass over the base: `call_queue.py`), the ids of
 models and samplers, the tenancy rule (LoRA clients share one base model; a full-weight client has the
 backend to itself) and the folder of saved states. tinker paths (`tinker://<model_id>/weights/<name>`) are
 resolved inside that folder only: ids and names are checked, never joined as given.
@@ -14,23 +15,32 @@ import itertools
 import re
 import threading
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import numpy as np
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from posttrain.client.batching import prompt_rows, prompts_batch, sampled_sequences
+from posttrain.client.batching import (
+    loss_inputs,
+    merge_batches,
+    prompt_rows,
+    prompts_batch,
+    sampled_sequences,
+    split_output,
+)
+from posttrain.client.call_queue import BARRIER, CallQueue, SharedCall
 from posttrain.config.schema import RayConfig
 from posttrain.controller.placement import RoleRequest, start_role_groups
 from posttrain.controller.roles import ApiGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
+from posttrain.data.batch import Batch
 from posttrain.rollout.base import SamplingParams
-from posttrain.workers.api_worker import ApiWorker, ApiWorkerSpec, ModelSpec
+from posttrain.workers.api_worker import ApiLossSpec, ApiWorker, ApiWorkerSpec, ModelSpec
 
 T = TypeVar("T")
 BackendName = Literal["local", "ray"]
@@ -62,6 +72,18 @@ class SampleRequest:
     num_samples: int
     include_prompt_logprobs: bool
     request_id: str
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One `forward` or `forward_backward` request of a model: its batch and loss, and how the worker's
+    output becomes the caller's result."""
+
+    verb: str  # "forward" or "forward_backward"
+    model_id: str
+    batch: Batch
+    loss: ApiLossSpec
+    finish: Callable[[Batch], Any]
 
 
 @dataclass
@@ -109,14 +131,36 @@ class Backend:
             self.group = ApiGroup(started["api"])
         self.world_size = self.group.world_size
         self.models: dict[str, ModelSpec] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-api")
+        self.calls = CallQueue(self._run_passes, worker.shared_pass_tokens)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, SamplingParams], list[_Pending]] = {}
 
     # ---- ordering ------------------------------------------------------------------------------
-    def submit(self, fn: Callable[[], T]) -> AwaitableConcurrentFuture[T]:
-        """Run `fn` on the backend's thread after everything submitted before it; a future at once."""
-        return AwaitableConcurrentFuture(self._executor.submit(fn))
+    def submit(self, fn: Callable[[], T], model_id: str | None = BARRIER) -> AwaitableConcurrentFuture[T]:
+        """Run `fn` on the backend's thread after everything submitted before it; a future at once.
+        `model_id`: the one model `fn` touches (another model's pass may then go ahead of it)."""
+        return AwaitableConcurrentFuture(self.calls.submit(fn, model_id))
+
+    def submit_pass(self, request: Pass) -> AwaitableConcurrentFuture[Any]:
+        """Queue a forward pass; a LoRA adapter's may share one pass with other adapters' waiting ones."""
+        lora = self.models[request.model_id].lora_rank > 0
+        kind = request.verb if lora else f"{request.verb}:{request.model_id}"  # full weights: alone
+        tokens = int(request.batch[keys.ATTENTION_MASK].sum())
+        return AwaitableConcurrentFuture(
+            self.calls.submit_shared(SharedCall(kind, request.model_id, tokens, request))
+        )
+
+    def _run_passes(self, calls: Sequence[SharedCall]) -> list[Any]:
+        passes: list[Pass] = [c.payload for c in calls]
+        verb = passes[0].verb
+        if len(passes) == 1:
+            one = passes[0]
+            return [one.finish(getattr(self.group, verb)(one.model_id, one.batch, one.loss))]
+        batches = [p.batch for p in passes]
+        merged = merge_batches(batches)
+        losses = [replace(p.loss, inputs=loss_inputs(p.batch)) for p in passes]
+        out = getattr(self.group, f"{verb}_routed")([p.model_id for p in passes], merged, losses)
+        return [p.finish(o) for p, o in zip(passes, split_output(out, merged, batches), strict=True)]
 
     def submit_sample(
         self, sampler_id: str, sampling: SamplingParams, request: SampleRequest
@@ -129,7 +173,7 @@ class Backend:
         key = (sampler_id, sampling)
         with self._lock:
             self._pending.setdefault(key, []).append(_Pending(request, future))
-        self._executor.submit(self._flush_samples, key)
+        self.calls.submit(lambda: self._flush_samples(key), f"sampler {sampler_id}")
         return AwaitableConcurrentFuture(future)
 
     def _flush_samples(self, key: tuple[str, SamplingParams]) -> None:
@@ -211,7 +255,7 @@ class Backend:
         return match.group(1), folder
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self.calls.close()
         self.group.shutdown()
         for pool in getattr(self, "_pools", {}).values():
             pool.remove()

@@ -126,12 +126,12 @@ class SamplingClient(ResolvedFuture):
             values = scored[keys.API_LOGPROBS][0].tolist()
             return [None, *values[1:]]
 
-        return self._backend.submit(run)
+        return self._backend.submit(run, f"sampler {sampler}")
 
 
 def _close_sampler(backend: Backend, sampler_id: str) -> None:
     """Free a dropped client's sampler on the workers (after the calls already submitted)."""
     try:
-        backend.submit(lambda: backend.group.close_sampler(sampler_id))
+        backend.submit(lambda: backend.group.close_sampler(sampler_id), f"sampler {sampler_id}")
     except RuntimeError:  # the backend is closed (interpreter exit): its workers are gone with it
         pass

@@ -19,10 +19,11 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from posttrain.client.backend import Backend, ResolvedFuture
+from posttrain.client.backend import Backend, Pass, ResolvedFuture
 from posttrain.client.batching import check_request, datums_to_batch, forward_output
 from posttrain.client.sampling import SamplingClient
 from posttrain.config.schema import OptimConfig
+from posttrain.data.batch import Batch
 from posttrain.models import load_config, load_tokenizer
 from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
 
@@ -51,14 +52,13 @@ class TrainingClient(ResolvedFuture):
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         config = check_request(data, loss_fn, loss_fn_config)
         batch = datums_to_batch(data, self._backend.world_size)
-        loss = ApiLossSpec(loss_fn, config)
-        group, model_id, data = self._backend.group, self.model_id, list(data)
+        data = list(data)
 
-        def run() -> types.ForwardBackwardOutput:
-            out = getattr(group, verb)(model_id, batch, loss)
+        def finish(out: Batch) -> types.ForwardBackwardOutput:
             return forward_output(data, batch, out)
 
-        return self._backend.submit(run)
+        request = Pass(verb, self.model_id, batch, ApiLossSpec(loss_fn, config), finish)
+        return self._backend.submit_pass(request)
 
     def forward(
         self, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
@@ -110,7 +110,7 @@ class TrainingClient(ResolvedFuture):
             out.metrics.update({"loss:sum": value, "surrogate_loss:sum": surrogate})
             return out
 
-        return backend.submit(run)
+        return backend.submit(run, model_id)
 
     def optim_step(
         self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None
@@ -130,7 +130,7 @@ class TrainingClient(ResolvedFuture):
                 metrics={"grad_norm:mean": metrics["grad_norm"], "learning_rate:mean": metrics["lr"]}
             )
 
-        return self._backend.submit(run)
+        return self._backend.submit(run, model_id)
 
     # ---- state ---------------------------------------------------------------------------------
     def save_state(self, name: str, ttl_seconds: int | None = None) -> AwaitableConcurrentFuture[Any]:
@@ -156,7 +156,7 @@ class TrainingClient(ResolvedFuture):
             write(model_id, folder)
             return response(path=path)
 
-        return self._backend.submit(run)
+        return self._backend.submit(run, model_id)
 
     def load_state(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
         """The weights of a saved state (the optimizer keeps its own)."""
@@ -177,7 +177,7 @@ class TrainingClient(ResolvedFuture):
             group.load_state(model_id, folder, with_optimizer=with_optimizer)
             return types.LoadWeightsResponse(path=path, model_id=model_id)
 
-        return self._backend.submit(run)
+        return self._backend.submit(run, model_id)
 
     # ---- samplers ------------------------------------------------------------------------------
     def save_weights_for_sampler(
@@ -197,7 +197,7 @@ class TrainingClient(ResolvedFuture):
         not change it. Returned at once; its calls run after the copy."""
         sampler_id = self._backend.new_id("sampler")
         group, model_id = self._backend.group, self.model_id
-        self._backend.submit(lambda: group.snapshot_sampler(sampler_id, model_id))
+        self._backend.submit(lambda: group.snapshot_sampler(sampler_id, model_id), model_id)
         return SamplingClient(self._backend, sampler_id, self._model.base_model)
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
@@ -235,5 +235,5 @@ def _open_sampler(backend: Backend, model_path: str) -> SamplingClient:
     model_id, folder = backend.resolve(model_path, "sampler_weights")
     sampler_id = backend.new_id("sampler")
     group = backend.group
-    backend.submit(lambda: group.open_sampler(sampler_id, folder))
+    backend.submit(lambda: group.open_sampler(sampler_id, folder), f"sampler {sampler_id}")
     return SamplingClient(backend, sampler_id, str(folder))

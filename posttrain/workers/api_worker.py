@@ -55,6 +55,9 @@ class ApiWorkerSpec:
     rollout_max_batch_size: int = 256
     seed: int = 0
     threads: int = 0
+    # waiting forward/backward requests of different LoRA adapters run as one pass over the shared base, up
+    # to this many tokens (0: one request per pass); see client/call_queue.py
+    shared_pass_tokens: int = 16384
 
 
 @dataclass(frozen=True)
@@ -208,8 +211,15 @@ class ApiWorker:
         def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch) -> Any:
             return _routed_loss(losses, log_probs, mb, outputs) * self.base.dp_size, {}  # type: ignore[union-attr]
 
-        with self.base.adapters.routed([m.name for m in models]):
-            self.base.forward_backward(batch, loss_fn)
+        before = [_grads(m) for m in models]
+        try:
+            with self.base.adapters.routed([m.name for m in models]):
+                self.base.forward_backward(batch, loss_fn)
+        except BaseException:
+            for model, grads in zip(models, before, strict=True):  # no partial gradients of a failed pass
+                for p, g in zip(model.adapter.parameters(), grads, strict=True):
+                    p.grad = g
+            raise
         return _row_outputs(batch, outputs)
 
     def optim_step(self, model_id: str, params: OptimConfig) -> dict[str, float]:
@@ -320,7 +330,9 @@ def api_loss(
     mask, valid, rows = mb[keys.ATTENTION_MASK], mb[keys.API_VALID], mb[keys.API_ROW]
     inputs = {keys.TARGET_TOKENS: mb[keys.TARGET_TOKENS]}
     names = [k.removeprefix(keys.API_INPUT_PREFIX) for k in mb.keys() if k.startswith(keys.API_INPUT_PREFIX)]
-    inputs.update({k: mb[keys.API_INPUT_PREFIX + k] for k in names if spec.inputs is None or k in spec.inputs})
+    inputs.update(
+        {k: mb[keys.API_INPUT_PREFIX + k] for k in names if spec.inputs is None or k in spec.inputs}
+    )
     per_token, _ = API_LOSSES.get(spec.name)(log_probs, inputs, **spec.config)
     row_loss = (per_token * mask).sum(-1) * valid
     lengths = mask.sum(-1).tolist()
@@ -328,6 +340,11 @@ def api_loss(
     for i, row in enumerate(rows.tolist()):
         outputs[int(row)] = (detached[i, : int(lengths[i])], float(losses[i]))
     return row_loss.sum()
+
+
+def _grads(model: AdapterModel) -> list[torch.Tensor | None]:
+    """Copies of an adapter's accumulated gradients (small: LoRA matrices)."""
+    return [None if p.grad is None else p.grad.clone() for p in model.adapter.parameters()]
 
 
 def _positions_as_rows(batch: Batch) -> Batch:
