@@ -149,26 +149,60 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Adapters of one rank and one set of adapted layers, computed together with batched matmuls: their
+    tokens are gathered into a (members, width, in) block, padded with a zero row (index `positions`)."""
+
+    members: tuple[int, ...]  # adapter indices into the routed list
+    gather: torch.Tensor  # (members * width,) flat token index per block cell; padding = positions
+    width: int
+
+
+def _plan(slots: torch.Tensor, adapters: list[LoraAdapter]) -> list[_Group]:
+    """Groups of adapters whose tokens are computed in one batched matmul. Padding every member to the
+    largest member's token count is allowed while it at most doubles the work; beyond, members go alone."""
+    positions = slots.numel()
+    tokens = {k: torch.nonzero(slots == k).squeeze(1) for k in range(len(adapters))}
+    by_shape: dict[tuple[int, tuple[str, ...]], list[int]] = {}
+    for k, adapter in enumerate(adapters):
+        if tokens[k].numel():
+            key = (adapter.spec.rank, tuple(adapter.module_names))
+            by_shape.setdefault(key, []).append(k)
+    groups = []
+    for members in by_shape.values():
+        width = max(tokens[k].numel() for k in members)
+        if len(members) > 1 and width * len(members) > 2 * sum(tokens[k].numel() for k in members):
+            batches = [[k] for k in members]
+        else:
+            batches = [members]
+        for batch in batches:
+            w = max(tokens[k].numel() for k in batch)
+            gather = torch.full((len(batch), w), positions, dtype=torch.long, device=slots.device)
+            for row, k in enumerate(batch):
+                gather[row, : tokens[k].numel()] = tokens[k]
+            groups.append(_Group(tuple(batch), gather.reshape(-1), w))
+    return groups
+
+
 class TokenRoutes:
-    """Which adapter each position of a pass's input runs under: flat token indices per adapter, for the
-    model's full input and for the positions the LM head keeps (`packing.packed_model_output` shows the head
-    only those)."""
+    """Which adapter each position of a pass's input runs under, as batched-matmul groups, for the model's
+    full input and for the positions the LM head keeps (`packing.packed_model_output` shows the head only
+    those)."""
 
-    def __init__(self, slots: torch.Tensor, head_slots: torch.Tensor | None, count: int) -> None:
+    def __init__(
+        self, slots: torch.Tensor, head_slots: torch.Tensor | None, adapters: list[LoraAdapter]
+    ) -> None:
         self.numel = slots.numel()
-        self.tokens = [torch.nonzero(slots == k).squeeze(1) for k in range(count)]
+        self.groups = _plan(slots, adapters)
         self.head_numel = head_slots.numel() if head_slots is not None else -1
-        self.head_tokens = (
-            [torch.nonzero(head_slots == k).squeeze(1) for k in range(count)]
-            if head_slots is not None
-            else []
-        )
+        self.head_groups = _plan(head_slots, adapters) if head_slots is not None else []
 
-    def indices(self, positions: int) -> list[torch.Tensor]:
+    def plan(self, positions: int) -> list[_Group]:
         if positions == self.numel:
-            return self.tokens
+            return self.groups
         if positions == self.head_numel:
-            return self.head_tokens
+            return self.head_groups
         raise RuntimeError(
             f"a routed layer saw {positions} positions; the routes cover {self.numel} (or {self.head_numel} "
             "at the LM head): set_routes must describe the model's input of this pass"
@@ -221,19 +255,32 @@ class MultiLora:
         return add_delta
 
     def _routed_delta(self, module_name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` plus, for each routed adapter that adapts this layer, its delta on its own tokens only."""
+        """`out` plus each routed adapter's delta on its own tokens only: per group of like adapters, the
+        tokens gathered into a padded block, two batched matmuls, the results added back at their tokens."""
         if self._routes is None:
             raise RuntimeError("a routed pass ran before set_routes described its tokens")
         assert self._routed is not None
+        key = _key(module_name)
         flat_x = x.reshape(-1, x.shape[-1])
+        positions = flat_x.shape[0]
+        padded_x: torch.Tensor | None = None
         deltas: torch.Tensor | None = None
-        for adapter, tokens in zip(self._routed, self._routes.indices(flat_x.shape[0]), strict=True):
-            if tokens.numel() and _key(module_name) in adapter.lora_a:
-                delta = adapter.delta(module_name, flat_x.index_select(0, tokens)).to(out.dtype)
-                if deltas is None:
-                    deltas = out.new_zeros(flat_x.shape[0], out.shape[-1])
-                deltas = deltas.index_add(0, tokens, delta)
-        return out if deltas is None else out + deltas.view(out.shape)
+        for group in self._routes.plan(positions):
+            members = [self._routed[k] for k in group.members]
+            if key not in members[0].lora_a:
+                continue  # the group's adapters (one set of layers) do not adapt this one
+            if padded_x is None:
+                padded_x = torch.cat([flat_x, flat_x.new_zeros(1, flat_x.shape[1])])
+                deltas = out.new_zeros(positions + 1, out.shape[-1])
+            a = torch.stack([m.lora_a[key] for m in members])  # (K, r, in)
+            b = torch.stack([m.lora_b[key] for m in members])  # (K, out, r)
+            scale = torch.tensor([m.spec.scale for m in members], dtype=a.dtype, device=a.device)
+            block = padded_x.index_select(0, group.gather).view(len(members), group.width, -1).to(a.dtype)
+            delta = torch.bmm(torch.bmm(block, a.transpose(1, 2)), b.transpose(1, 2)) * scale[:, None, None]
+            deltas = deltas.index_add(0, group.gather, delta.reshape(-1, delta.shape[-1]).to(out.dtype))  # type: ignore[union-attr]
+        if deltas is None:
+            return out
+        return out + deltas[:positions].view(out.shape)
 
     @contextlib.contextmanager
     def routed(self, names: list[str]) -> Iterator[None]:
@@ -258,7 +305,7 @@ class MultiLora:
         model's next input, flattened, and of the positions its LM head keeps (None: it keeps them all)."""
         if self._routed is None:
             raise RuntimeError("set_routes outside MultiLora.routed")
-        self._routes = TokenRoutes(slots, head_slots, len(self._routed))
+        self._routes = TokenRoutes(slots, head_slots, self._routed)
 
     @property
     def routing(self) -> bool:

@@ -50,9 +50,10 @@ def requests() -> list[tuple[list[types.Datum], ApiLossSpec]]:
 
 @pytest.fixture()
 def worker(tiny_model_dir: Path) -> ApiWorker:
-    worker = ApiWorker(ApiWorkerSpec(micro_batch_size=4))  # several micro-batches in the shared pass
+    # several micro-batches in the shared pass; two ranks: two groups of batched matmuls
+    worker = ApiWorker(ApiWorkerSpec(micro_batch_size=4))
     for k in range(3):
-        worker.create_model(f"m{k}", ModelSpec(str(tiny_model_dir), lora_rank=4, seed=k))
+        worker.create_model(f"m{k}", ModelSpec(str(tiny_model_dir), lora_rank=4 if k < 2 else 2, seed=k))
         model = worker.models[f"m{k}"]
         assert isinstance(model, AdapterModel)
         with torch.no_grad():
