@@ -47,10 +47,15 @@ def _sft(args: argparse.Namespace) -> None:
 
 
 def _make_model(args: argparse.Namespace) -> None:
-    from posttrain.data.tasks.arithmetic import corpus
+    from posttrain.data.tasks import arithmetic, long_addition
     from posttrain.models import make_tiny_model
 
-    texts = corpus(args.corpus_size, seed=args.seed)
+    corpora = {"arithmetic": arithmetic.corpus, "long_addition": long_addition.corpus}
+    texts = []
+    for task in args.corpus_tasks.split(","):
+        if task not in corpora:
+            raise SystemExit(f"--corpus-tasks: unknown task {task!r}; known: {', '.join(corpora)}")
+        texts += corpora[task](args.corpus_size, seed=args.seed)
     for path in args.corpus_file or []:
         texts.extend(Path(path).read_text().splitlines())
     out = make_tiny_model(args.preset, args.out, texts, seed=args.seed)
@@ -65,17 +70,22 @@ def _data(args: argparse.Namespace) -> None:
     else:
         from posttrain.data.tasks import write_task
 
-        ops = tuple(args.ops.split(","))
-        paths = write_task(
-            args.task,
-            args.out,
-            n_train=args.n_train,
-            n_test=args.n_test,
-            min_digits=args.min_digits,
-            max_digits=args.max_digits,
-            ops=ops,
-            seed=args.seed,
-        )
+        options = {
+            "n_train": args.n_train,
+            "n_test": args.n_test,
+            "min_digits": args.min_digits,
+            "max_digits": args.max_digits,
+            "seed": args.seed,
+        }
+        if args.task == "arithmetic":
+            options["ops"] = tuple((args.ops or "+").split(","))
+        else:  # long_addition
+            options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}
+        if args.ops and args.task != "arithmetic":
+            raise SystemExit(f"posttrain data {args.task}: --ops applies to the arithmetic task only")
+        if (args.tail_prob or args.tail_digits) and args.task != "long_addition":
+            raise SystemExit(f"posttrain data {args.task}: --tail-* apply to the long_addition task only")
+        paths = write_task(args.task, args.out, **{k: v for k, v in options.items() if v is not None})
     for split, path in paths.items():
         print(f"{split}: {path}")
 
@@ -122,18 +132,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus-size", type=int, default=20000, help="built-in task texts to train the tokenizer on"
     )
+    p.add_argument(
+        "--corpus-tasks",
+        default="arithmetic",
+        help="built-in tasks whose texts train the tokenizer, comma-separated (arithmetic, long_addition)",
+    )
     p.add_argument("--corpus-file", action="append", help="extra text files (one sample per line)")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("data", help="write a built-in task or prepare GSM8K as verl-format parquet")
-    p.add_argument("task", choices=["arithmetic", "gsm8k"])
+    p.add_argument("task", choices=["arithmetic", "long_addition", "gsm8k"])
     p.add_argument("--out", required=True)
     p.add_argument("--src", help="gsm8k: folder with train.jsonl and test.jsonl")
     p.add_argument("--n-train", type=int, default=10000)
     p.add_argument("--n-test", type=int, default=500)
-    p.add_argument("--min-digits", type=int, default=1)
-    p.add_argument("--max-digits", type=int, default=3)
-    p.add_argument("--ops", default="+")
+    p.add_argument("--min-digits", type=int, help="operand digits (arithmetic: 1, long_addition: 7)")
+    p.add_argument("--max-digits", type=int, help="operand digits (arithmetic: 3, long_addition: 11)")
+    p.add_argument("--ops", help="arithmetic: operators, comma-separated (default +)")
+    p.add_argument(
+        "--tail-prob", type=float, default=0.0, help="long_addition: share of problems from the long tail"
+    )
+    p.add_argument("--tail-digits", type=int, default=0, help="long_addition: longest tail operands")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_data)
 

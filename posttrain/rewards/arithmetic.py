@@ -1,4 +1,5 @@
-"""Scorer for the built-in "arithmetic" task: the last integer in the response must equal the answer.
+"""Scorer for the built-in "arithmetic" and "long_addition" tasks: the last integer in the response must equal
+the answer.
 
 Pure: no I/O.
 """
@@ -28,7 +29,7 @@ def extract_last_integer(text: str) -> int | None:
     return int(value)
 
 
-@register_scorer("arithmetic")
+@register_scorer("arithmetic", "long_addition")  # long_addition's worked solution ends "answer <sum>"
 def compute_score(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
     """1.0 if the last integer in the response equals the integer ground truth, else 0.0."""
     try:

@@ -7,11 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.data.tasks.arithmetic import write_arithmetic_dataset
+from posttrain.data.tasks.long_addition import write_long_addition_dataset
 from posttrain.errors import DataError
 
 TaskWriter = Callable[..., dict[str, Path]]
 
-TASK_WRITERS: dict[str, TaskWriter] = {"arithmetic": write_arithmetic_dataset}
+TASK_WRITERS: dict[str, TaskWriter] = {
+    "arithmetic": write_arithmetic_dataset,
+    "long_addition": write_long_addition_dataset,
+}
 
 
 def get_task_writer(name: str) -> TaskWriter:
@@ -26,4 +30,10 @@ def write_task(name: str, out_dir: str | Path, **kwargs: Any) -> dict[str, Path]
     return get_task_writer(name)(out_dir, **kwargs)
 
 
-__all__ = ["TASK_WRITERS", "get_task_writer", "write_task", "write_arithmetic_dataset"]
+__all__ = [
+    "TASK_WRITERS",
+    "get_task_writer",
+    "write_arithmetic_dataset",
+    "write_long_addition_dataset",
+    "write_task",
+]
