@@ -1,0 +1,296 @@
+"""What serving costs and what many tenants on one base model gain: `posttrain serve` driven by the official
+tinker SDK, against the same work in-process, adapter after adapter.
+
+Each tenant (its own API key, its own LoRA adapter of rank 8 on the one served base model) runs a loop:
+`forward_backward` (cross_entropy on `n` sequences of `--seq-len` tokens), `optim_step`, then
+`save_weights_and_get_sampling_client` and one `sample` (8 prompt tokens, 8 new tokens): the RL-shaped loop.
+
+- **served**: `posttrain serve` in its own process on 127.0.0.1 (a fresh one per repeat, limits raised so
+  every case fits); all tenants driven from this one process, one thread each (so clients do not take the
+  server's cores), free-running after a warm-up step each.
+- **baseline**: the same adapters and steps in-process (`posttrain.client.ServiceClient("local")`), one
+  adapter at a time, each call waited for: what one adapter at a time costs without a server.
+
+Reported per case (preset, tenants, `n`): train tokens/s (tenants x steps x n x seq-len over the wall
+time of the measured steps), steps/s, and p50/p99 of the forward_backward round trip; the ratio is served /
+baseline tokens/s. With one tenant the difference is what serving adds (protocol, HTTP, polling); with
+many, the served side also shares passes over the base between adapters (client/call_queue.py) and the
+baseline cannot. Median over `--repeats`, alternating served / baseline, min-max spread alongside.
+
+    python bench/service.py                                   # tiny (~1M) and small (~10M), 1/4/16 tenants, n 8 and 64
+    python bench/service.py --presets tiny --tenants 1,4 --sizes 8 --repeats 1 --out trial.json
+
+Writes bench/results/service.json (BENCHMARKS.md format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common import machine_info, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK = 8
+
+
+def prepare(work: Path, preset: str) -> Path:
+    from posttrain.data.tasks.arithmetic import corpus
+    from posttrain.models import make_tiny_model
+
+    model = work / f"model-{preset}"
+    if not (model / "config.json").exists():
+        make_tiny_model(preset, model, corpus(20000, seed=0))
+    return model
+
+
+def keys(count: int) -> dict[str, str]:
+    return {f"tml-bench-tenant-{i:03d}-0123456789": f"tenant{i}" for i in range(count)}
+
+
+# ---- the server, in a child process -------------------------------------------------------------
+def serve_child(model: str, port: int, keys_file: str, state_dir: str) -> None:
+    import uvicorn
+
+    from posttrain.serve.app import make_app
+    from posttrain.serve.limits import Limits
+    from posttrain.serve.server import build_state
+    from posttrain.serve.tenants import ApiKeys
+
+    limits = Limits(adapters_per_tenant=64, adapters_total=1024, queued_requests=1024)
+    tenants = ApiKeys(json.loads(Path(keys_file).read_text()))
+    state = build_state(model, "model", tenants, state_dir, limits=limits)
+    uvicorn.run(make_app(state), host="127.0.0.1", port=port, log_level="error")
+
+
+def start_server(model: Path, work: Path, tenants: int) -> tuple[subprocess.Popen[bytes], str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    keys_file = work / "keys.json"
+    keys_file.write_text(json.dumps(keys(tenants)))
+    state = Path(tempfile.mkdtemp(dir=work, prefix="state-"))
+    command = [sys.executable, __file__, "--serve-child", str(model), str(port), str(keys_file), str(state)]
+    process = subprocess.Popen(command, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the server did not start within 120 s")
+
+
+# ---- one tenant's loop ----------------------------------------------------------------------------
+def make_data(n: int, seq_len: int, seed: int) -> list[Any]:
+    import numpy as np
+    from tinker import types
+
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(n):
+        tokens = rng.integers(4, 500, seq_len + 1).tolist()
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * seq_len},
+            )
+        )
+    return data
+
+
+def tenant_step(training: Any, data: list[Any], latencies: list[float]) -> None:
+    from tinker import types
+
+    start = time.perf_counter()
+    fb = training.forward_backward(data, "cross_entropy")
+    step = training.optim_step(types.AdamParams(learning_rate=1e-3))
+    fb.result()
+    latencies.append(time.perf_counter() - start)
+    step.result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sampler.sample(
+        types.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12]),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0),
+    ).result()
+
+
+def run_served(url: str, tenants: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    import tinker
+
+    clients, datas = [], []
+    for i, key in enumerate(keys(tenants)):
+        service = tinker.ServiceClient(base_url=url, api_key=key)
+        clients.append(service.create_lora_training_client(base_model="model", rank=RANK, seed=i))
+        datas.append(make_data(n, args.seq_len, seed=i))
+    latencies: list[list[float]] = [[] for _ in range(tenants)]
+    warm = threading.Barrier(tenants + 1)
+    errors: list[BaseException] = []
+
+    def loop(i: int) -> None:
+        try:
+            for _ in range(args.warmup):
+                tenant_step(clients[i], datas[i], [])
+            warm.wait()
+            for _ in range(args.steps):
+                tenant_step(clients[i], datas[i], latencies[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            warm.abort()
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(tenants)]
+    for t in threads:
+        t.start()
+    try:
+        warm.wait()
+    except threading.BrokenBarrierError:
+        pass
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return summary(wall, tenants, n, args, [x for lat in latencies for x in lat])
+
+
+def run_baseline(model: Path, tenants: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    from posttrain.client import ServiceClient
+
+    with ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as service:
+        clients = [service.create_lora_training_client(str(model), rank=RANK, seed=i) for i in range(tenants)]
+        datas = [make_data(n, args.seq_len, seed=i) for i in range(tenants)]
+        for i in range(tenants):
+            for _ in range(args.warmup):
+                tenant_step(clients[i], datas[i], [])
+        latencies: list[float] = []
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            for i in range(tenants):
+                tenant_step(clients[i], datas[i], latencies)
+        wall = time.perf_counter() - start
+    return summary(wall, tenants, n, args, latencies)
+
+
+def summary(wall: float, tenants: int, n: int, args: argparse.Namespace, latencies: list[float]) -> dict:
+    ordered = sorted(latencies)
+    return {
+        "tokens_per_s": tenants * args.steps * n * args.seq_len / wall,
+        "steps_per_s": tenants * args.steps / wall,
+        "p50_ms": 1000 * ordered[len(ordered) // 2],
+        "p99_ms": 1000 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+    }
+
+
+def median_spread(values: list[float]) -> tuple[float, list[float]]:
+    return statistics.median(values), [min(values), max(values)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--tenants", default="1,4,16")
+    parser.add_argument("--sizes", default="8,64", help="sequences per forward_backward")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per tenant")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="service.json")
+    parser.add_argument("--serve-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_child:
+        serve_child(*args.serve_child[:1], int(args.serve_child[1]), *args.serve_child[2:])
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    tenant_counts = [int(x) for x in args.tenants.split(",")]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    work = Path(tempfile.gettempdir()) / "posttrain-bench-service"
+    work.mkdir(exist_ok=True)
+    rows = []
+    for preset in args.presets.split(","):
+        model = prepare(work, preset)
+        for n in sizes:
+            served: dict[int, list[dict]] = {t: [] for t in tenant_counts}
+            baseline: dict[int, list[dict]] = {t: [] for t in tenant_counts}
+            for repeat in range(args.repeats):
+                process, url = start_server(model, work, max(tenant_counts))
+                try:
+                    for t in tenant_counts:  # alternating served / baseline
+                        served[t].append(run_served(url, t, n, args))
+                        baseline[t].append(run_baseline(model, t, n, args))
+                        report(preset, n, t, repeat, served[t][-1], baseline[t][-1])
+                finally:
+                    process.terminate()
+                    process.wait(timeout=60)
+            for t in tenant_counts:
+                rows += case_rows(preset, n, t, args, served[t], baseline[t])
+    result = {
+        "bench": "service",
+        "machine": machine_info(args.threads),
+        "command": "python bench/service.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    print(f"wrote {write_result(args.out, result)}")
+
+
+def report(preset: str, n: int, t: int, repeat: int, served: dict, baseline: dict) -> None:
+    print(
+        f"{preset} n={n} tenants={t} repeat={repeat}: served {served['tokens_per_s']:.0f} tok/s "
+        f"(fb p50 {served['p50_ms']:.0f} ms, p99 {served['p99_ms']:.0f} ms) | one adapter at a time "
+        f"in-process {baseline['tokens_per_s']:.0f} tok/s (fb p50 {baseline['p50_ms']:.0f} ms) | ratio "
+        f"{served['tokens_per_s'] / baseline['tokens_per_s']:.2f}",
+        flush=True,
+    )
+
+
+def case_rows(
+    preset: str, n: int, t: int, args: argparse.Namespace, served: list[dict], baseline: list[dict]
+) -> list[dict]:
+    case = f"{preset} tenants={t} n={n}x{args.seq_len}"
+    rows = []
+    metrics: list[tuple[str, bool, Callable[[dict], float]]] = [
+        ("tokens_per_s", True, lambda r: r["tokens_per_s"]),
+        ("steps_per_s", True, lambda r: r["steps_per_s"]),
+        ("fb_p50_ms", False, lambda r: r["p50_ms"]),
+        ("fb_p99_ms", False, lambda r: r["p99_ms"]),
+    ]
+    for metric, higher, get in metrics:
+        value, spread = median_spread([get(r) for r in served])
+        base, _ = median_spread([get(r) for r in baseline])
+        rows.append(
+            {
+                "case": case,
+                "metric": metric,
+                "value": round(value, 2),
+                "baseline_name": "in-process, one adapter at a time",
+                "baseline_value": round(base, 2),
+                "ratio": round(value / base, 3),
+                "higher_is_better": higher,
+                "repeats": len(served),
+                "spread": [round(x, 2) for x in spread],
+            }
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
