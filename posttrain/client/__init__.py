@@ -2,7 +2,8 @@
 
 tinker's own types are used as they are (`types.ModelInput`, `Datum`, `TensorData`, `SamplingParams`,
 `AdamParams`, `ForwardBackwardOutput`, `SampleResponse`, ...), so code written against the tinker SDK ports
-by changing `import tinker` to `from posttrain import client as tinker`.
+by changing `import tinker` to `from posttrain import client as tinker`. `ServiceClient(backend="http",
+base_url=..., api_key=...)` runs the same calls on a `posttrain serve` server (posttrain/client/http.py).
 """
 
 from tinker import types
@@ -19,6 +20,7 @@ from tinker.types import (
     TensorData,
 )
 
+from posttrain.client.http_transport import HttpApiError, RetryPolicy
 from posttrain.client.sampling import SamplingClient
 from posttrain.client.service import ServiceClient
 from posttrain.client.training import TrainingClient
@@ -29,7 +31,9 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "HttpApiError",
     "ModelInput",
+    "RetryPolicy",
     "SampleResponse",
     "SampledSequence",
     "SamplingClient",

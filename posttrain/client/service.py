@@ -1,4 +1,5 @@
-"""`ServiceClient`: the entry point of the explicit API, with tinker 0.38's names, in this process or on Ray.
+"""`ServiceClient`: the entry point of the explicit API, with tinker 0.38's names, in this process or on Ray
+(or, with `backend="http"`, on a `posttrain serve` server: posttrain/client/http.py).
 
     from posttrain.client import ServiceClient, types
     service = ServiceClient(backend="local")                      # or backend="ray", n_workers=2
@@ -18,7 +19,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tinker import types
 
@@ -36,6 +37,19 @@ def default_root() -> Path:
 
 
 class ServiceClient:
+    def __new__(
+        cls, backend: BackendName | Literal["http"] = "local", *args: Any, **kwargs: Any
+    ) -> ServiceClient:
+        """`backend="http"` makes an `HttpServiceClient` (posttrain/client/http.py): the same methods, run by
+        a `posttrain serve` server at `base_url` (default TINKER_BASE_URL) with `api_key`."""
+        if backend not in ("local", "ray", "http"):
+            raise ValueError(f"unknown backend {backend!r}; valid: local, ray, http")
+        if backend == "http" and cls is ServiceClient:
+            from posttrain.client.http import HttpServiceClient
+
+            return super().__new__(HttpServiceClient)
+        return super().__new__(cls)
+
     def __init__(
         self,
         backend: BackendName = "local",
