@@ -1,5 +1,5 @@
 """Outcome advantage estimators with a per-prompt baseline: RLOO, REINFORCE++-baseline, ReMax, OPO, GPG,
-GRPO pass@k (GRPO itself lives in `advantages.py`).
+GRPO pass@k, GDPO (GRPO itself lives in `advantages.py`).
 
 Each scores a response by s_i = sum_t token_level_rewards[i, t] (the whole row, as verl: the outcome
 reward sits on the last valid token), subtracts a baseline built from the other samples of its prompt
@@ -11,6 +11,8 @@ Pure: no I/O, no distributed code. Registered on import (`posttrain.algorithms` 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -221,4 +223,61 @@ def compute_grpo_passk_advantages(
                 margin = margin / (stats.std[rows[0]] + epsilon)
             sequence_advantages[rows[top.indices[0]]] = margin
         advantages = _to_tokens(sequence_advantages, response_mask)
+    return advantages, advantages.clone()
+
+
+@register_advantage("gdpo")
+def compute_gdpo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    *,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO, Group reward-Decoupled Normalization Policy Optimization (NVIDIA, 2026, arXiv:2601.05242):
+    with several rewards, normalise each one within its group before adding them, instead of GRPO's
+    normalising of their sum, in which a reward with a large spread drowns the others.
+
+    With s_ik the k-th reward of response i (`reward_components` (B, K)) and w_k its weight
+    (`reward_weights`, default all 1):
+
+        A_ik = (s_ik - mean_g s_k) / (std_g s_k + epsilon)     (s_ik - mean_g s_k without norm_by_std)
+        A'_i = sum_k w_k A_ik                                  broadcast to the response tokens
+        A    = masked_whiten(A')                               over all valid tokens of the batch
+
+    with GRPO's group statistics (unbiased std; a group of one has mean 0 and std 1). returns = advantages.
+    Without `reward_components` the one reward is the row's score sum_t token_level_rewards (GRPO followed
+    by batch whitening); with them, token_level_rewards is not used (as verl: shaping or a KL penalty in
+    the reward does not reach GDPO's components).
+
+    Edge cases: as GRPO's per component, then whitening's: fewer than 2 valid tokens in the batch raises
+    ValueError; a masked token inside a response gets 0 and does not enter the batch statistics.
+    """
+    check_batch(token_level_rewards, response_mask)
+    with torch.no_grad():
+        if reward_components is None:
+            components = token_level_rewards.sum(dim=-1, keepdim=True)
+        else:
+            components = reward_components.to(token_level_rewards.dtype)
+            if components.dim() != 2 or components.shape[0] != token_level_rewards.shape[0]:
+                raise ValueError(
+                    f"reward_components is {tuple(components.shape)}, expected ({token_level_rewards.shape[0]}, K)"
+                )
+        n_components = components.shape[1]
+        weights = torch.ones(n_components) if reward_weights is None else torch.tensor(list(reward_weights))
+        if weights.numel() != n_components:
+            raise ConfigError(f"gdpo: {weights.numel()} reward weights for {n_components} reward components")
+        combined = torch.zeros_like(components[:, 0])
+        for k in range(n_components):
+            stats = group_stats(components[:, k], group_ids)
+            normalised = components[:, k] - stats.mean
+            if norm_by_std:
+                normalised = normalised / (stats.std + epsilon)
+            combined = combined + float(weights[k]) * normalised
+        advantages = zero_outside_mask(
+            masked_whiten(_to_tokens(combined, response_mask), response_mask), response_mask
+        )
     return advantages, advantages.clone()

@@ -14,8 +14,10 @@ local count instead (what a naive mean does) weights tokens of short micro-batch
 gradient depend on how the batch was split. When `global_*` is None the local totals are used, which is
 only correct for a single piece, hence `dp_size` must then be 1.
 
-Counting convention (use `global_totals` to compute it the same way): tokens are `response_mask.sum()`,
-sequences are rows with at least one valid response token (as verl; padding rows add nothing).
+Counting convention, one for every caller (the RL trainer's mini-batches, the worker's local fallback, the
+explicit API's requests all use `global_totals`): tokens are `response_mask.sum()`, sequences are rows with
+at least one valid response token (verl's `agg_loss`), so an all-padding row neither adds a loss nor dilutes
+the sequence mean.
 
 Every mode is linear in the per-token losses once the totals are fixed: `aggregation_weights` gives the
 per-token coefficients c, and `aggregate_loss` is sum(c * loss). The explicit API's `policy_loss` uses the
@@ -46,10 +48,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def global_totals(response_mask: torch.Tensor) -> tuple[int, int]:
-    """(valid tokens, non-empty sequences) of a (B, R) mask, counted as `aggregate_loss` expects.
+    """(valid tokens, sequences with at least one valid token) of a (B, R) mask, as `aggregate_loss` counts.
 
     The caller sums these over every micro-batch and data-parallel rank of a mini-batch and passes the
-    sums as `global_tokens` / `global_seqs`.
+    sums as `global_tokens` / `global_seqs`. A row without a valid token is not a sequence: it adds no loss,
+    so counting it would only shrink every other sequence's weight.
     """
     valid = response_mask > 0
     return int(valid.sum().item()), int(valid.any(dim=-1).sum().item())
@@ -74,9 +77,10 @@ def aggregation_weights(
     * "seq-mean-token-mean":     c_it = D * m_it / n_i / S   (original GRPO, Shao et al. 2024)
     * "seq-mean-token-sum-norm": c_it = D * m_it / W / S    (Dr. GRPO, Liu et al. 2025)
 
-    W defaults to the response width mask.shape[-1], a constant standing for the maximum response length,
-    as verl does; the last mode is split-invariant only when every micro-batch is padded to the same width
-    (or W is given). Without `global_*` the local totals are used (N = sum m, S = rows with a valid token);
+    W is verl's `loss_scale_factor`: a constant standing for the maximum response length (Dr. GRPO divides
+    by it instead of each response's own length). It defaults to the response width mask.shape[-1], as
+    verl does; the last mode is then split-invariant only when every micro-batch is padded to the same
+    width, so set it (e.g. to data.max_response_length) to keep the normalisation constant. Without `global_*` the local totals are used (N = sum m, S = rows with a valid token);
     see the module docstring for why the totals and D appear. A zero total (an all-padding batch) and
     n_i = 0 are treated as 1, so such rows weigh 0, not NaN. The result has the mask's shape, in the mask's
     dtype if it is floating (else float32), and no gradient of its own.
@@ -139,8 +143,9 @@ def aggregate_loss(
     * "seq-mean-token-mean":     D * sum_i (sum_t l_it m_it / n_i) / S   (original GRPO, Shao et al. 2024)
     * "seq-mean-token-sum-norm": D * sum_it l_it m_it / W / S    (Dr. GRPO, Liu et al. 2025)
 
-    The last mode divides by the response width as a constant standing for the maximum response length,
-    as verl does; it is split-invariant only when every micro-batch is padded to the same width. See the
+    The last mode divides by W = `width`, verl's `loss_scale_factor` (default the response width, a
+    constant standing for the maximum response length, as verl); with the default it is split-invariant
+    only when every micro-batch is padded to the same width. See the
     module docstring for why the totals and D appear. A zero total (an all-padding batch) is treated as 1
     so the loss is 0, not NaN.
 

@@ -11,7 +11,8 @@ http://joschu.net/blog/kl-approx.html), with log r = log pi_ref(x) - log pi(x):
 Each is registered under its verl names. k1 and k3 have the KL as expected *value*, but their expected
 *gradient* is not the gradient of the KL, while k2's is (for samples from pi). The straight-through
 variants "k1+"/"kl+", "k3+"/"low_var_kl+" and "abs+" take the value of the named estimator and the
-gradient of k2: `k2 + (est - k2).detach()` (verl's "+" suffix). Pure: tensors in, tensors out.
+gradient of k2: `k2 + (est - k2).detach()` (verl's "+" suffix). verl accepts the suffix on every name, so
+"k2+"/"mse+" are k2 itself (value and gradient already k2's). Pure: tensors in, tensors out.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def kl_abs(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return (log_prob - ref_log_prob).abs()
 
 
-@register_kl("k2", "mse")
+@register_kl("k2", "mse", "k2+", "mse+")
 def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """k2 = 0.5 * (log pi(x) - log pi_ref(x))^2 (Schulman 2020): low variance, biased, >= 0."""
+    """k2 = 0.5 * (log pi(x) - log pi_ref(x))^2 (Schulman 2020): low variance, biased, >= 0.
+
+    Also "k2+"/"mse+": the straight-through form k2 + (k2 - k2).detach() is k2 itself (as verl returns it).
+    """
     return 0.5 * (log_prob - ref_log_prob).square()
 
 

@@ -8,16 +8,18 @@ where the tensors are (B, R) and `pg_losses` is the (B, R) per-token loss (its p
 A loss's own options are keyword-only, with the loss's documented defaults in its signature (see
 `own_options`): a caller passes only the options a user set, so an option left unset means the loss's own
 default. `metrics` maps names to python floats over this micro-batch's valid tokens; every loss reports
-`pg_clipfrac` (0 where no clipping exists), `ppo_kl` (token mean of old_log_prob - log_prob), `ratio_mean`
-and `ratio_max` (over valid tokens of the ratio the loss uses).
+`pg_clipfrac` and `pg_clipfrac_lower` (0 where the loss has no such clip), `ppo_kl` (token mean of
+old_log_prob - log_prob), `ratio_mean` and `ratio_max` (over valid tokens of the ratio the loss uses).
 
-`compute_policy_loss` is the caller's side, once per micro-batch: it weighs the per-token losses by the
-truncated importance-sampling weights (`truncated_is_weights`) and aggregates them with `aggregate_loss`
-under the caller's loss_agg_mode and mini-batch totals. No loss aggregates on its own, so none can override
-the mode it is given, even where the paper recommends another one (its docstring says which).
+`compute_policy_loss` is the caller's side, once per micro-batch: it applies the rollout correction (old
+policy, truncated importance-sampling weights, rejection mask; `rollout_correction.py`) and aggregates with
+`aggregate_loss` under the caller's loss_agg_mode and mini-batch totals. No loss aggregates on its own, so
+none can override the mode it is given, even where the paper recommends another one (its docstring says
+which).
 
-This module holds the shared pieces and the PPO loss; `policy_loss_variants` (gspo, sapo, cispo, dro, gpg)
-and `policy_loss_cov` (clip_cov, kl_cov) hold the others. Pure: no I/O, no distributed code.
+This module holds the shared pieces and the PPO loss; `policy_loss_variants` (gspo, sapo, cispo, dro, gpg,
+geo_mean), `policy_loss_dppo` (dppo_tv, dppo_kl) and `policy_loss_cov` (clip_cov, kl_cov) hold the others.
+Pure: no I/O, no distributed code.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from posttrain.algorithms.aggregation import aggregate_loss, masked_mean
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.registry import register_policy_loss
+from posttrain.algorithms.rollout_correction import RolloutCorrection, apply_rollout_correction
 from posttrain.errors import ConfigError
 
 # Bound on log(pi / pi_old) before exp: a ratio of e^20 is already meaningless, and exp of a larger value
@@ -56,28 +59,42 @@ def compute_policy_loss(
     *,
     options: Mapping[str, Any] | None = None,
     rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
+    rollout_correction: RolloutCorrection | None = None,
     loss_agg_mode: str = "token-mean",
     global_tokens: Total = None,
     global_seqs: Total = None,
     dp_size: int = 1,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The scalar policy loss of one micro-batch: loss_fn's per-token losses, weighed, then aggregated.
+    """The scalar policy loss of one micro-batch: loss_fn's per-token losses, corrected, then aggregated.
 
-        loss = aggregate(w * loss_fn(log_prob, old_log_prob, advantages, response_mask, **options))
+        loss = aggregate(w * keep * loss_fn(log_prob, old, advantages, m * keep, **options), m)
 
-    with w the truncated IS weights (1 when tis_cap == 0) and `aggregate_loss` under `loss_agg_mode` with the
-    mini-batch totals (see `aggregation` for `global_tokens`, `global_seqs`, `dp_size`). Adds
-    `tis_weight_mean` and `tis_capped_frac` (fraction of tokens whose weight hit the cap) when TIS is on.
+    `rollout_correction` (verl's `algorithm.rollout_correction`, see `rollout_correction.py`) gives the old
+    policy (`old_log_prob`, or the rollout log-probs in bypass mode), the truncated IS weights w (1 when off)
+    and the rejection mask keep (1 when off). The loss sees the kept tokens only (its statistics, e.g. GSPO's
+    sequence ratio, leave rejected ones out), while `aggregate_loss` runs on the mask m before rejection: a
+    rejected token adds no loss but keeps its place in every normaliser (tokens, sequences, a row's length),
+    so rejecting never scales the other tokens up. It uses `loss_agg_mode` and the mini-batch totals (see
+    `aggregation` for `global_tokens`, `global_seqs`, `dp_size`; `loss_scale_factor` is the constant of
+    "seq-mean-token-sum-norm", default the response width). Metrics: the loss's own, plus the correction's
+    (`rollout_is_*`, `rollout_rs_*`) when one is on.
     """
-    pg_losses, metrics = loss_fn(log_prob, old_log_prob, advantages, response_mask, **dict(options or {}))
-    tis_weights = truncated_is_weights(old_log_prob, rollout_log_probs, tis_cap)
-    if tis_weights is not None:
-        pg_losses = pg_losses * tis_weights
-        with torch.no_grad():
-            metrics["tis_weight_mean"] = masked_mean(tis_weights, response_mask).item()
-            metrics["tis_capped_frac"] = masked_mean((tis_weights >= tis_cap).float(), response_mask).item()
-    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size)
+    correction = rollout_correction or RolloutCorrection()
+    corrected = apply_rollout_correction(log_prob, old_log_prob, rollout_log_probs, response_mask, correction)
+    keep = None if corrected.keep is None else corrected.keep.to(response_mask.dtype)
+    loss_mask = response_mask if keep is None else response_mask * keep
+    pg_losses, metrics = loss_fn(
+        log_prob, corrected.old_log_prob, advantages, loss_mask, **dict(options or {})
+    )
+    if keep is not None:  # where, not a product: a rejected token's loss may be inf or NaN
+        pg_losses = torch.where(keep > 0, pg_losses, torch.zeros_like(pg_losses))
+    if corrected.weights is not None:
+        pg_losses = pg_losses * corrected.weights
+    metrics.update(corrected.metrics)
+    loss = aggregate_loss(
+        pg_losses, response_mask, loss_agg_mode, global_tokens, global_seqs, dp_size, width=loss_scale_factor
+    )
     return loss, metrics
 
 
@@ -95,48 +112,30 @@ def check_clip_range(loss_name: str, clip_ratio_low: float, clip_ratio_high: flo
         )
 
 
-def truncated_is_weights(
-    old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor | None, tis_cap: float
-) -> torch.Tensor | None:
-    """Truncated importance-sampling weights for the rollout/training mismatch, or None when off.
-
-    w = sg[min(pi_old / pi_rollout, tis_cap)] = sg[min(exp(old_log_prob - rollout_log_probs), tis_cap)]
-    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the
-    inference engine samples from a slightly different distribution than the trainer computes, so each
-    token's loss is reweighted by the capped ratio. Off when tis_cap == 0 (the default), whether or not
-    rollout log-probs are given. Raises ConfigError for tis_cap < 0 or tis_cap > 0 without rollout log-probs.
-    """
-    if tis_cap < 0.0:
-        raise ConfigError(f"tis_cap must be >= 0 (0 turns truncated importance sampling off), got {tis_cap}")
-    if tis_cap == 0.0:
-        return None
-    if rollout_log_probs is None:
-        raise ConfigError(
-            f"tis_cap={tis_cap} turns on truncated importance sampling, which needs rollout_log_probs "
-            "(the log-probs the rollout engine sampled with); pass them or set tis_cap=0"
-        )
-    with torch.no_grad():
-        log_w = (old_log_prob - rollout_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return log_w.exp().clamp(max=tis_cap).detach()
-
-
 def policy_metrics(
     response_mask: torch.Tensor,
     log_ratio: torch.Tensor,
     ratio: torch.Tensor,
     clipped: torch.Tensor | None,
+    clipped_lower: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The metrics every loss reports, over this micro-batch's valid tokens.
 
     `log_ratio` is the token log(pi / pi_old) (for ppo_kl), `ratio` the ratio the loss works with (for the
-    ratio stats), `clipped` a bool (B, R) of tokens where a clip was active, or None where none exists.
+    ratio stats), `clipped` a bool (B, R) of tokens where a clip was active, or None where none exists;
+    `clipped_lower` the same for the loss's second clip (`pg_clipfrac_lower`: PPO's dual clip, GMPO's clip
+    of negative-advantage tokens, DPPO's truncation), None where it has none.
     """
     with torch.no_grad():
         valid = response_mask > 0
-        clipfrac = 0.0 if clipped is None else masked_mean(clipped.float(), response_mask).item()
+
+        def fraction(flags: torch.Tensor | None) -> float:
+            return 0.0 if flags is None else masked_mean(flags.float(), response_mask).item()
+
         ratio_max = ratio.detach().masked_fill(~valid, float("-inf")).max().item() if valid.any() else 0.0
         return {
-            "pg_clipfrac": clipfrac,
+            "pg_clipfrac": fraction(clipped),
+            "pg_clipfrac_lower": fraction(clipped_lower),
             "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
             "ratio_mean": masked_mean(ratio.detach(), response_mask).item(),
             "ratio_max": ratio_max,
@@ -184,10 +183,9 @@ def ppo_clip_loss(
     negative = advantages < 0
     pg_losses = torch.where(negative, dual_losses, clip_losses)
 
-    metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=losses_clipped > losses_unclipped)
-    with torch.no_grad():
-        dual_active = (clip_losses > dual_bound) & negative
-        metrics["pg_clipfrac_lower"] = masked_mean(dual_active.float(), response_mask).item()
+    clipped = losses_clipped > losses_unclipped
+    dual_active = (clip_losses > dual_bound) & negative
+    metrics = policy_metrics(response_mask, log_ratio, ratio, clipped=clipped, clipped_lower=dual_active)
     return pg_losses, metrics
 
 

@@ -92,14 +92,15 @@ def kl_cov_loss(
     response_mask: torch.Tensor,
     *,
     kl_cov_ratio: float = 2e-4,
-    ppo_kl_coef: float = 1.0,
+    ppo_kl_coef: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al. 2025): unclipped policy gradient, plus a KL penalty on the top-covariance tokens.
 
     Per token L = -A * r; on the max(1, floor(kl_cov_ratio * valid tokens)) valid tokens of largest
     covariance, L = -A * r + ppo_kl_coef * |log r|. No clipping, so `pg_clipfrac` is 0. Defaults: verl's
-    kl_cov_ratio; ppo_kl_coef=1 is the paper's recipe (verl's recipe/entropy/*_kl_cov.sh) and the fallback
-    inside verl's loss, while verl's config default is 0.1.
+    configured ones, kl_cov_ratio=2e-4 and ppo_kl_coef=0.1 (`actor.policy_loss.ppo_kl_coef` in verl's
+    actor.yaml; only verl's loss function, called without a config, falls back to 1.0, the value of the
+    paper's recipe recipe/entropy/*_kl_cov.sh).
 
     Metrics: `kl_cov_frac` the fraction of valid tokens penalised, `ppo_kl_abs` the token mean of |log r|
     (what verl reports as ppo_kl for this loss; `ppo_kl` here keeps its common meaning).

@@ -1,4 +1,4 @@
-"""Policy losses that change the ratio or its clip: gspo, sapo, cispo, dro, gpg.
+"""Policy losses that change the ratio or its clip: gspo, sapo, cispo, dro, gpg, geo_mean (GMPO).
 
 Each follows the calling convention in `policy_loss` (the same positional tensors, its own options as
 keyword-only arguments with its documented defaults, a (B, R) per-token loss and the common metrics) and
@@ -170,4 +170,60 @@ def gpg_loss(
     pg_losses = -advantages * log_prob
 
     metrics = policy_metrics(response_mask, log_ratio, log_ratio.exp(), clipped=None)
+    return pg_losses, metrics
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.4,
+    clip_ratio_high: float = 0.4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO, Geometric-Mean Policy Optimization (Zhao et al. 2025, arXiv:2507.20673): the geometric instead of
+    the arithmetic mean of the token ratios, clipped per token in log space.
+
+    With l_t = log(pi_t / pi_old,t), s = sign(A_t), l'_t = s * min(s * l_t, s * clip(l_t, -clip_ratio_low,
+    clip_ratio_high)) (a positive-advantage token is clipped above, a negative one below) and the means over
+    the n_i valid tokens of row i, A_i = mean_t A_t (a sequence-level advantage):
+
+        L_i = -A_i * exp(mean_t l'_t)      set on every valid token of row i
+
+    so "seq-mean-token-mean" gives mean_i L_i, the paper's and verl's objective (verl ignores the mode and
+    takes torch.mean over rows; here the caller's `loss_agg_mode` is honoured, so set that mode to
+    reproduce it). The geometric mean damps outlier token ratios. Defaults: the paper's clip range
+    (e^-0.4, e^0.4), verl's GMPO example (verl's geo_mean reads actor.clip_ratio_*, 0.2 by default).
+    l_t is clamped to [-20, 20] first, as every loss here (verl leaves it unclamped).
+
+    Metrics: `pg_clipfrac` / `pg_clipfrac_lower` the tokens clipped with A > 0 / A < 0 (as verl);
+    `ratio_mean` / `ratio_max` over the sequence ratios, weighted by tokens. Rollout IS weights, when on,
+    multiply the per-token losses (an arithmetic mean of the weights over the row; verl takes their
+    geometric mean).
+    """
+    if clip_ratio_low < 0.0 or clip_ratio_high < 0.0:
+        raise ConfigError(
+            f"geo_mean: clip_ratio_low and clip_ratio_high (log-space bounds) must be >= 0, "
+            f"got {clip_ratio_low}, {clip_ratio_high}"
+        )
+    log_ratio = token_log_ratio(log_prob, old_log_prob)
+    sign = torch.sign(advantages)
+    clamped = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    mask = response_mask.to(log_ratio.dtype)
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    seq_ratio = ((clipped_log_ratio * mask).sum(dim=-1, keepdim=True) / lengths).exp()
+    seq_advantage = (advantages * mask).sum(dim=-1, keepdim=True) / lengths
+    pg_losses = (-seq_advantage * seq_ratio).expand_as(log_ratio)
+
+    clipped = log_ratio != clamped
+    metrics = policy_metrics(
+        response_mask,
+        log_ratio,
+        seq_ratio.expand_as(log_ratio),
+        clipped=clipped & (advantages > 0),
+        clipped_lower=clipped & (advantages < 0),
+    )
     return pg_losses, metrics

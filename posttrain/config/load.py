@@ -35,6 +35,15 @@ RENAMED_KEYS: dict[str, str] = {
     },
 }
 
+# Keys that were replaced by a differently shaped setting: old full key -> how to say it now.
+REPLACED_KEYS: dict[str, str] = {
+    "actor.tis_cap": (
+        "truncated importance sampling is verl's rollout correction now: set "
+        "algorithm.rollout_correction.rollout_is=token and algorithm.rollout_correction.rollout_is_threshold="
+        "<the cap> (rollout_is=sequence for one weight per response)"
+    ),
+}
+
 YAML_DIR = Path(__file__).parent / "yaml"
 
 
@@ -85,7 +94,10 @@ def from_dict(schema: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
 
 
 def check_not_renamed(key: str) -> None:
-    """Refuse a key that has moved, naming where it went (a key under a moved section included)."""
+    """Refuse a key that has moved, naming where it went (a key under a moved section included), or one that
+    was replaced, saying how to set it now."""
+    if key in REPLACED_KEYS:
+        raise ConfigError(f"config key '{key}' was removed: {REPLACED_KEYS[key]}")
     for old, new in RENAMED_KEYS.items():
         if key == old or key.startswith(f"{old}."):
             raise ConfigError(f"config key '{key}' has moved: use '{new}{key[len(old) :]}'")

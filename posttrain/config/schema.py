@@ -105,21 +105,28 @@ class ActorConfig:
     policy_loss: str = "vanilla"
     # Options of particular policy losses. Unset (null) = the chosen loss's own documented default (its
     # docstring); setting one that the chosen loss does not take is an error.
-    clip_ratio_low: float | None = None  # vanilla, clip_cov 0.2; gspo 3e-4; cispo 1.0 (no lower bound)
-    clip_ratio_high: float | None = None  # vanilla, clip_cov 0.2; gspo 4e-4; cispo 3.0
-    clip_ratio_c: float | None = None  # vanilla: dual-clip bound for negative advantages, 3.0
+    # vanilla, clip_cov 0.2; gspo 3e-4; cispo 1.0 (no lower bound); geo_mean 0.4 (log space); dppo_tv 0.15,
+    # dppo_kl 0.05 (divergence bounds for A < 0 / A > 0)
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = (
+        None  # vanilla, clip_cov 0.2; gspo 4e-4; cispo 3.0; geo_mean 0.4; dppo as low
+    )
+    clip_ratio_c: float | None = (
+        None  # vanilla: dual-clip bound for negative advantages, 3.0; dppo: IS cap, 20
+    )
     loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant (Dr. GRPO's max response length); null = the padded response width
+    loss_scale_factor: float | None = None
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     entropy_coeff: float = 0.0
-    tis_cap: float = 0.0  # truncated importance sampling against rollout log-probs, for every loss; 0 = off
     loss_beta: float | None = None  # dro: weight of the quadratic penalty, 0.05
     clip_cov_ratio: float | None = None  # clip_cov: 2e-4
     clip_cov_lb: float | None = None  # clip_cov: 1.0
     clip_cov_ub: float | None = None  # clip_cov: 5.0
     kl_cov_ratio: float | None = None  # kl_cov: 2e-4
-    ppo_kl_coef: float | None = None  # kl_cov: 1.0
+    ppo_kl_coef: float | None = None  # kl_cov: 0.1
     tau_pos: float | None = None  # sapo: gate temperature where A > 0, 1.0
     tau_neg: float | None = None  # sapo: gate temperature where A <= 0, 1.05
 
@@ -137,6 +144,25 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction`: correcting for the rollout engine's policy differing from the
+    trainer's (posttrain/algorithms/rollout_correction.py has the formulas). Every correction needs the
+    rollout log-probs, which the built-in engines return."""
+
+    rollout_is: Literal["token", "sequence"] | None = None  # truncated importance sampling; null = off
+    rollout_is_threshold: float = 2.0  # the cap of the IS weight
+    # rejection sampling: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3
+    # (quote a list on the command line: 'token_k1,seq_max_k2'); null = off
+    rollout_rs: str | None = None
+    # one spec per rs option or one for all: k1 "lower_upper" bounds on the IS weight (e.g. 0.5_2.0) or one
+    # number u for [1/u, u]; k2/k3 one upper bound
+    rollout_rs_threshold: str | None = None
+    bypass_mode: bool = False  # the rollout log-probs are the old policy (no old-log-prob pass)
+    # bypass mode: ppo_clip = the loss's ratio pi/pi_rollout corrects; reinforce = IS weights on policy_loss=gpg
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
@@ -151,6 +177,11 @@ class AlgorithmConfig:
     critic_warmup: int = 0  # steps that train only the critic
     dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards differ; generate until full
     max_gen_rounds: int = 8  # cap on generation rounds per step with dynamic sampling
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # gdpo: the keys of the reward function's returned dict that are its reward components (each normalised
+    # within its group); empty = the one score
+    gdpo_reward_keys: tuple[str, ...] = ()
+    gdpo_reward_weights: tuple[float, ...] = ()  # one per key; empty = all 1
 
 
 @dataclass(frozen=True)

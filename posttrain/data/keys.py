@@ -42,6 +42,6 @@ SCORE = "score"  # float: the reward function's score of the response (before sh
 
 # Meta
 GLOBAL_TOKENS = "global_tokens"  # int: valid response tokens in the whole mini-batch (loss normaliser)
-GLOBAL_SEQS = "global_seqs"  # int: sequences in the whole mini-batch
+GLOBAL_SEQS = "global_seqs"  # int: sequences (rows with a valid token) in the whole mini-batch
 TEMPERATURE = "temperature"  # float: sampling temperature the log-probs are computed at
 GEN_SECONDS = "gen_seconds"  # float: wall time of the rollout engine's generate call on a rank

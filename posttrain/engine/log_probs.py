@@ -10,15 +10,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` upcast to float32 when it is of lower precision (bf16, fp16); float32 and float64 unchanged."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+
+
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per position, computed in fp32 for exactness."""
-    logits = logits.float()
+    """log softmax(logits)[target] per position, in float32 at least (float64 logits stay float64)."""
+    logits = at_least_float32(logits)
     return torch.gather(F.log_softmax(logits, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position: logsumexp(z) - sum(p * z)."""
-    logits = logits.float()
+    """Entropy of softmax(logits) per position: logsumexp(z) - sum(p * z), in float32 at least (float64
+    logits stay float64)."""
+    logits = at_least_float32(logits)
     probs = F.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
@@ -121,16 +127,13 @@ def response_values(
     start, end = _used_columns(attention_mask)
     start = min(start, prompt_width - 1)
     end = max(end, prompt_width + 1)
-    values = (
-        model(
-            input_ids=input_ids[:, start:end],
-            attention_mask=attention_mask[:, start:end],
-            position_ids=position_ids[:, start:end],
-            use_cache=False,
-        )
-        .logits[..., 0]
-        .float()
-    )
+    values = model(
+        input_ids=input_ids[:, start:end],
+        attention_mask=attention_mask[:, start:end],
+        position_ids=position_ids[:, start:end],
+        use_cache=False,
+    ).logits[..., 0]
+    values = at_least_float32(values)
     first = prompt_width - 1 - start
     used_response = end - prompt_width
     values = values[:, first : first + used_response]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from posttrain.data.partition import first_fit_decreasing
-from posttrain.engine.log_probs import chunked_log_probs_and_entropy, token_log_probs
+from posttrain.engine.log_probs import at_least_float32, chunked_log_probs_and_entropy, token_log_probs
 from posttrain.engine.shared_prompt import (
     PrefixGroup,
     additive_mask,
@@ -197,7 +197,7 @@ def packed_response_values(
 ) -> torch.Tensor:
     """`log_probs.response_values` on packed sequences: the value head's output before each response token."""
     values, valid = response_outputs(model, input_ids, attention_mask, response_width, options)
-    return unpack_rows(values[:, 0].float(), valid)
+    return unpack_rows(at_least_float32(values[:, 0]), valid)
 
 
 def packed_next_token_log_probs(
@@ -263,7 +263,7 @@ def packed_target_log_probs(
         cell_rows = torch.nonzero(attention_mask.bool())[:, 0]
         slots[cell_pos] = routes.row_slots.to(device)[cell_rows]
         routes.set_routes(slots, slots[keep])
-    logits = packed_model_output(model, ids, positions, mask, keep=keep).float()
+    logits = at_least_float32(packed_model_output(model, ids, positions, mask, keep=keep))
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     valid = attention_mask.bool()

@@ -122,7 +122,11 @@ class RewardStage:
             )
         return Batch.from_dict(
             {keys.TOKEN_LEVEL_SCORES: scores_to_token_level(shaped, batch[keys.RESPONSE_MASK])},
-            {keys.SCORE: list(result.scores)},
+            {
+                keys.SCORE: list(result.scores),
+                # GDPO's reward components: values the reward function returned besides "score"
+                **{k: result.extra.get(k, [None] * len(batch)) for k in self.cfg.algorithm.gdpo_reward_keys},
+            },
         )
 
     def apply_kl(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

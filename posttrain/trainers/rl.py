@@ -95,7 +95,7 @@ class RLTrainer:
         )
         # one optimizer step per batch: the update's own log-probs, before any change, are the old ones
         self.reuse_update_log_probs = reuses_update_log_probs(cfg)
-        self.loss = LossSpec("ppo", policy_loss_options(cfg.actor))
+        self.loss = LossSpec("ppo", policy_loss_options(cfg.actor, cfg.algorithm))
         self.critic_loss = LossSpec(
             "value", {"cliprange_value": cfg.critic.cliprange_value, "loss_agg_mode": cfg.actor.loss_agg_mode}
         )

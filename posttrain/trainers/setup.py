@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from posttrain.algorithms.policy_loss import own_options
 from posttrain.algorithms.registry import get_advantage_estimator, get_kl_estimator, get_policy_loss
+from posttrain.algorithms.rollout_correction import RolloutCorrection
 from posttrain.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -105,7 +109,7 @@ def check_rl_config(cfg: RLConfig) -> None:
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         check_files(cfg.data.val_files, "data.val_files")
     estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-    policy_loss_options(cfg.actor)  # unknown loss, or an option the chosen loss does not take
+    policy_loss_options(cfg.actor, cfg.algorithm)  # unknown loss, an option the chosen loss does not take
     check_algorithm(cfg, estimator)
     if cfg.actor.use_kl_loss:
         get_kl_estimator(cfg.actor.kl_loss_type)
@@ -150,7 +154,9 @@ def check_rl_config(cfg: RLConfig) -> None:
             )
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo")
+# inputs of an estimator that the trainer can supply (`advantage_kwargs`); any other required one is refused
+SUPPLIED_INPUTS = ("values", "reward_baselines")
 # options of particular policy losses that live in ActorConfig; one left unset (None) means the chosen
 # loss's own documented default, one that is set is passed only to a loss that takes it
 LOSS_OPTION_FIELDS = (
@@ -170,11 +176,32 @@ LOSS_OPTION_FIELDS = (
 LOSS_OPTION_ALIASES = {"loss_beta": "beta"}
 
 
-def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
+def rollout_correction(algo: AlgorithmConfig, policy_loss: str) -> RolloutCorrection:
+    """`algorithm.rollout_correction`, validated (ConfigError naming the key and the allowed values)."""
+    rc = algo.rollout_correction
+    correction = RolloutCorrection(
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_rs=rc.rollout_rs or None,  # an empty string is "off", as null
+        rollout_rs_threshold=rc.rollout_rs_threshold or None,
+        bypass_mode=rc.bypass_mode,
+        loss_type=rc.loss_type,
+    )
+    if correction.loss_type == "reinforce" and policy_loss != "gpg":
+        raise ConfigError(
+            "algorithm.rollout_correction.loss_type=reinforce weighs the REINFORCE loss -A * log pi: set "
+            f"actor.policy_loss=gpg (got {policy_loss}; a ratio loss with IS weights counts the correction twice)"
+        )
+    return correction
+
+
+def policy_loss_options(actor: ActorConfig, algo: AlgorithmConfig) -> dict[str, Any]:
     """The `ppo` LossSpec options. Only the loss options the user set are passed, so an unset one is the
     chosen loss's own default (in its signature); a set one the chosen loss does not take is an error
-    naming the key and the loss (never silently ignored)."""
+    naming the key and the loss (never silently ignored). The rollout correction (from `algo`) and
+    `loss_scale_factor` travel as plain values."""
     accepted = own_options(get_policy_loss(actor.policy_loss))
+    correction = rollout_correction(algo, actor.policy_loss)
     options: dict[str, Any] = {
         "policy_loss": actor.policy_loss,
         "loss_agg_mode": actor.loss_agg_mode,
@@ -182,8 +209,18 @@ def policy_loss_options(actor: ActorConfig) -> dict[str, Any]:
         "kl_loss_coef": actor.kl_loss_coef,
         "kl_loss_type": actor.kl_loss_type,
         "entropy_coeff": actor.entropy_coeff,
-        "tis_cap": actor.tis_cap,
     }
+    if correction.enabled:
+        options["rollout_correction"] = dataclasses.asdict(correction)
+    if actor.loss_scale_factor is not None:
+        if actor.loss_agg_mode != "seq-mean-token-sum-norm":
+            raise ConfigError(
+                f"actor.loss_scale_factor={actor.loss_scale_factor} is set, but actor.loss_agg_mode="
+                f"{actor.loss_agg_mode} does not use it (only seq-mean-token-sum-norm does)"
+            )
+        if not actor.loss_scale_factor > 0:
+            raise ConfigError(f"actor.loss_scale_factor must be > 0, got {actor.loss_scale_factor}")
+        options["loss_scale_factor"] = actor.loss_scale_factor
     for name in LOSS_OPTION_FIELDS:
         value = getattr(actor, name)
         if value is None:
@@ -206,8 +243,29 @@ def advantage_kwargs(estimator: Callable[..., Any], algo: AlgorithmConfig, batch
         pool["values"] = batch[keys.VALUES]
     if keys.REWARD_BASELINES in batch:
         pool["reward_baselines"] = batch[keys.REWARD_BASELINES]
+    if algo.gdpo_reward_keys:
+        pool["reward_components"] = reward_components(batch, algo.gdpo_reward_keys)
+        pool["reward_weights"] = algo.gdpo_reward_weights or None
     params = inspect.signature(estimator).parameters
     return {name: value for name, value in pool.items() if name in params}
+
+
+def reward_components(batch: Batch, names: Sequence[str]) -> torch.Tensor:
+    """(B, K) reward components: the columns `names` that the reward function returned besides "score".
+
+    A row without the value (its score failed, and counts 0.0 as the score does) gets 0.0; a name that no
+    row has is a ConfigError (the reward function does not return it).
+    """
+    columns = []
+    for name in names:
+        values = list(batch[name]) if name in batch else []
+        if all(v is None for v in values):
+            raise ConfigError(
+                f"algorithm.gdpo_reward_keys: '{name}' is not a value of the reward function's results; it must "
+                f"return a dict with 'score' and '{name}'"
+            )
+        columns.append(torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32))
+    return torch.stack(columns, dim=-1)
 
 
 def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
@@ -217,6 +275,13 @@ def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
     needs = {
         p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and v.default is v.empty
     }
+    unsupplied = sorted(needs - set(SUPPLIED_INPUTS))
+    if unsupplied:
+        raise ConfigError(
+            f"algorithm.adv_estimator={name} needs {', '.join(unsupplied)} per response token, which the trainer "
+            "does not supply to advantage estimators yet (the actor's forward pass returns log-probs only); "
+            "the estimator function can be called directly"
+        )
     if "values" in needs and not cfg.critic.enable:
         raise ConfigError(
             f"algorithm.adv_estimator={name} needs a critic: set critic.enable=true (or algorithm=ppo)"
@@ -248,6 +313,15 @@ def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
         get_kl_estimator(algo.kl_penalty)
         if algo.kl_ctrl_type not in ("fixed", "adaptive"):
             raise ConfigError(f"algorithm.kl_ctrl_type must be fixed or adaptive, got '{algo.kl_ctrl_type}'")
+    if algo.gdpo_reward_keys and "reward_components" not in params:
+        raise ConfigError(
+            f"algorithm.gdpo_reward_keys is set, but adv_estimator={name} does not use it (gdpo does)"
+        )
+    if algo.gdpo_reward_weights and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
+        raise ConfigError(
+            f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} values for "
+            f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys; give one weight per key (or none)"
+        )
     if algo.max_gen_rounds < 1:
         raise ConfigError(f"algorithm.max_gen_rounds must be >= 1, got {algo.max_gen_rounds}")
     if cfg.reward.overlong_buffer_len >= cfg.data.max_response_length:
@@ -274,10 +348,13 @@ def critic_optimizer_steps_per_step(cfg: RLConfig) -> int:
 def reuses_update_log_probs(cfg: RLConfig) -> bool:
     """Whether the separate old-log-prob pass can be skipped: with one optimizer step per batch the policy
     has not changed when the update computes its log-probs, so they are the old ones (same weights, same
-    tokens). KL in the reward needs them before the update, so it keeps the pass."""
+    tokens); in rollout correction's bypass mode the rollout log-probs are the old ones, whatever the
+    number of steps. KL in the reward needs them before the update, so it keeps the pass."""
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, samples)
-    return cfg.actor.reuse_log_probs_on_policy and one_step and not cfg.algorithm.use_kl_in_reward
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
+    skip = bypass or (cfg.actor.reuse_log_probs_on_policy and one_step)
+    return skip and not cfg.algorithm.use_kl_in_reward
 
 
 def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from posttrain.algorithms.aggregation import global_totals
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.partition import balanced_partition
@@ -32,7 +33,7 @@ def minibatch_updates(
     for _ in range(epochs):
         for mb in batch.split(mini):
             mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
-            mb.meta[keys.GLOBAL_SEQS] = len(mb)
+            mb.meta[keys.GLOBAL_SEQS] = global_totals(mb[keys.RESPONSE_MASK])[1]  # rows with a valid token
             for k, v in train(mb).items():
                 name = k if k.startswith((f"{prefix}/", "rollout/")) else f"{prefix}/{k}"
                 if name.endswith("_max"):

@@ -1,8 +1,8 @@
 """Losses by name for `forward_backward`: the engine computes log-probs, these turn them into a scalar.
 
 A `LossSpec` is a plain, picklable value (it crosses Ray); `build_loss` looks its name up in `LOSSES` and
-makes the callable on the worker. Registered: `ppo` (a registered policy loss, weighed by truncated
-importance sampling and aggregated once, + optional KL-to-reference and entropy terms), `value` (the
+makes the callable on the worker. Registered: `ppo` (a registered policy loss under verl's rollout
+correction, aggregated once, + optional KL-to-reference and entropy terms), `value` (the
 critic's clipped value loss) and `cross_entropy` (SFT: mean negative log-likelihood over `loss_mask`
 tokens). An unknown name, or an option the loss does not take, is a ConfigError listing the valid ones.
 """
@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from posttrain.algorithms.aggregation import aggregate_loss, masked_mean
+from posttrain.algorithms.aggregation import aggregate_loss, global_totals, masked_mean
 from posttrain.algorithms.policy_loss import compute_policy_loss, kl_loss, own_options
 from posttrain.algorithms.registry import Registry, get_policy_loss
+from posttrain.algorithms.rollout_correction import RolloutCorrection
 from posttrain.algorithms.value_loss import clipped_value_loss
 from posttrain.data import keys
 from posttrain.data.batch import Batch
@@ -36,7 +37,9 @@ PPO_SETTINGS: dict[str, Any] = {
     "kl_loss_coef": 0.0,
     "kl_loss_type": "k3",
     "entropy_coeff": 0.0,
-    "tis_cap": 0.0,  # truncated importance sampling against rollout log-probs; 0 = off
+    # verl's algorithm.rollout_correction as a plain mapping (RolloutCorrection's fields); None = all off
+    "rollout_correction": None,
+    "loss_scale_factor": None,  # the constant of "seq-mean-token-sum-norm"; None = the response width
 }
 
 
@@ -69,16 +72,26 @@ def _check_options(owner: str, options: Mapping[str, Any], valid: Mapping[str, A
 
 
 def _totals(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
+    """The mini-batch totals from meta; without them, this micro-batch's own, counted as the trainer counts
+    (`global_totals`: valid tokens, rows with a valid token)."""
+    tokens, seqs = global_totals(mask)
     return {
-        "global_tokens": mb.meta.get(keys.GLOBAL_TOKENS, float(mask.sum())),
-        "global_seqs": mb.meta.get(keys.GLOBAL_SEQS, mask.shape[0]),
+        "global_tokens": mb.meta.get(keys.GLOBAL_TOKENS, float(tokens)),
+        "global_seqs": mb.meta.get(keys.GLOBAL_SEQS, seqs),
     }
 
 
 @register_loss("ppo")
 def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
-    """The policy loss `policy_loss` with its own options (the rest of `options`), TIS and aggregation
-    applied once here, + kl_loss_coef * KL to the reference (use_kl_loss) - entropy_coeff * entropy."""
+    """The policy loss `policy_loss` with its own options (the rest of `options`), the rollout correction and
+    aggregation applied once here, + kl_loss_coef * KL to the reference (use_kl_loss) - entropy_coeff *
+    entropy. The three terms share the mode, totals and loss_scale_factor; rejection sampling masks the
+    policy-gradient term only (KL and entropy are regularisers of pi_theta, whoever sampled the token)."""
+    if "tis_cap" in options:
+        raise ConfigError(
+            "the ppo loss's tis_cap was replaced by verl's rollout correction: "
+            "rollout_correction={'rollout_is': 'token', 'rollout_is_threshold': <cap>}"
+        )
     settings = {name: options.pop(name, default) for name, default in PPO_SETTINGS.items()}
     policy_loss_name = str(settings["policy_loss"])
     policy_loss = get_policy_loss(policy_loss_name)
@@ -88,7 +101,9 @@ def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
     kl_coef = float(settings["kl_loss_coef"])
     kl_type = str(settings["kl_loss_type"])
     entropy_coeff = float(settings["entropy_coeff"])
-    tis_cap = float(settings["tis_cap"])
+    correction = RolloutCorrection.from_options(settings["rollout_correction"])
+    scale = settings["loss_scale_factor"]
+    width = None if scale is None else float(scale)
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(log_probs.dtype)
@@ -103,9 +118,10 @@ def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             mask,
             options=options,
             rollout_log_probs=mb[keys.ROLLOUT_LOG_PROBS] if keys.ROLLOUT_LOG_PROBS in mb else None,
-            tis_cap=tis_cap,
+            rollout_correction=correction,
             loss_agg_mode=agg_mode,
             dp_size=dp_size,
+            loss_scale_factor=width,
             **totals,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
@@ -116,10 +132,11 @@ def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             metrics["rollout/logprob_diff_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
         if use_kl:
             kl, kl_metrics = kl_loss(log_probs, mb[keys.REF_LOG_PROB], mask, kind=kl_type)
-            loss = loss + kl_coef * aggregate_loss(kl, mask, agg_mode, dp_size=dp_size, **totals)
+            kl_term = aggregate_loss(kl, mask, agg_mode, dp_size=dp_size, width=width, **totals)
+            loss = loss + kl_coef * kl_term
             metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
         if entropy is not None:
-            entropy_term = aggregate_loss(entropy, mask, agg_mode, dp_size=dp_size, **totals)
+            entropy_term = aggregate_loss(entropy, mask, agg_mode, dp_size=dp_size, width=width, **totals)
             loss = loss - entropy_coeff * entropy_term
             metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
         return loss, metrics

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from posttrain.algorithms.advantages_outcome import (
+    compute_gdpo_advantages,
     compute_gpg_advantages,
     compute_grpo_passk_advantages,
     compute_opo_advantages,
@@ -169,3 +170,45 @@ def test_grpo_passk_rejects_a_group_of_one():
 def test_group_ids_must_match_the_batch():
     with pytest.raises(ValueError, match="group_ids has 5 entries for a batch of 6 rows"):
         compute_rloo_advantages(_rewards(), MASK, GROUP_IDS[:5])
+
+
+# --- GDPO ----------------------------------------------------------------------------------------------
+# Two prompts of two samples, one token each; correctness on a 0/1 scale, format on a 0/10 scale.
+GDPO_IDS = ["a", "a", "b", "b"]
+GDPO_COMPONENTS = torch.tensor([[1.0, 10.0], [0.0, 0.0], [1.0, 0.0], [1.0, 10.0]])
+GDPO_MASK = torch.ones(4, 1)
+
+
+def test_gdpo_normalises_each_reward_within_its_group_then_whitens_the_sum():
+    # per component, GRPO within the group (std unbiased, sqrt(0.5) for a pair 0, 1 apart):
+    #   correctness: a [1, 0] -> [+0.7071068, -0.7071068]; b [1, 1] -> [0, 0]
+    #   format:      a [10, 0] -> [+0.7071068, -0.7071068]; b [0, 10] -> [-0.7071068, +0.7071068]
+    # sum [1.4142136, -1.4142136, -0.7071068, 0.7071068]: mean 0, unbiased var (2 * 2 + 2 * 0.5) / 3 = 5 / 3
+    # whitened: sum / sqrt(5 / 3) = [1.0954451, -1.0954451, -0.5477226, 0.5477226]
+    adv, ret = compute_gdpo_advantages(
+        torch.zeros(4, 1), GDPO_MASK, GDPO_IDS, reward_components=GDPO_COMPONENTS
+    )
+    expected = torch.tensor([[1.0954451], [-1.0954451], [-0.5477226], [0.5477226]])
+    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret, adv)
+    # GRPO on the summed reward [11, 0, 1, 11] would rank prompt b's samples like a's: +-0.7071068 each
+    grpo = get_advantage_estimator("grpo")(GDPO_COMPONENTS.sum(-1, keepdim=True), GDPO_MASK, GDPO_IDS)[0]
+    assert grpo[2].item() == pytest.approx(-0.7071061, abs=1e-5)
+
+
+def test_gdpo_reward_weights_and_the_single_reward_fallback():
+    # weights [1, 0.5]: sum [1.0606602, -1.0606602, -0.3535534, 0.3535534]; var (2 * 1.125 + 2 * 0.125) / 3
+    adv, _ = compute_gdpo_advantages(
+        torch.zeros(4, 1), GDPO_MASK, GDPO_IDS, reward_components=GDPO_COMPONENTS, reward_weights=[1.0, 0.5]
+    )
+    scale = math.sqrt(2.5 / 3)
+    expected = torch.tensor([[1.0606602], [-1.0606602], [-0.3535534], [0.3535534]]) / scale
+    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-5)
+    # without components: the row score is the one reward (GRPO, then whitening)
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [1.0]])
+    adv, _ = compute_gdpo_advantages(rewards, GDPO_MASK, GDPO_IDS)
+    # GRPO [0.7071, -0.7071, -0.7071, 0.7071]; whitened: / sqrt(4 * 0.5 / 3)
+    expected = torch.tensor([[1.0], [-1.0], [-1.0], [1.0]]) * math.sqrt(0.5) / math.sqrt(2.0 / 3.0)
+    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="2 reward weights for 1 reward components"):
+        compute_gdpo_advantages(rewards, GDPO_MASK, GDPO_IDS, reward_weights=[1.0, 2.0])

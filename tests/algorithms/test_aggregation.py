@@ -40,6 +40,16 @@ def test_global_totals_and_dp_size(mode, expected):
 
 def test_global_totals_counts_tokens_and_non_empty_rows():
     assert global_totals(MASK) == (3, 2)
+    # the local default of every seq-mean mode counts the same way: the empty row does not dilute the mean
+    tokens, seqs = global_totals(MASK)
+    for mode in LOSS_AGG_MODES:
+        local = aggregate_loss(LOSS, MASK, mode)
+        assert local.item() == pytest.approx(aggregate_loss(LOSS, MASK, mode, tokens, seqs).item())
+
+
+def test_width_is_verls_loss_scale_factor():
+    # seq-mean-token-sum-norm: (3 + 4) / 2 sequences / W, with W = 10 instead of the width 3
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", width=10).item() == pytest.approx(7 / 2 / 10)
 
 
 def test_empty_mask_gives_zero_not_nan():

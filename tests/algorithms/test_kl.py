@@ -44,8 +44,8 @@ def test_k3_is_clamped_and_finite():
 def test_unknown_kind_lists_valid():
     with pytest.raises(
         ConfigError,
-        match=r"unknown KL estimator 'k4'; valid: abs, abs\+, k1, k1\+, k2, k3, k3\+, kl, kl\+, "
-        r"low_var_kl, low_var_kl\+, mse",
+        match=r"unknown KL estimator 'k4'; valid: abs, abs\+, k1, k1\+, k2, k2\+, k3, k3\+, kl, kl\+, "
+        r"low_var_kl, low_var_kl\+, mse, mse\+",
     ):
         kl_penalty(LOG_PROB, REF_LOG_PROB, "k4")
 
@@ -55,6 +55,7 @@ def test_unknown_kind_lists_valid():
     [
         (("k1+", "kl+"), [0.5, -1.0]),
         (("abs+",), [0.5, 1.0]),
+        (("k2+", "mse+"), [0.125, 0.5]),  # k2 itself: 0.5 * [0.5, -1.0]^2
         (("k3+", "low_var_kl+"), [0.10653066, 0.71828183]),
     ],
 )

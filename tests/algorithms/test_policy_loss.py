@@ -6,6 +6,7 @@ import torch
 from posttrain.algorithms.aggregation import aggregate_loss
 from posttrain.algorithms.policy_loss import compute_policy_loss, kl_loss, own_options, ppo_clip_loss
 from posttrain.algorithms.registry import get_policy_loss
+from posttrain.algorithms.rollout_correction import RolloutCorrection
 from posttrain.errors import ConfigError
 
 # One row, five tokens; the fifth is padding. old log-probs are 0, so ratio = exp(log_prob).
@@ -130,42 +131,141 @@ def test_ratio_stats_ignore_padding():
 
 # pi_old / pi_rollout = [0.5, 1, 3, 4, 8] (old is 0); capped at 2 -> weights [0.5, 1, 2, 2, 2]
 ROLLOUT = torch.tensor([[-math.log(w) for w in (0.5, 1.0, 3.0, 4.0, 8.0)]])
+TOKEN_TIS = RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0)
 
 
-def test_tis_weights_each_token_loss():
+def test_token_tis_weights_each_token_loss():
     log_prob = _log_prob()
     loss, metrics = compute_policy_loss(
-        ppo_clip_loss, log_prob, OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=2.0
+        ppo_clip_loss,
+        log_prob,
+        OLD,
+        ADVANTAGES,
+        MASK,
+        rollout_log_probs=ROLLOUT,
+        rollout_correction=TOKEN_TIS,
     )
     # per-token losses [-1.2, 0.8, -1.1, 3.0] times [0.5, 1, 2, 2] = [-0.6, 0.8, -2.2, 6.0]; sum 4.0 over 4
     assert loss.item() == pytest.approx(1.0)
-    assert metrics["tis_weight_mean"] == pytest.approx(5.5 / 4)
-    assert metrics["tis_capped_frac"] == pytest.approx(2 / 4)
+    assert metrics["rollout_is_mean"] == pytest.approx(5.5 / 4)
+    assert metrics["rollout_is_ratio_fraction_high"] == pytest.approx(2 / 4)  # 3 and 4 exceed the cap
     loss.backward()
     # the weight is a constant factor: t2's gradient -1.1 / 4 becomes 2 * -1.1 / 4
     torch.testing.assert_close(log_prob.grad, torch.tensor([[0.0, 0.0, -0.55, 0.0, 0.0]]))
 
 
-def test_tis_is_off_by_default_even_with_rollout_log_probs():
+def test_correction_is_off_by_default_even_with_rollout_log_probs():
     loss, metrics = compute_policy_loss(
         ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT
     )
     assert loss.item() == pytest.approx(0.375)
-    assert "tis_weight_mean" not in metrics
+    assert not any(k.startswith("rollout_") for k in metrics)
 
 
-def test_tis_config_errors():
+def test_rejected_tokens_add_no_loss_but_keep_their_place_in_the_normaliser():
+    # token_k1 with weight bounds [0.4, 2]: weights [0.5, 1, 3, 4] keep t0, t1 and reject t2, t3
+    correction = RolloutCorrection(rollout_rs="token_k1", rollout_rs_threshold="0.4_2.0")
+    log_prob = _log_prob()
+    loss, metrics = compute_policy_loss(
+        ppo_clip_loss,
+        log_prob,
+        OLD,
+        ADVANTAGES,
+        MASK,
+        rollout_log_probs=ROLLOUT,
+        rollout_correction=correction,
+    )
+    # kept losses -1.2 + 0.8, over the 4 valid tokens (not 2)
+    assert loss.item() == pytest.approx(-0.1)
+    assert metrics["rollout_rs_masked_fraction"] == pytest.approx(2 / 4)
+    assert metrics["pg_clipfrac"] == pytest.approx(1.0)  # the loss saw the kept tokens only: both clipped
+    loss.backward()
+    assert log_prob.grad[0, 2:].abs().sum().item() == 0.0
+    # a row's length counts its rejected tokens too: seq-mean-token-mean gives the same -0.4 / 4
+    per_seq, _ = compute_policy_loss(
+        ppo_clip_loss,
+        _log_prob(),
+        OLD,
+        ADVANTAGES,
+        MASK,
+        rollout_log_probs=ROLLOUT,
+        rollout_correction=correction,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    assert per_seq.item() == pytest.approx(-0.1)
+
+
+def test_bypass_mode_uses_the_rollout_log_probs_as_the_old_policy():
+    bypass = RolloutCorrection(bypass_mode=True)
+    log_prob = _log_prob()
+    # pi_old given as 0 is ignored: the ratio is pi / pi_rollout = [1.5 * 0.5, 0.5 * 1, 1.1 * 3, 4 * 4]
+    # = [0.75, 0.5, 3.3, 16], A = [+1, -1, +1, -1]: per token [-0.75, 0.8 (clipped at 0.8), -1.2 (clipped at
+    # 1.2), 3 (dual clip)]
+    loss, _ = compute_policy_loss(
+        ppo_clip_loss, log_prob, OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, rollout_correction=bypass
+    )
+    assert loss.item() == pytest.approx((-0.75 + 0.8 - 1.2 + 3.0) / 4)
+
+
+def test_bypass_reinforce_weighs_gpg_by_pi_theta_over_pi_rollout():
+    correction = RolloutCorrection(
+        rollout_is="sequence", rollout_is_threshold=100.0, bypass_mode=True, loss_type="reinforce"
+    )
+    log_prob = torch.tensor([[math.log(0.5), math.log(0.25)]], requires_grad=True)
+    rollout = torch.tensor([[math.log(0.25), math.log(0.25)]])
+    adv = torch.tensor([[1.0, 1.0]])
+    loss, metrics = compute_policy_loss(
+        get_policy_loss("gpg"),
+        log_prob,
+        torch.zeros(1, 2),
+        adv,
+        torch.ones(1, 2),
+        rollout_log_probs=rollout,
+        rollout_correction=correction,
+    )
+    # w = (0.5 / 0.25) * (0.25 / 0.25) = 2 on both tokens: -2 * (log 0.5 + log 0.25) / 2 = 3 log 2
+    assert loss.item() == pytest.approx(3 * math.log(2.0))
+    assert metrics["rollout_is_mean"] == pytest.approx(2.0)
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor([[-1.0, -1.0]]))
+
+
+def test_correction_config_errors():
     with pytest.raises(ConfigError, match="needs rollout_log_probs"):
-        compute_policy_loss(ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, tis_cap=2.0)
-    with pytest.raises(ConfigError, match="tis_cap must be >= 0"):
-        compute_policy_loss(
-            ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, rollout_log_probs=ROLLOUT, tis_cap=-1.0
-        )
+        compute_policy_loss(ppo_clip_loss, _log_prob(), OLD, ADVANTAGES, MASK, rollout_correction=TOKEN_TIS)
+    with pytest.raises(ConfigError, match="rollout_is_threshold must be > 0"):
+        RolloutCorrection(rollout_is="token", rollout_is_threshold=0.0)
+
+
+def test_loss_scale_factor_is_the_constant_of_seq_mean_token_sum_norm():
+    loss, _ = compute_policy_loss(
+        ppo_clip_loss,
+        _log_prob(),
+        OLD,
+        ADVANTAGES,
+        MASK,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        loss_scale_factor=10.0,
+    )
+    # one sequence, token sum 1.5, divided by 10 instead of the width 5
+    assert loss.item() == pytest.approx(1.5 / 10)
 
 
 # --- the calling convention, for every registered loss ------------------------------------------------
 
-ALL_LOSSES = ["vanilla", "gspo", "sapo", "cispo", "dro", "gpg", "clip_cov", "kl_cov"]
+ALL_LOSSES = [
+    "vanilla",
+    "gspo",
+    "sapo",
+    "cispo",
+    "dro",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "dppo_tv",
+    "dppo_kl",
+]
 # Two rows, three and two valid tokens.
 CONV_LOG_PROB = torch.tensor([[-1.0, -0.5, -2.0, -0.1], [-0.3, -1.2, -0.7, -0.9]])
 CONV_OLD = torch.tensor([[-1.1, -0.4, -2.0, -3.0], [-0.2, -1.0, -0.7, -0.2]])
@@ -191,7 +291,7 @@ def test_all_losses_are_registered():
 def test_common_metrics(name):
     loss, metrics = _call(name)
     assert loss.dim() == 0 and torch.isfinite(loss)
-    assert {"pg_clipfrac", "ppo_kl", "ratio_mean", "ratio_max"} <= metrics.keys()
+    assert {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "ratio_mean", "ratio_max"} <= metrics.keys()
     assert all(isinstance(v, float) for v in metrics.values())
     # ppo_kl = mean(old - new) over the 5 valid tokens: (-0.1 + 0.1 + 0 + 0.1 + 0.2) / 5
     assert metrics["ppo_kl"] == pytest.approx(0.06)
@@ -205,18 +305,19 @@ def test_aggregation_mode_is_not_overridden(name):
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
-def test_tis_with_constant_weight_scales_every_loss(name):
+def test_token_tis_with_constant_weight_scales_every_loss(name):
     plain, _ = _call(name)
     # pi_old / pi_rollout = 2 everywhere, under a cap of 5: every token's loss doubles
-    weighted, metrics = _call(name, rollout_log_probs=CONV_OLD - math.log(2.0), tis_cap=5.0)
+    correction = RolloutCorrection(rollout_is="token", rollout_is_threshold=5.0)
+    weighted, metrics = _call(name, rollout_log_probs=CONV_OLD - math.log(2.0), rollout_correction=correction)
     assert weighted.item() == pytest.approx(2.0 * plain.item(), abs=1e-6)
-    assert metrics["tis_weight_mean"] == pytest.approx(2.0)
+    assert metrics["rollout_is_mean"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
-def test_tis_cap_without_rollout_log_probs_is_an_error(name):
+def test_rollout_correction_without_rollout_log_probs_is_an_error(name):
     with pytest.raises(ConfigError, match="rollout_log_probs"):
-        _call(name, tis_cap=2.0)
+        _call(name, rollout_correction=RolloutCorrection(rollout_is="token"))
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
@@ -233,7 +334,8 @@ CALLER_ARGUMENTS = {
     "global_seqs",
     "dp_size",
     "rollout_log_probs",
-    "tis_cap",
+    "rollout_correction",
+    "loss_scale_factor",
 }
 
 
@@ -256,7 +358,10 @@ def test_each_loss_documents_its_own_defaults_in_its_signature():
     assert defaults["sapo"] == {"tau_pos": 1.0, "tau_neg": 1.05}
     assert defaults["dro"] == {"beta": 0.05}
     assert defaults["gpg"] == {}
-    assert defaults["kl_cov"] == {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 1.0}
+    assert defaults["kl_cov"] == {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 0.1}  # verl's configured default
+    assert defaults["geo_mean"] == {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}
+    assert defaults["dppo_tv"] == {"clip_ratio_low": 0.15, "clip_ratio_high": 0.15, "clip_ratio_c": 20.0}
+    assert defaults["dppo_kl"] == {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 20.0}
     assert defaults["clip_cov"] == {
         "clip_ratio_low": 0.2,
         "clip_ratio_high": 0.2,

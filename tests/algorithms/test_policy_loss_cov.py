@@ -110,30 +110,37 @@ def test_kl_cov_penalises_the_top_covariance_token():
     loss, metrics = compute_policy_loss(
         kl_cov_loss, log_prob, KL_OLD, KL_ADV, torch.ones(1, 4), options={"kl_cov_ratio": 0.25}
     )
-    # one token (floor(0.25 * 4)): token 0. Losses -A * r: [-2 e^0.2, -2, 2 e^0.1, 2], plus |0.2| on t0:
-    # [-2.2428055, -2, 2.2103418, 2] -> mean -0.0081159
-    assert loss.item() == pytest.approx(-0.0081159, abs=1e-6)
+    # one token (floor(0.25 * 4)): token 0. Losses -A * r: [-2 e^0.2, -2, 2 e^0.1, 2], plus
+    # ppo_kl_coef * |0.2| = 0.1 * 0.2 on t0 (verl's configured default coefficient 0.1):
+    # [-2.4228055, -2, 2.2103418, 2] -> mean -0.0531159
+    assert loss.item() == pytest.approx(-0.0531159, abs=1e-6)
     assert metrics["kl_cov_frac"] == pytest.approx(0.25)
     assert metrics["ppo_kl_abs"] == pytest.approx(0.075)
     assert metrics["ppo_kl"] == pytest.approx(-0.075)
     assert metrics["pg_clipfrac"] == 0.0
     loss.backward()
-    # -A * r (+ 1 * sign(log r) on t0), over 4: [(-2.4428055 + 1) / 4, -0.5, 2.2103418 / 4, 0.5]
-    expected = [-0.3607014, -0.5, 0.5525855, 0.5]
+    # -A * r (+ 0.1 * sign(log r) on t0), over 4: [(-2.4428055 + 0.1) / 4, -0.5, 2.2103418 / 4, 0.5]
+    expected = [-0.5857014, -0.5, 0.5525855, 0.5]
     assert log_prob.grad[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 def test_kl_cov_ratio_sets_how_many_tokens():
     log_prob = torch.tensor(KL_LOG_PROB)
-    # floor(0.5 * 4) = 2 tokens: t0 and t2 (covariance 3 and 2); t2 adds |0.1|
+    # floor(0.5 * 4) = 2 tokens: t0 and t2 (covariance 3 and 2); t2 adds |0.1| (coefficient 1 here):
+    # [-2.4428055 + 0.2, -2, 2.2103418 + 0.1, 2] -> mean 0.0168841
     loss, metrics = compute_policy_loss(
-        kl_cov_loss, log_prob, KL_OLD, KL_ADV, torch.ones(1, 4), options={"kl_cov_ratio": 0.5}
+        kl_cov_loss,
+        log_prob,
+        KL_OLD,
+        KL_ADV,
+        torch.ones(1, 4),
+        options={"kl_cov_ratio": 0.5, "ppo_kl_coef": 1.0},
     )
     assert loss.item() == pytest.approx(0.0168841, abs=1e-6)
     assert metrics["kl_cov_frac"] == pytest.approx(0.5)
     # the default ratio 2e-4 still penalises at least one token
     default, _ = compute_policy_loss(kl_cov_loss, log_prob, KL_OLD, KL_ADV, torch.ones(1, 4))
-    assert default.item() == pytest.approx(-0.0081159, abs=1e-6)
+    assert default.item() == pytest.approx(-0.0531159, abs=1e-6)
 
 
 def test_kl_cov_config_errors():

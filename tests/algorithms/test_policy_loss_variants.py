@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from posttrain.algorithms.policy_loss import compute_policy_loss
-from posttrain.algorithms.policy_loss_variants import cispo_loss, dro_loss, gpg_loss, gspo_loss, sapo_loss
+from posttrain.algorithms.policy_loss_variants import (
+    cispo_loss,
+    dro_loss,
+    geo_mean_loss,
+    gpg_loss,
+    gspo_loss,
+    sapo_loss,
+)
 from posttrain.algorithms.registry import get_policy_loss
 from posttrain.errors import ConfigError
 
@@ -152,3 +159,42 @@ def test_gpg_hand_computed():
         assert metrics["pg_clipfrac"] == 0.0
     loss.backward()
     assert log_prob.grad[0].tolist() == pytest.approx([-0.5, 1.0, 0.0])
+
+
+# --- GMPO (geo_mean) -------------------------------------------------------------------------------------
+# old log-probs 0. Row 0, A = +1: log-ratios [0.2, 0.6] -> clipped above at 0.4: [0.2, 0.4], mean 0.3.
+# Row 1, A = -1: log-ratios [-0.6, 0.1] -> clipped below at -0.4: [-0.4, 0.1], mean -0.15. Third column padding.
+GMPO_LOG_PROB = [[0.2, 0.6, 5.0], [-0.6, 0.1, 5.0]]
+GMPO_ADV = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+GMPO_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+
+
+def test_geo_mean_hand_computed():
+    log_prob = torch.tensor(GMPO_LOG_PROB, requires_grad=True)
+    loss, metrics = compute_policy_loss(
+        geo_mean_loss, log_prob, torch.zeros(2, 3), GMPO_ADV, GMPO_MASK, loss_agg_mode="seq-mean-token-mean"
+    )
+    # L_0 = -1 * e^0.3 = -1.3498588, L_1 = +e^-0.15 = 0.8607080; mean over the two sequences
+    assert loss.item() == pytest.approx((-1.3498588 + 0.8607080) / 2, abs=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(1 / 4)  # row 0's second token (A > 0)
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 4)  # row 1's first token (A < 0)
+    loss.backward()
+    # d(-e^mean) / d l_t = -e^0.3 / 2 per unclipped token, then / 2 sequences; clipped tokens get none
+    # row 1: d(e^mean) / d l_t = e^-0.15 / 2, / 2
+    expected = torch.tensor([[-1.3498588 / 4, 0.0, 0.0], [0.0, 0.8607080 / 4, 0.0]])
+    torch.testing.assert_close(log_prob.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_geo_mean_takes_the_sequence_mean_of_the_advantage_and_honours_the_mode():
+    log_prob = torch.zeros(1, 2)
+    adv = torch.tensor([[2.0, 0.0]])
+    per_token, metrics = geo_mean_loss(log_prob, torch.zeros(1, 2), adv, torch.ones(1, 2))
+    # on-policy: ratio 1; A_i = mean(2, 0) = 1 on both tokens
+    torch.testing.assert_close(per_token, torch.tensor([[-1.0, -1.0]]))
+    assert metrics["ratio_mean"] == pytest.approx(1.0)
+    total, _ = compute_policy_loss(
+        geo_mean_loss, log_prob, torch.zeros(1, 2), adv, torch.ones(1, 2), loss_agg_mode="token-sum"
+    )
+    assert total.item() == pytest.approx(-2.0)
+    with pytest.raises(ConfigError, match="geo_mean"):
+        geo_mean_loss(log_prob, torch.zeros(1, 2), adv, torch.ones(1, 2), clip_ratio_low=-0.1)

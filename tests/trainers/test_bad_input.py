@@ -90,7 +90,7 @@ def test_remax_with_dynamic_sampling_is_rejected(tiny_model_dir: Path, arithmeti
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("algorithm.adv_estimator=grpoo", "unknown advantage estimator 'grpoo'; valid: gae, gpg, grpo"),
+        ("algorithm.adv_estimator=grpoo", "unknown advantage estimator 'grpoo'; valid: gae, gdpo, gpg, grpo"),
         ("actor.policy_loss=ppo2", "unknown policy loss 'ppo2'"),
         ("actor.loss_agg_mode=mean", "unknown actor.loss_agg_mode 'mean'"),
         ("rollout.n=1", "grpo needs rollout.n >= 2"),

@@ -108,18 +108,60 @@ def test_critic_warmup_trains_only_the_critic_first(
     assert "actor/grad_norm" in rows[1]
 
 
-def test_truncated_importance_sampling_runs(
+def test_rollout_correction_runs_decoupled_and_in_bypass_mode(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
 ) -> None:
+    rc = "algorithm.rollout_correction"
+    rows = run(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "decoupled",
+        "trainer.backend=local",
+        f"{rc}.rollout_is=token",
+        f"{rc}.rollout_rs=seq_mean_k1",
+        f"{rc}.rollout_rs_threshold=0.5_2.0",
+    )
+    # the built-in engine's log-probs match the trainer's: weights ~1, nothing rejected
+    assert all(r["actor/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows)
+    assert all(r["actor/rollout_rs_masked_fraction"] == 0.0 for r in rows)
+    rows = run(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "bypass",
+        "trainer.backend=local",
+        "actor.policy_loss=gpg",
+        "actor.mini_batch_size=8",  # two updates per step, both against the rollout log-probs
+        f"{rc}.bypass_mode=true",
+        f"{rc}.loss_type=reinforce",
+        f"{rc}.rollout_is=sequence",
+    )
+    assert all(r["actor/grad_norm"] > 0 and "timing/old_log_prob" not in r for r in rows)
+    assert all(r["actor/rollout_is_mean"] > 0 for r in rows)
+
+
+def test_gdpo_normalises_the_reward_functions_components(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    components = (
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    length = float(len(solution_str) % 2)\n"
+        "    digit = float(any(c.isdigit() for c in solution_str))\n"
+        "    return {'score': length + digit, 'length': length, 'digit': digit}\n"
+    )
     rows = run(
         "grpo",
         tiny_model_dir,
         arithmetic_data,
         tmp_path / "run",
         "trainer.backend=local",
-        "actor.tis_cap=2.0",
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[length,digit]",
+        "algorithm.gdpo_reward_weights=[1.0,0.5]",
+        reward_source=components,
     )
-    assert all(r["actor/tis_weight_mean"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
 
 
 def test_dynamic_sampling_cap_warns_and_fills(
@@ -226,6 +268,20 @@ def options_the_loss_receives(
         # SAPO: the paper's (and verl's) temperatures, each settable under verl's name
         ("grpo", ["actor.policy_loss=sapo"], {"tau_pos": 1.0, "tau_neg": 1.05}),
         ("grpo", ["actor.policy_loss=sapo", "actor.tau_neg=2.0"], {"tau_pos": 1.0, "tau_neg": 2.0}),
+        # GMPO: the paper's log-space range; DPPO: verl's example divergence bounds, truncation 20
+        ("grpo", ["actor.policy_loss=geo_mean"], {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}),
+        (
+            "grpo",
+            ["actor.policy_loss=dppo_tv"],
+            {"clip_ratio_low": 0.15, "clip_ratio_high": 0.15, "clip_ratio_c": 20.0},
+        ),
+        (
+            "grpo",
+            ["actor.policy_loss=dppo_kl", "actor.clip_ratio_c=1e4"],
+            {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 1e4},
+        ),
+        # KL-Cov: verl's configured coefficient 0.1
+        ("grpo", ["actor.policy_loss=kl_cov"], {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 0.1}),
         # PPO: its own 0.2 / 0.2 / 3.0, and DAPO's clip-higher from its recipe
         ("grpo", [], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}),
         ("dapo", [], {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}),

@@ -1,4 +1,4 @@
-"""Losses by name: the registry, option checks, and truncated IS + aggregation applied once by `ppo`."""
+"""Losses by name: the registry, option checks, and rollout correction + aggregation applied once by `ppo`."""
 
 from __future__ import annotations
 
@@ -39,18 +39,43 @@ def test_the_three_losses_are_registry_entries() -> None:
         build_loss(LossSpec("dpo"), 1)
 
 
-def test_ppo_applies_truncated_is_and_aggregation_once() -> None:
-    loss_fn = build_loss(LossSpec("ppo", {"tis_cap": 2.0}), dp_size=1)
+TOKEN_TIS = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+
+
+def test_ppo_applies_the_rollout_correction_and_aggregation_once() -> None:
+    loss_fn = build_loss(LossSpec("ppo", {"rollout_correction": TOKEN_TIS}), dp_size=1)
     loss, metrics = loss_fn(LOG_PROBS, None, _batch())
     # per-token losses [-1.2, 0.8, -1.1, 3.0] times weights [0.5, 1, 2, 2] = [-0.6, 0.8, -2.2, 6.0]; mean 1.0
     assert loss.item() == pytest.approx(1.0)
     assert metrics["actor/pg_loss"] == pytest.approx(1.0)
-    assert metrics["actor/tis_weight_mean"] == pytest.approx(5.5 / 4)
+    assert metrics["actor/rollout_is_mean"] == pytest.approx(5.5 / 4)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 4)  # the policy loss's metrics, prefixed
 
 
+def test_the_removed_tis_cap_names_its_replacement() -> None:
+    with pytest.raises(ConfigError, match="tis_cap was replaced by verl's rollout correction"):
+        build_loss(LossSpec("ppo", {"tis_cap": 2.0}), dp_size=1)
+
+
+def test_without_meta_totals_a_micro_batch_counts_rows_with_a_valid_token() -> None:
+    spec = LossSpec("ppo", {"loss_agg_mode": "seq-mean-token-sum"})
+    mb = Batch.from_dict(
+        {
+            keys.RESPONSE_MASK: torch.tensor([[1.0, 1.0], [0.0, 0.0]]),  # the second row is padding
+            keys.ADVANTAGES: torch.tensor([[1.0, 1.0], [1.0, 1.0]]),
+            keys.OLD_LOG_PROBS: torch.zeros(2, 2),
+        }
+    )
+    loss, _ = build_loss(spec, dp_size=1)(torch.zeros(2, 2), None, mb)
+    # ratio 1: per-token loss -1; one sequence with token sum -2 (not -2 over 2 rows)
+    assert loss.item() == pytest.approx(-2.0)
+
+
 def test_ppo_normalises_every_term_by_the_mini_batch_totals() -> None:
-    spec = LossSpec("ppo", {"tis_cap": 2.0, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"})
+    spec = LossSpec(
+        "ppo",
+        {"rollout_correction": TOKEN_TIS, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"},
+    )
     # this micro-batch holds 4 of the mini-batch's 8 tokens, on 2 ranks: sums / 8 * 2
     loss, metrics = build_loss(spec, dp_size=2)(LOG_PROBS, None, _batch(global_tokens=8, global_seqs=2))
     # policy: 4.0 / 8 * 2 = 1.0; k1 KL is 0.5 on each of 4 tokens: 2.0 / 8 * 2 = 0.5, times 0.1
