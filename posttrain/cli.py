@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     serve(
         args.model, model_name=args.model_name, keys_file=args.keys, root_dir=args.state_dir,
-        host=args.host, port=args.port, backend=args.backend, n_workers=args.n_workers,
+        host=args.host, port=args.port, backend=args.backend, n_workers=args.n_workers, config=args.config,
     )  # fmt: skip
 
 
@@ -170,7 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="the base model directory every tenant's adapter trains on")
     p.add_argument("--model-name", help="the name clients ask for (default: the directory's name)")
     p.add_argument("--keys", help="JSON file of API key -> tenant (default: $POSTTRAIN_API_KEYS)")
-    p.add_argument("--state-dir", default="serve-state", help="where tenants' checkpoints go")
+    p.add_argument(
+        "--state-dir",
+        default="serve-state",
+        help="tenants' checkpoints and the journal a restart recovers from",
+    )
+    p.add_argument(
+        "--config", help="YAML or JSON file of limits (posttrain/serve/config.py); unknown keys fail"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", choices=["local", "ray"], default="local")

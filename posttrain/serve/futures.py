@@ -1,25 +1,36 @@
 """The server's futures: every submitted request gets an id at once; its result is fetched by long polling.
 
 tinker's protocol answers a mutating call with `{"request_id"}` and the SDK then polls `retrieve_future`
-until the result is there. `FutureStore` keeps each request's future with its owner (a tenant never sees
-another's). `Sequencer` runs a training model's requests in `seq_id` order: the SDK numbers them 1, 2, ...
-per model and may send them concurrently (parallel chunks, retries), so the server waits for a missing id
-before starting later ones, and a request it has already seen (a retry after a lost response) gets the
-request id of its first delivery: it is applied once.
+until the result is there. `FutureStore` keeps each request with its owner (a tenant never sees another's)
+and, once it finishes, its answer in wire form (a JSON body or protobuf bytes), which is written to the
+journal before a poller can see it. Memory stays bounded: a finished request leaves memory once it has been
+retrieved, or `future_ttl_seconds` after it finished; a later poll is answered from the journal, which
+keeps answers for `journal_keep_seconds`.
+
+`Sequencer` runs a training model's requests in `seq_id` order: the SDK numbers them 1, 2, ... per model
+and may send them concurrently (parallel chunks, retries), so the server waits for a missing id before
+starting later ones, and a request it has already seen (a retry after a lost response) gets the request id
+of its first delivery: it is applied once. The ids seen are journaled, so this holds across a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.errors import ConfigError
+from posttrain.serve.journal import SEQS_KEPT, Answer, Journal
+
 # A result's wire form: JSON-able dict, or (protobuf bytes) for the two proto results.
-Encoder = Callable[[Any], "dict[str, Any] | bytes"]
+Encoder = Callable[[Any], Answer]
+USER_ERRORS = (ValueError, TypeError, KeyError, ConfigError)
 
 
 @dataclass
@@ -27,48 +38,143 @@ class Request:
     request_id: str
     tenant: str
     kind: str
-    future: concurrent.futures.Future[Any]
-    encode: Encoder
+    model_id: str | None
+    submitted: float = field(default_factory=time.monotonic)
+    answer: concurrent.futures.Future[Answer] = field(default_factory=concurrent.futures.Future)
+    finished: float | None = None
 
 
 class UnknownRequest(KeyError):
-    """A request id this server never issued to this tenant (or lost in a restart)."""
+    """A request id this server never issued to this tenant (or one forgotten since)."""
+
+
+def error_answer(exc: BaseException) -> dict[str, str]:
+    """A failed request's answer: tinker's `{"error", "category"}` (user: the request was wrong)."""
+    category = "user" if isinstance(exc, USER_ERRORS) else "server"
+    return {"error": f"{type(exc).__name__}: {exc}", "category": category}
 
 
 class FutureStore:
-    def __init__(self, prefix: str) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        journal: Journal | None = None,
+        on_finish: Callable[[Request, float], None] | None = None,
+    ) -> None:
+        """`on_finish(request, queue_seconds)` is told of each finished request (for the metrics)."""
         self._prefix = prefix
         self._ids = itertools.count(1)
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
+        self._journal = journal
+        self._on_finish = on_finish
+        self._last_done = 0.0
+        self.accepted: collections.Counter[str] = collections.Counter()  # requests taken on, by kind
 
-    def add(self, tenant: str, kind: str, future: Any, encode: Encoder) -> str:
+    def add(self, tenant: str, kind: str, future: Any, encode: Encoder, model_id: str | None = None) -> str:
+        inner = as_concurrent(future)
         with self._lock:
-            request_id = f"{self._prefix}-{next(self._ids)}"
-            self._requests[request_id] = Request(request_id, tenant, kind, as_concurrent(future), encode)
-        return request_id
+            request = Request(f"{self._prefix}-{next(self._ids)}", tenant, kind, model_id)
+            self._requests[request.request_id] = request
+            self.accepted[kind] += 1
+        if self._journal is not None:
+            self._journal.submitted(request.request_id, tenant, kind, model_id)
+        ran = not inner.done()  # one answered at once never waited in a queue
+        inner.add_done_callback(lambda done: self._finish(request, done, encode, ran))
+        return request.request_id
+
+    def _finish(
+        self, request: Request, done: concurrent.futures.Future[Any], encode: Encoder, ran: bool
+    ) -> None:
+        exc = done.exception()
+        try:
+            answer = error_answer(exc) if exc is not None else encode(done.result())
+        except Exception as failure:  # noqa: BLE001 - an unencodable result is the request's error
+            answer = error_answer(RuntimeError(f"the result could not be encoded: {failure}"))
+        self.resolve(request, answer, ran)
+
+    def resolve(self, request: Request, answer: Answer, ran: bool = False) -> None:
+        """Journal the answer, then let pollers see it (so an answer once seen survives a crash). The
+        first answer wins (a request failed at shutdown may still finish after)."""
+        now = time.monotonic()
+        with self._lock:
+            if request.finished is not None:
+                return
+            request.finished = now
+            # the backend runs one call at a time: this one started when the one before it finished
+            queued = max(0.0, self._last_done - request.submitted) if ran else 0.0
+            if ran:
+                self._last_done = now
+        if self._journal is not None:
+            self._journal.finished(request.request_id, answer)
+        request.answer.set_result(answer)
+        if self._on_finish is not None:
+            self._on_finish(request, queued)
 
     def get(self, request_id: str, tenant: str) -> Request:
+        """The request in memory, else its journaled answer; UnknownRequest for another tenant's."""
         request = self._requests.get(request_id)
+        if request is None and self._journal is not None:
+            row = self._journal.future(request_id)
+            if row is not None and row.status == "done" and row.answer is not None:
+                request = Request(row.request_id, row.tenant, row.kind, row.model_id)
+                request.answer.set_result(row.answer)
         if request is None or request.tenant != tenant:
             raise UnknownRequest(request_id)
         return request
 
+    def retrieved(self, request: Request) -> None:
+        """Its answer was handed out: memory lets it go (a poll again is answered from the journal)."""
+        if self._journal is not None:
+            with self._lock:
+                self._requests.pop(request.request_id, None)
+
     def pending(self) -> list[Request]:
-        return [r for r in list(self._requests.values()) if not r.future.done()]
+        return [r for r in list(self._requests.values()) if not r.answer.done()]
+
+    def in_memory(self) -> int:
+        return len(self._requests)
+
+    def evict(self, ttl_seconds: float) -> int:
+        """Drop finished requests older than `ttl_seconds` from memory (the journal still has them)."""
+        if self._journal is None:
+            return 0  # nowhere else to answer from
+        horizon = time.monotonic() - ttl_seconds
+        with self._lock:
+            old = [k for k, r in self._requests.items() if r.answer.done() and (r.finished or 0.0) < horizon]
+            for key in old:
+                del self._requests[key]
+        return len(old)
+
+    def fail_pending(self, message: str) -> list[Request]:
+        """Answer every unfinished request with a server error (`message`); those requests."""
+        failing = self.pending()
+        for request in failing:
+            self.resolve(request, {"error": message, "category": "server"})
+        return failing
 
     @staticmethod
-    async def wait(request: Request, timeout: float) -> bool:
-        """Whether the request finished within `timeout` seconds (the long poll)."""
-        if request.future.done():
+    async def wait(request: Request, timeout: float, stop: asyncio.Event | None = None) -> bool:
+        """Whether the request finished within `timeout` seconds (the long poll; `stop` ends it early)."""
+        if request.answer.done():
             return True
+        # shielded: cancelling the wait must not cancel the answer
+        waiters: set[asyncio.Future[Any]] = {
+            asyncio.ensure_future(asyncio.shield(asyncio.wrap_future(request.answer)))
+        }
+        if stop is not None:
+            waiters.add(asyncio.ensure_future(stop.wait()))
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(request.future)), timeout)
-        except TimeoutError:
-            return False
-        except Exception:  # noqa: BLE001 - a failed request is finished; its error is the caller's to report
-            return True
-        return True
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        return request.answer.done()
+
+    def wait_all(self, timeout: float) -> None:
+        """Block until every request in memory has finished, or `timeout` seconds have passed."""
+        pending = [r.answer for r in self.pending()]
+        concurrent.futures.wait(pending, timeout=timeout)
 
 
 def as_concurrent(future: Any) -> concurrent.futures.Future[Any]:
@@ -104,21 +210,46 @@ def resolved(value: Any) -> concurrent.futures.Future[Any]:
     return future
 
 
+def chain(start: Callable[[], Any], outer: concurrent.futures.Future[Any]) -> None:
+    """Call `start()` (it submits work and returns a future) and copy its outcome into `outer`; an
+    exception from `start` itself (an invalid request) becomes `outer`'s."""
+    try:
+        inner = as_concurrent(start())
+    except Exception as exc:  # noqa: BLE001 - an invalid request's error is its result
+        outer.set_exception(exc)
+        return
+
+    def copy(done: concurrent.futures.Future[Any]) -> None:
+        if done.exception() is not None:
+            outer.set_exception(done.exception())
+        else:
+            outer.set_result(done.result())
+
+    inner.add_done_callback(copy)
+
+
+Start = Callable[[], Any]
+
+
 @dataclass
 class _ModelQueue:
     next_seq: int = 1
-    parked: dict[int, tuple[Callable[[], concurrent.futures.Future[Any]], concurrent.futures.Future[Any]]] = (
-        field(default_factory=dict)
-    )
+    parked: dict[int, tuple[Start, concurrent.futures.Future[Any]]] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id of its first delivery
 
 
 class Sequencer:
     """Per training model: start requests in seq_id order; a repeated seq_id is the same request."""
 
-    def __init__(self) -> None:
+    def __init__(self, journal: Journal | None = None) -> None:
         self._models: dict[str, _ModelQueue] = {}
         self._lock = threading.Lock()
+        self._journal = journal
+
+    def restore(self, model_id: str, seen: dict[int, str]) -> None:
+        """After a restart: the ids seen before it; the sequence goes on after the highest."""
+        with self._lock:
+            self._models[model_id] = _ModelQueue(max(seen, default=0) + 1, {}, dict(seen))
 
     def seen(self, model_id: str, seq_id: int) -> str | None:
         with self._lock:
@@ -126,17 +257,21 @@ class Sequencer:
 
     def remember(self, model_id: str, seq_id: int, request_id: str) -> None:
         with self._lock:
-            self._models.setdefault(model_id, _ModelQueue()).seen[seq_id] = request_id
+            seen = self._models.setdefault(model_id, _ModelQueue()).seen
+            seen[seq_id] = request_id
+            if len(seen) > 2 * SEQS_KEPT:  # a retry comes soon after its first delivery: keep the latest
+                for old in sorted(seen)[:-SEQS_KEPT]:
+                    del seen[old]
+        if self._journal is not None:
+            self._journal.seq(model_id, seq_id, request_id)
 
-    def submit(
-        self, model_id: str, seq_id: int, start: Callable[[], concurrent.futures.Future[Any]]
-    ) -> concurrent.futures.Future[Any]:
+    def submit(self, model_id: str, seq_id: int, start: Start) -> concurrent.futures.Future[Any]:
         """A future for `start()`'s result, started once every lower seq_id of the model has started.
 
         `start` submits the work (to the backend's ordered queue) and returns its future, or raises for a
         request that is invalid: that error becomes the request's result and the sequence moves on."""
         outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        ready: list[tuple[Callable[[], concurrent.futures.Future[Any]], concurrent.futures.Future[Any]]] = []
+        ready: list[tuple[Start, concurrent.futures.Future[Any]]] = []
         with self._lock:
             queue = self._models.setdefault(model_id, _ModelQueue())
             if seq_id < queue.next_seq:
@@ -147,23 +282,15 @@ class Sequencer:
                 ready.append(queue.parked.pop(queue.next_seq))
                 queue.next_seq += 1
         for begin, future in ready:  # in order, outside the lock (starting only queues the work)
-            _chain(begin, future)
+            chain(begin, future)
         return outer
 
-
-def _chain(
-    start: Callable[[], concurrent.futures.Future[Any]], outer: concurrent.futures.Future[Any]
-) -> None:
-    try:
-        inner = as_concurrent(start())
-    except Exception as exc:  # noqa: BLE001 - an invalid request's error is its result
-        outer.set_exception(exc)
-        return
-
-    def copy(done: concurrent.futures.Future[Any]) -> None:
-        if done.exception() is not None:
-            outer.set_exception(done.exception())  # type: ignore[arg-type]
-        else:
-            outer.set_result(done.result())
-
-    inner.add_done_callback(copy)
+    def fail_parked(self, exc: BaseException) -> int:
+        """Fail every request waiting for a lower seq_id (at shutdown: the missing one will not come)."""
+        with self._lock:
+            parked = [future for queue in self._models.values() for _, future in queue.parked.values()]
+            for queue in self._models.values():
+                queue.parked.clear()
+        for future in parked:
+            future.set_exception(exc)
+        return len(parked)

@@ -1,9 +1,15 @@
 """Per-tenant limits and counters of `posttrain serve`.
 
 Every limit, when hit, is answered with a 4xx whose message names it (`limit <name>=<value>`): LoRA rank
-(400), adapters per tenant and adapter slots in total (403), tokens per request (413), queued requests and
-requests per second (429, which the SDK retries with backoff). Counters per tenant (requests by endpoint
-and status, tokens, seconds) are served at `/metrics` in Prometheus' text format.
+(400), adapters per tenant and adapter slots in total (403; 429 when a released adapter waits for a free
+slot), tokens per request (413), queued requests, requests per second and tokens per second (429, which
+the SDK retries with backoff). The rates are token buckets per tenant holding one second's worth; a request
+larger than that is let through when the bucket is full and leaves it in debt, so the long-run rate holds.
+The lifetimes bound memory and disk: idle adapters are released after `adapter_idle_seconds` (0 = never),
+finished results leave memory `future_ttl_seconds` after they finish (at once when retrieved) and the
+journal after `journal_keep_seconds`; a graceful stop waits `shutdown_grace_seconds` for running requests.
+Counters per tenant (requests by endpoint and status, tokens, seconds, queue time) are served at `/metrics`
+in Prometheus' text format.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fastapi import HTTPException
@@ -24,6 +31,14 @@ class Limits:
     tokens_per_request: int = 262_144
     queued_requests: int = 64  # a tenant's submitted requests not yet finished
     requests_per_second: float = 0.0  # 0 = unlimited; a bucket of one second's worth
+    tokens_per_second: float = 0.0  # 0 = unlimited; tokens of forward/backward and sample requests
+    adapter_idle_seconds: float = 0.0  # 0 = never: an adapter unused this long is saved and unloaded
+    # a tenant's sampling sessions kept (each holds a copy of the weights); a new one releases the least
+    # recently used beyond this many, and a finished session releases its own
+    samplers_per_tenant: int = 8
+    future_ttl_seconds: float = 600.0  # a finished, unretrieved result stays in memory this long
+    journal_keep_seconds: float = 86_400.0  # and in the journal this long
+    shutdown_grace_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
 
     def check_rank(self, rank: int) -> None:
         if rank > self.max_lora_rank:
@@ -34,6 +49,15 @@ class Limits:
             raise HTTPException(403, f"limit adapters_per_tenant={self.adapters_per_tenant} reached")
         if total >= self.adapters_total:
             raise HTTPException(403, f"limit adapters_total={self.adapters_total} reached (all slots in use)")
+
+    def check_free_slot(self, total: int, model_id: str) -> None:
+        """Before a released adapter is loaded again (429: the SDK retries until a slot frees up)."""
+        if total >= self.adapters_total:
+            raise HTTPException(
+                429,
+                f"limit adapters_total={self.adapters_total} reached: the adapter of {model_id}, released "
+                "while idle, waits for a free slot",
+            )
 
     def check_tokens(self, tokens: int) -> None:
         if tokens > self.tokens_per_request:
@@ -51,64 +75,95 @@ class Limits:
 
 @dataclass
 class _Bucket:
-    tokens: float
+    level: float
     stamp: float
+
+    def take(self, rate: float, amount: float, now: float) -> bool:
+        """Refill at `rate` per second up to one second's worth; take `amount` if the bucket is not empty
+        (it may go below zero: a large request is paid for by the time after it)."""
+        self.level = min(rate, self.level + (now - self.stamp) * rate)
+        self.stamp = now
+        if self.level < min(1.0, rate):
+            return False
+        self.level -= amount
+        return True
 
 
 @dataclass
 class Meter:
-    """Request rate buckets and counters, per tenant."""
+    """Request and token rate buckets and counters, per tenant."""
 
     limits: Limits
     requests: dict[tuple[str, str, int], int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+    queue_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    finished: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _buckets: dict[tuple[str, str], _Bucket] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _take(self, kind: str, tenant: str, rate: float, amount: float) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            bucket = self._buckets.setdefault((kind, tenant), _Bucket(rate, now))
+            return bucket.take(rate, amount, now)
 
     def admit(self, tenant: str) -> None:
         rate = self.limits.requests_per_second
-        if rate <= 0:
-            return
-        now = time.monotonic()
+        if rate > 0 and not self._take("requests", tenant, rate, 1):
+            raise HTTPException(429, f"limit requests_per_second={rate:g} reached")
+
+    def admit_tokens(self, tenant: str, tokens: int) -> None:
+        """Count a request's tokens against the tenant's tokens_per_second (429 when over), and in total."""
+        rate = self.limits.tokens_per_second
+        if rate > 0 and not self._take("tokens", tenant, rate, tokens):
+            raise HTTPException(429, f"limit tokens_per_second={rate:g} reached: {tokens} tokens must wait")
         with self._lock:
-            bucket = self._buckets.setdefault(tenant, _Bucket(rate, now))
-            bucket.tokens = min(rate, bucket.tokens + (now - bucket.stamp) * rate)
-            bucket.stamp = now
-            if bucket.tokens < 1:
-                raise HTTPException(429, f"limit requests_per_second={rate:g} reached")
-            bucket.tokens -= 1
+            self.tokens[tenant] += tokens
 
     def record(self, tenant: str, endpoint: str, status: int, seconds: float) -> None:
         with self._lock:
             self.requests[(tenant, endpoint, status)] += 1
             self.seconds[tenant] += seconds
 
-    def count_tokens(self, tenant: str, tokens: int) -> None:
+    def queued(self, tenant: str, seconds: float) -> None:
+        """A request finished after waiting `seconds` for the backend to reach it."""
         with self._lock:
-            self.tokens[tenant] += tokens
+            self.queue_seconds[tenant] += seconds
+            self.finished[tenant] += 1
 
-    def prometheus(self) -> str:
-        lines = [
-            "# HELP posttrain_requests_total Requests by tenant, endpoint and HTTP status.",
-            "# TYPE posttrain_requests_total counter",
-        ]
+    def prometheus(self, gauges: Mapping[str, tuple[str, float]] | None = None) -> str:
+        """The counters in Prometheus' text format, with `gauges` (name -> (help, value)) after them."""
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str, rows: list[tuple[str, float]]) -> None:
+            out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
+            out.extend(f"{name}{labels} {value}" if isinstance(value, int) else f"{name}{labels} {value:.6f}"
+                       for labels, value in rows)  # fmt: skip
+
         with self._lock:
-            for (tenant, endpoint, status), n in sorted(self.requests.items()):
-                lines.append(
-                    f'posttrain_requests_total{{tenant="{tenant}",endpoint="{endpoint}",status="{status}"}} {n}'
+            family(
+                "posttrain_requests_total", "counter", "Requests by tenant, endpoint and HTTP status.",
+                [(f'{{tenant="{t}",endpoint="{e}",status="{s}"}}', n) for (t, e, s), n in sorted(self.requests.items())],
+            )  # fmt: skip
+            family(
+                "posttrain_request_seconds_total", "counter", "Time spent answering requests, by tenant.",
+                [(f'{{tenant="{t}"}}', s) for t, s in sorted(self.seconds.items())],
+            )  # fmt: skip
+            family(
+                "posttrain_tokens_total", "counter", "Tokens in training and sampling requests, by tenant.",
+                [(f'{{tenant="{t}"}}', n) for t, n in sorted(self.tokens.items())],
+            )  # fmt: skip
+            out.extend([
+                "# HELP posttrain_queue_seconds Time submitted requests waited before the backend ran them "
+                "(the backend runs one call at a time: until the call before finished), by tenant.",
+                "# TYPE posttrain_queue_seconds summary",
+            ])  # fmt: skip
+            for tenant in sorted(self.finished):
+                out.append(
+                    f'posttrain_queue_seconds_sum{{tenant="{tenant}"}} {self.queue_seconds[tenant]:.6f}'
                 )
-            lines += [
-                "# HELP posttrain_request_seconds_total Time spent answering requests, by tenant.",
-                "# TYPE posttrain_request_seconds_total counter",
-            ]
-            lines += [
-                f'posttrain_request_seconds_total{{tenant="{t}"}} {s:.6f}'
-                for t, s in sorted(self.seconds.items())
-            ]
-            lines += [
-                "# HELP posttrain_tokens_total Tokens in training and sampling requests, by tenant.",
-                "# TYPE posttrain_tokens_total counter",
-            ]
-            lines += [f'posttrain_tokens_total{{tenant="{t}"}} {n}' for t, n in sorted(self.tokens.items())]
-        return "\n".join(lines) + "\n"
+                out.append(f'posttrain_queue_seconds_count{{tenant="{tenant}"}} {self.finished[tenant]}')
+        for name, (text, value) in (gauges or {}).items():
+            family(name, "gauge", text, [("", value)])
+        return "\n".join(out) + "\n"

@@ -8,10 +8,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from posttrain.serve.app import make_app
 from posttrain.serve.limits import Limits
@@ -20,6 +24,10 @@ from posttrain.serve.tenants import ApiKeys
 
 SESSION = {"tags": [], "user_metadata": None, "sdk_version": "test"}  # a create_session body
 KEYS = {"tml-alice-0123456789abcdef": "alice", "tml-bob-0123456789abcdefgh": "bob"}
+FUZZER = {
+    "tml-fuzz-0123456789abcdefgh": "fuzzer"
+}  # test_schema's tenant: what it sends fills no one else's queue
+PROMPT, TARGET = [5, 6, 7, 8, 9], [6, 7, 8, 9, 10]  # one datum of the training helpers below
 
 
 @dataclass
@@ -44,7 +52,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     state = build_state(
         str(tiny_model_dir),
         "tiny",
-        ApiKeys(KEYS),
+        ApiKeys({**KEYS, **FUZZER}),
         str(tmp_path_factory.mktemp("serve")),
         poll_timeout_s=5,
         limits=Limits(adapters_per_tenant=16, adapters_total=32),  # the session's tests share the server
@@ -59,6 +67,51 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.05)
     yield Running(f"http://127.0.0.1:{port}", state, "tiny")
+    state.begin_stop()
     running.should_exit = True
     thread.join(timeout=30)
     state.service.close()
+
+
+# ---- requests by hand (httpx), for the tests that look at the protocol itself ------------------------
+def result(client: httpx.Client, request_id: str) -> Any:
+    """A request's answer: the JSON body, or the protobuf bytes."""
+    for _ in range(200):
+        answer = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        assert answer.status_code == 200, answer.text
+        if answer.headers["content-type"] == "application/x-protobuf":
+            return answer.content
+        if answer.json().get("type") != "try_again":
+            return answer.json()
+    raise AssertionError(f"{request_id} never finished")
+
+
+def training(client: httpx.Client, model_id: str, seq_id: int, verb: str) -> str:
+    """Send a forward, forward_backward or optim_step; its request id."""
+    if verb == "optim_step":
+        step = {"model_id": model_id, "seq_id": seq_id, "adam_params": {"learning_rate": 0.05}}
+        answer = client.post("/api/v1/optim_step", json=step)
+    else:
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(PROMPT),
+            loss_fn_inputs={"target_tokens": TARGET, "weights": [1.0] * len(TARGET)},
+        )
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=seq_id,
+        )
+        message = forward_backward_request_to_proto(request)
+        message.forward_only = verb == "forward"
+        answer = client.post(
+            "/api/v1/forward_backward",
+            content=message.SerializeToString(),
+            headers={"content-type": "application/x-protobuf"},
+        )
+    assert answer.status_code == 200, answer.text
+    return answer.json()["request_id"]
+
+
+def logprobs(answer: bytes) -> list[float]:
+    assert isinstance(answer, bytes), answer
+    return deserialize_forward_backward_output(answer).loss_fn_outputs[0]["logprobs"].tolist()

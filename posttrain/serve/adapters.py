@@ -1,0 +1,246 @@
+"""Training models of `posttrain serve` and their adapters' life: loaded, released while idle, loaded again.
+
+A tinker model id (`<session>:train:<n>`) names a training model for as long as the server knows it; the
+LoRA adapter behind it lives on the backend under a backend model id, which changes each time the adapter
+is loaded again. An adapter unused for `adapter_idle_seconds` is released: saved (weights and optimizer
+state) under a name reserved to the server (`INTERNAL`, refused to tenants, so invisible to them), then
+dropped from the backend, which frees its slot in `adapters_total`. The model's next request loads it
+again from that save, transparently, and runs after it; requests arriving while a release is under way
+wait for it and then for the reload. After a restart, a model whose last durable state exists comes back
+the same way on its first request. Every request of a model goes through `Adapters.run`, which keeps the
+model's order: requests wait on the model's gate in the order the Sequencer starts them.
+
+Saves go through `checkpoints.publish` (a crash mid-save keeps the previous checkpoint), and a save's path
+is journaled as the model's restore point before its future resolves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tinker import types
+
+from posttrain.client.training import TrainingClient
+from posttrain.serve.checkpoints import publish
+from posttrain.serve.futures import chain, resolved
+from posttrain.serve.journal import ModelRow
+
+if TYPE_CHECKING:
+    from posttrain.serve.state import ServerState
+
+log = logging.getLogger("posttrain.serve")
+INTERNAL = "posttrain-internal-release"  # the name of the server's own saves; tenants may not use it
+
+
+def is_internal(name: str) -> bool:
+    return name.startswith("posttrain-internal")
+
+
+@dataclass
+class TrainingModel:
+    model_id: str  # tinker's id, stable for the model's life
+    tenant: str
+    base_name: str
+    lora: dict[str, Any]  # rank, seed, train_mlp, train_attn, train_unembed
+    backend_id: str  # the adapter's id on the backend (a new one each time it is loaded)
+    restore_path: str | None = None  # the last durable state: the tenant's last save_state, or a release
+    tenant_saved: bool = False  # whether restore_path is the tenant's save
+    gate: concurrent.futures.Future[TrainingClient] | None = None  # the loaded client; None: released
+    releasing: bool = False
+    wanted: bool = False  # a request came during the release: load it again right after
+    busy: int = 0  # requests started and not finished
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def loaded(self) -> bool:
+        gate = self.gate
+        return gate is not None and not self.releasing and gate.done() and gate.exception() is None
+
+    def row(self) -> ModelRow:
+        return ModelRow(
+            self.model_id, self.tenant, self.base_name, self.backend_id, self.lora, self.restore_path,
+            self.tenant_saved,
+        )  # fmt: skip
+
+
+class Adapters:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self._lock = threading.Lock()
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def add(
+        self,
+        model_id: str,
+        tenant: str,
+        client: TrainingClient,
+        base_name: str,
+        lora: dict[str, Any],
+        restore_path: str | None = None,
+    ) -> TrainingModel:
+        """A model just created (or loaded from a checkpoint, `restore_path`), its adapter loaded."""
+        model = TrainingModel(
+            model_id, tenant, base_name, lora, client.model_id, restore_path, restore_path is not None,
+            gate=resolved(client),
+        )  # fmt: skip
+        self.state.models[model_id] = model
+        self.state.own_checkpoints(client.model_id, tenant)
+        self.state.journal.model(model.row())
+        return model
+
+    def occupied(self) -> int:
+        """Adapter slots in use: loaded adapters, ones being loaded or released, models being created."""
+        return sum(1 for m in list(self.state.models.values()) if m.gate is not None) + len(
+            self.state.creating
+        )
+
+    def check_slot(self, model: TrainingModel) -> None:
+        """A released model needs a free slot to be loaded again (429 naming adapters_total if none)."""
+        if model.gate is None:
+            self.state.limits.check_free_slot(self.occupied(), model.model_id)
+
+    # ---- running a model's requests ----------------------------------------------------------------
+    def run(
+        self, model: TrainingModel, start: Callable[[TrainingClient], Any]
+    ) -> concurrent.futures.Future[Any]:
+        """`start(client)` once the model's adapter is loaded (loading it again if released); its future."""
+        gate = self._acquire(model)
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def go(ready: concurrent.futures.Future[TrainingClient]) -> None:
+            if ready.exception() is not None:
+                out.set_exception(ready.exception())
+            else:
+                chain(lambda: start(ready.result()), out)
+
+        out.add_done_callback(lambda _: self._done(model))
+        gate.add_done_callback(go)
+        return out
+
+    def _acquire(self, model: TrainingModel) -> concurrent.futures.Future[TrainingClient]:
+        with self._lock:
+            model.busy += 1
+            model.last_used = time.monotonic()
+            if model.gate is None:
+                model.gate = concurrent.futures.Future()
+                threading.Thread(target=self._load, args=(model, model.gate), daemon=True).start()
+            elif model.releasing:
+                model.wanted = True
+            return model.gate
+
+    def _done(self, model: TrainingModel) -> None:
+        with self._lock:
+            model.busy -= 1
+            model.last_used = time.monotonic()
+
+    def _load(self, model: TrainingModel, gate: concurrent.futures.Future[TrainingClient]) -> None:
+        """Load a released adapter again from its last durable state (weights and optimizer)."""
+        path = model.restore_path
+        try:
+            if path is None:
+                raise RuntimeError("it has no saved state")
+            client = self.state.service.create_training_client_from_state_with_optimizer(path)
+        except Exception as exc:  # noqa: BLE001 - every waiting request gets the reason
+            with self._lock:
+                model.gate = None  # the next request tries again
+            gate.set_exception(
+                RuntimeError(f"the adapter of {model.model_id} could not be loaded from {path}: {exc}")
+            )
+            return
+        with self._lock:
+            model.backend_id = client.model_id
+        self.state.own_checkpoints(client.model_id, model.tenant)
+        self.state.journal.model(model.row())
+        log.info("loaded the adapter of %s again from %s", model.model_id, path)
+        gate.set_result(client)
+
+    # ---- saving --------------------------------------------------------------------------------------
+    def save(self, model: TrainingModel, client: TrainingClient, name: str, *, by_tenant: bool = True) -> Any:
+        """Save the adapter's state as checkpoint `name` (in the backend's call order, crash-safe), make it
+        the model's restore point before the future resolves; the future of SaveWeightsResponse."""
+        backend = self.state.service.backend
+        folder = backend.checkpoint_dir(client.model_id, "weights", name)  # checks the name
+        path = backend.tinker_path(client.model_id, "weights", name)
+        backend_id = client.model_id
+
+        def run() -> types.SaveWeightsResponse:
+            publish(folder, lambda tmp: backend.group.save_state(backend_id, tmp))
+            self._saved(model, path, by_tenant)
+            return types.SaveWeightsResponse(path=path)
+
+        return backend.submit(run, backend_id)
+
+    def _saved(self, model: TrainingModel, path: str, by_tenant: bool) -> None:
+        previous = model.restore_path
+        model.restore_path, model.tenant_saved = path, by_tenant
+        self.state.journal.model(model.row())
+        if previous and previous != path and is_internal(previous.rsplit("/", 1)[-1]):
+            try:  # the server's own save from an earlier load of this model: superseded
+                _, folder = self.state.service.backend.resolve(previous, "weights")
+                shutil.rmtree(folder, ignore_errors=True)
+            except ValueError:
+                pass
+
+    def export(self, client: TrainingClient, name: str) -> Any:
+        """Sampler weights as checkpoint `name`, crash-safe as `save`; the future of its response."""
+        backend = self.state.service.backend
+        folder = backend.checkpoint_dir(client.model_id, "sampler_weights", name)
+        path = backend.tinker_path(client.model_id, "sampler_weights", name)
+        backend_id = client.model_id
+
+        def run() -> types.SaveWeightsForSamplerResponse:
+            publish(folder, lambda tmp: backend.group.export_sampler_weights(backend_id, tmp))
+            return types.SaveWeightsForSamplerResponse(path=path)
+
+        return backend.submit(run, backend_id)
+
+    # ---- releasing -----------------------------------------------------------------------------------
+    def release(self, model: TrainingModel, why: str = "idle") -> bool:
+        """Save an unused loaded adapter under the reserved name and drop it from the backend."""
+        with self._lock:
+            if model.busy or not model.loaded:
+                return False
+            assert model.gate is not None
+            client = model.gate.result()
+            model.releasing, model.wanted = True, False
+            pending: concurrent.futures.Future[TrainingClient] = concurrent.futures.Future()
+            model.gate = pending  # requests from now on wait for the release, then for the reload
+        backend = self.state.service.backend
+        try:
+            self.save(model, client, INTERNAL, by_tenant=False).result()
+            backend.submit(lambda: backend.group.drop_model(client.model_id)).result()
+            backend.models.pop(client.model_id, None)
+        except Exception as exc:  # noqa: BLE001 - the adapter stays loaded; the next sweep tries again
+            log.warning("could not release the adapter of %s: %s", model.model_id, exc)
+            with self._lock:
+                model.releasing = False
+                model.gate = resolved(client)
+            pending.set_result(client)
+            return False
+        with self._lock:
+            model.releasing = False
+            reload = model.wanted
+            model.gate = pending if reload else None
+        log.info("released the adapter of %s (%s; saved to %s)", model.model_id, why, model.restore_path)
+        if reload:
+            self._load(model, pending)
+        return True
+
+    def sweep(self, idle_seconds: float) -> int:
+        """Release every adapter unused for `idle_seconds`; how many."""
+        horizon = time.monotonic() - idle_seconds
+        idle = [
+            m for m in list(self.state.models.values()) if m.loaded and not m.busy and m.last_used < horizon
+        ]
+        return sum(self.release(m, f"unused for {idle_seconds:g} s") for m in idle)
+
+    def release_all(self) -> int:
+        """At a graceful stop: save every loaded adapter, so no model loses its unsaved steps."""
+        return sum(self.release(m, "the server stops") for m in list(self.state.models.values()) if m.loaded)

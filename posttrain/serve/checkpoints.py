@@ -1,0 +1,62 @@
+"""Checkpoints written so that a crash in the middle never leaves a broken one, nor loses the previous one.
+
+A save writes into a hidden folder beside its target (`.tmp-<name>-<token>`), then renames it into place.
+A folder cannot be renamed over a non-empty one, so a save that replaces an older checkpoint of the same
+name first moves the old one aside (`.old-<name>-<token>`), renames the new one in, then deletes the old
+one. `recover()`, run when the server starts, finishes what a crash interrupted: a half-written `.tmp-*`
+is deleted; an `.old-*` whose checkpoint is missing (the crash came between the two renames) is renamed
+back, and otherwise deleted. Hidden names start with '.', which no checkpoint name may (backend.NAME), so
+no tinker:// path reaches them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("posttrain.serve")
+KINDS = ("weights", "sampler_weights")
+
+
+def publish(final: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(folder)` into a fresh hidden folder, then make it `final` (replacing an older one)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    tmp = final.parent / f".tmp-{final.name}-{token}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.parent / f".old-{final.name}-{token}"
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(root: Path) -> list[str]:
+    """Repair what interrupted saves left under `root` (see the module docstring); what was done."""
+    done = []
+    for kind in KINDS:
+        for folder in sorted(root.glob(f"*/{kind}/.tmp-*")):
+            shutil.rmtree(folder, ignore_errors=True)
+            done.append(f"deleted the unfinished save {folder.relative_to(root)}")
+        for folder in sorted(root.glob(f"*/{kind}/.old-*")):
+            name = folder.name[len(".old-") :].rsplit("-", 1)[0]
+            final = folder.parent / name
+            if final.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                os.rename(folder, final)
+                done.append(f"put back {final.relative_to(root)} (a save replacing it was interrupted)")
+    for line in done:
+        log.warning("checkpoints: %s", line)
+    return done

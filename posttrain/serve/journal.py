@@ -1,0 +1,200 @@
+"""The server's journal: what `posttrain serve` must remember across a restart, in one SQLite file.
+
+It lives in the state folder (`<state-dir>/serve-journal.sqlite3`, write-ahead log, `synchronous=NORMAL`:
+a committed row survives the process being killed, not the machine losing power) and records
+
+- sessions and their tenant;
+- training models: tinker model id, tenant, base model name, the backend's model id, the LoRA spec, and the
+  path of the model's last durable state (its last `save_state`, or the server's own save when it released
+  the model's idle adapter);
+- which tenant owns the checkpoints written under each backend model id;
+- per model, each `seq_id` seen and the request id it got (the next `seq_id` is one past the highest);
+- every request: id, tenant, kind, model, status, and once finished the answer `retrieve_future` gives
+  (JSON, or protobuf bytes), kept for `journal_keep_seconds`.
+
+What is durable, and what is not: a request's answer is written before the poller can see it, and a
+`save_state` is journaled as the model's restore point before its future resolves, so a `save_state`
+whose result you have survives a crash. Training after the last save lives only in memory: after a crash
+the model comes back from that save (with its optimizer state) and later steps are lost; the requests that
+were running answer an error saying so. A model that never saved is gone (410). A graceful stop (SIGTERM)
+saves every loaded adapter first, so it loses nothing. Sampling sessions are not journaled.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Answer = dict[str, Any] | bytes  # what retrieve_future returns: a JSON body, or protobuf bytes
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS models (
+    model_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, base_name TEXT NOT NULL, backend_id TEXT NOT NULL,
+    lora TEXT NOT NULL, restore_path TEXT, tenant_saved INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS checkpoints (backend_id TEXT PRIMARY KEY, tenant TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS seqs (
+    model_id TEXT NOT NULL, seq_id INTEGER NOT NULL, request_id TEXT NOT NULL, PRIMARY KEY (model_id, seq_id));
+CREATE TABLE IF NOT EXISTS futures (
+    request_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, kind TEXT NOT NULL, model_id TEXT,
+    status TEXT NOT NULL, answer BLOB, proto INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL, finished REAL);
+CREATE INDEX IF NOT EXISTS futures_finished ON futures (finished);
+"""
+SEQS_KEPT = 1024  # per model: seq_ids older than the latest minus this are forgotten (a retry comes soon)
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    model_id: str
+    tenant: str
+    base_name: str
+    backend_id: str
+    lora: dict[str, Any]
+    restore_path: str | None
+    tenant_saved: bool  # whether restore_path was written by the tenant's save_state (else by a release)
+
+
+@dataclass(frozen=True)
+class FutureRow:
+    request_id: str
+    tenant: str
+    kind: str
+    model_id: str | None
+    status: str  # "pending" or "done"
+    answer: Answer | None
+
+
+class Journal:
+    """Thread-safe (one connection behind a lock): the event loop, the backend thread and request threads
+    all write to it. Every write commits at once."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        self._closed = False
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+
+    def _write(self, sql: str, *args: Any) -> None:
+        with self._lock:
+            if not self._closed:  # a request finishing after the stop: its answer is not kept
+                self._db.execute(sql, args)
+
+    def _read(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return [] if self._closed else self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        """Fold the write-ahead log into the file and close (later writes are dropped)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._db.close()
+
+    # ---- sessions and ownership --------------------------------------------------------------------
+    def session(self, session_id: str, tenant: str) -> None:
+        self._write("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?)", session_id, tenant, time.time())
+
+    def sessions(self) -> dict[str, str]:
+        return {
+            session_id: tenant for session_id, tenant in self._read("SELECT session_id, tenant FROM sessions")
+        }
+
+    def checkpoint_owner(self, backend_id: str, tenant: str) -> None:
+        self._write("INSERT OR REPLACE INTO checkpoints VALUES (?, ?)", backend_id, tenant)
+
+    def checkpoint_owners(self) -> dict[str, str]:
+        return {
+            backend_id: tenant
+            for backend_id, tenant in self._read("SELECT backend_id, tenant FROM checkpoints")
+        }
+
+    # ---- training models -----------------------------------------------------------------------------
+    def model(self, row: ModelRow) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?, ?, ?, ?)",
+            row.model_id, row.tenant, row.base_name, row.backend_id, json.dumps(row.lora),
+            row.restore_path, int(row.tenant_saved),
+        )  # fmt: skip
+
+    def models(self) -> list[ModelRow]:
+        rows = self._read("SELECT * FROM models")
+        return [ModelRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], bool(r[6])) for r in rows]
+
+    # ---- sequencing ----------------------------------------------------------------------------------
+    def seq(self, model_id: str, seq_id: int, request_id: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._db.execute("INSERT OR REPLACE INTO seqs VALUES (?, ?, ?)", (model_id, seq_id, request_id))
+            if seq_id % 256 == 0:  # now and then, forget the old ones
+                self._db.execute(
+                    "DELETE FROM seqs WHERE model_id = ? AND seq_id < ?", (model_id, seq_id - SEQS_KEPT)
+                )
+
+    def seqs(self) -> dict[str, dict[int, str]]:
+        out: dict[str, dict[int, str]] = {}
+        for model_id, seq_id, request_id in self._read("SELECT model_id, seq_id, request_id FROM seqs"):
+            out.setdefault(model_id, {})[seq_id] = request_id
+        return out
+
+    # ---- futures -------------------------------------------------------------------------------------
+    def submitted(self, request_id: str, tenant: str, kind: str, model_id: str | None) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO futures VALUES (?, ?, ?, ?, 'pending', NULL, 0, ?, NULL)",
+            request_id, tenant, kind, model_id, time.time(),
+        )  # fmt: skip
+
+    def finished(self, request_id: str, answer: Answer) -> None:
+        proto = isinstance(answer, bytes)
+        blob = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+        self._write(
+            "UPDATE futures SET status = 'done', answer = ?, proto = ?, finished = ? WHERE request_id = ?",
+            blob, int(proto), time.time(), request_id,
+        )  # fmt: skip
+
+    def future(self, request_id: str) -> FutureRow | None:
+        rows = self._read(
+            "SELECT request_id, tenant, kind, model_id, status, answer, proto FROM futures WHERE request_id = ?",
+            request_id,
+        )
+        return _future_row(rows[0]) if rows else None
+
+    def pending(self) -> list[FutureRow]:
+        rows = self._read(
+            "SELECT request_id, tenant, kind, model_id, status, answer, proto FROM futures WHERE status = 'pending'"
+        )
+        return [_future_row(r) for r in rows]
+
+    def count_done(self) -> int:
+        rows = self._read("SELECT COUNT(*) FROM futures WHERE status = 'done'")
+        return int(rows[0][0]) if rows else 0
+
+    def purge(self, keep_seconds: float) -> int:
+        """Forget answers finished more than `keep_seconds` ago; how many."""
+        with self._lock:
+            if self._closed:
+                return 0
+            cursor = self._db.execute(
+                "DELETE FROM futures WHERE status = 'done' AND finished < ?", (time.time() - keep_seconds,)
+            )
+            return cursor.rowcount
+
+
+def _future_row(row: tuple[Any, ...]) -> FutureRow:
+    request_id, tenant, kind, model_id, status, blob, proto = row
+    answer: Answer | None = None
+    if blob is not None:
+        answer = bytes(blob) if proto else json.loads(blob)
+    return FutureRow(request_id, tenant, kind, model_id, status, answer)

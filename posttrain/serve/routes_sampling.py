@@ -1,0 +1,76 @@
+"""The sampling endpoints of `posttrain serve`: sampling sessions (on a base model or on a tenant's own
+sampler weights) and `asample`, whose result is protobuf. Sampling sessions live in memory only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from tinker import types
+
+from posttrain.serve.api import Api, as_json
+from posttrain.serve.futures import failed
+from posttrain.serve.state import Sampler
+from posttrain.serve.wire import encode_sample_response
+
+
+def add_sampling_routes(app: FastAPI, api: Api) -> None:
+    state, bodies = api.state, api.bodies
+
+    @app.post(
+        "/api/v1/create_sampling_session", openapi_extra=bodies.json(types.CreateSamplingSessionRequest)
+    )
+    async def create_sampling_session(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.CreateSamplingSessionRequest = await api.body(request, types.CreateSamplingSessionRequest)
+        state.session(body.session_id, tenant)
+        sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+        if body.model_path is not None:
+            state.check_path(body.model_path, tenant, "sampler_weights")
+            client = state.service.create_sampling_client(model_path=body.model_path)
+            base_name = next(iter(state.served))
+        elif body.base_model is not None:
+            client = state.service.create_sampling_client(base_model=state.base_dir(body.base_model))
+            base_name = body.base_model
+        else:
+            raise HTTPException(400, "create_sampling_session needs base_model or model_path")
+        state.add_sampler(sampler_id, Sampler(tenant, client, base_name, body.model_path))
+        return as_json(types.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict:
+        tenant = await api.tenant(request)
+        sampler = state.sampler(sampler_id, tenant)
+        return {"sampler_id": sampler_id, "base_model": sampler.base_name, "model_path": sampler.model_path}
+
+    @app.post("/api/v1/asample", openapi_extra=bodies.json(types.SampleRequest))
+    async def asample(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.SampleRequest = await api.body(request, types.SampleRequest)
+        if body.sampling_session_id is None:
+            raise HTTPException(400, "asample needs a sampling_session_id (create_sampling_session first)")
+        sampler = state.sampler(body.sampling_session_id, tenant)
+        if body.num_samples < 1:
+            raise HTTPException(400, f"num_samples must be >= 1, got {body.num_samples}")
+        unsupported = {
+            "topk_sample_logprobs": body.topk_sample_logprobs, "target_prompt_logprobs": body.target_prompt_logprobs,
+            "prompt_alt_tokens_k": body.prompt_alt_tokens_k, "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
+        }  # fmt: skip
+        named = [k for k, v in unsupported.items() if v]
+        # every sample counts at least one token, so num_samples is bounded by tokens_per_request too
+        api.tokens(
+            tenant, api.length(body.prompt) + body.num_samples * max(1, body.sampling_params.max_tokens or 1)
+        )
+        future: Any
+        try:
+            if named:
+                raise ValueError(f"sample options not supported here: {', '.join(named)}")
+            future = sampler.client.sample(
+                body.prompt, body.num_samples, body.sampling_params,
+                include_prompt_logprobs=bool(body.prompt_logprobs), topk_prompt_logprobs=body.topk_prompt_logprobs,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a request the sampler refuses is that request's error
+            future = failed(exc)
+        answer = api.submitted(tenant, "sample", future, encode_sample_response)
+        answer["sample_sequence_ids"] = [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]
+        return answer

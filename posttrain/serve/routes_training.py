@@ -1,0 +1,188 @@
+"""The training endpoints of `posttrain serve`: create_model, get_info, forward(_backward), optim_step,
+save_weights, save_weights_for_sampler, load_weights. Each training model's requests run in seq_id order
+on its adapter (loaded again first if it was released: adapters.py)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from tinker import types
+
+from posttrain.client.training import TrainingClient
+from posttrain.serve.adapters import is_internal
+from posttrain.serve.api import Api, as_json
+from posttrain.serve.futures import in_thread, resolved
+from posttrain.serve.state import Sampler
+from posttrain.serve.wire import WireError, decode_forward_backward, encode_forward_backward_output
+
+
+@functools.lru_cache(maxsize=16)
+def _arch(base_dir: str) -> str | None:
+    from posttrain.models import load_config
+
+    return getattr(load_config(base_dir), "model_type", None)
+
+
+def add_training_routes(app: FastAPI, api: Api) -> None:
+    state, bodies = api.state, api.bodies
+
+    @app.post("/api/v1/create_model", openapi_extra=bodies.json(types.CreateModelRequest))
+    async def create_model(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.CreateModelRequest = await api.body(request, types.CreateModelRequest)
+        state.session(body.session_id, tenant)
+        path = state.base_dir(body.base_model)
+        model_id = f"{body.session_id}:train:{body.model_seq_id}"
+        if body.lora_config is None:
+            raise HTTPException(400, "create_model needs a lora_config: this server trains LoRA adapters")
+        lora = body.lora_config
+        state.limits.check_rank(lora.rank)
+        state.hold_slot(model_id, tenant)
+
+        def create() -> types.CreateModelResponse:
+            try:
+                client = state.service.create_lora_training_client(
+                    path, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                    train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                )  # fmt: skip
+                state.adapters.add(model_id, tenant, client, body.base_model, lora.model_dump())
+            finally:
+                state.creating.pop(model_id, None)
+            return types.CreateModelResponse(model_id=model_id)
+
+        return api.submitted(tenant, "create_model", in_thread(create), as_json, model_id)
+
+    @app.post("/api/v1/get_info", openapi_extra=bodies.json(types.GetInfoRequest))
+    async def get_info(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body = await api.body(request, types.GetInfoRequest)
+        model = state.model(body.model_id, tenant)
+        base_dir = state.served.get(model.base_name) or next(iter(state.served.values()))
+        data = types.ModelData(arch=_arch(base_dir), model_name=model.base_name, tokenizer_id=base_dir)
+        info = types.GetInfoResponse(
+            model_data=data, model_id=model.model_id, is_lora=True, lora_rank=model.lora.get("rank"),
+            model_name=model.base_name,
+        )  # fmt: skip
+        return as_json(info)
+
+    @app.post("/api/v1/forward_backward", openapi_extra=bodies.protobuf("ForwardBackwardRequest"))
+    async def forward_backward(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body = await request.body()
+        if request.headers.get("content-encoding") == "zstd":
+            raise HTTPException(
+                415, "zstd-compressed bodies are not accepted (the server's client config disables them)"
+            )
+        try:
+            call = decode_forward_backward(body)
+        except WireError as exc:
+            raise HTTPException(400, str(exc)) from None
+        model = state.model(call.model_id, tenant)
+        api.tokens(tenant, sum(api.length(d.model_input) for d in call.data))
+
+        def start(client: TrainingClient) -> Any:
+            verb = client.forward if call.forward_only else client.forward_backward
+            return verb(call.data, call.loss_fn, call.loss_fn_config)
+
+        kind = "forward" if call.forward_only else "forward_backward"
+        return api.in_order(model, call.seq_id, tenant, kind, start, encode_forward_backward_output)
+
+    @app.post("/api/v1/optim_step", openapi_extra=bodies.json(types.OptimStepRequest))
+    async def optim_step(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.OptimStepRequest = await api.body(request, types.OptimStepRequest)
+        model = state.model(body.model_id, tenant)
+        params = body.optim_params
+
+        def start(client: TrainingClient) -> Any:
+            if not isinstance(params, types.AdamParams):
+                raise ValueError(f"optimizer {type(params).__name__} is not supported; use AdamParams")
+            return client.optim_step(params)
+
+        return api.in_order(model, body.seq_id, tenant, "optim_step", start, as_json)
+
+    @app.post("/api/v1/save_weights", openapi_extra=bodies.json(types.SaveWeightsRequest))
+    async def save_weights(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.SaveWeightsRequest = await api.body(request, types.SaveWeightsRequest)
+        model = state.model(body.model_id, tenant)
+        name = body.path or f"state-{body.seq_id}"
+
+        def start(client: TrainingClient) -> Any:
+            _check_name(name, body.ttl_seconds)
+            return state.adapters.save(model, client, name)
+
+        return api.in_order(model, body.seq_id, tenant, "save_weights", start, as_json)
+
+    @app.post(
+        "/api/v1/save_weights_for_sampler", openapi_extra=bodies.json(types.SaveWeightsForSamplerRequest)
+    )
+    async def save_weights_for_sampler(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.SaveWeightsForSamplerRequest = await api.body(request, types.SaveWeightsForSamplerRequest)
+        model = state.model(body.model_id, tenant)
+        if body.kind != "snapshot":
+            raise HTTPException(400, f"sampler weights of kind {body.kind!r} are not supported (snapshot is)")
+
+        def start(client: TrainingClient) -> Any:
+            if body.path is not None:
+                _check_name(body.path, body.ttl_seconds)
+                return state.adapters.export(client, body.path)
+            sampler_id = f"{body.model_id}:sample:{body.sampling_session_seq_id}"
+            sampler = client.save_weights_and_get_sampling_client()
+            state.add_sampler(sampler_id, Sampler(tenant, sampler, model.base_name))
+            return resolved(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id))
+
+        return api.in_order(model, body.seq_id, tenant, "save_weights_for_sampler", start, as_json)
+
+    @app.post("/api/v1/load_weights", openapi_extra=bodies.json(types.LoadWeightsRequest))
+    async def load_weights(request: Request) -> dict:
+        tenant = await api.tenant(request)
+        body: types.LoadWeightsRequest = await api.body(request, types.LoadWeightsRequest)
+        state.check_path(body.path, tenant, "weights")
+        if body.model_id is not None:  # onto an existing model, in its sequence
+            model = state.model(body.model_id, tenant)
+
+            def start(client: TrainingClient) -> Any:
+                load = client.load_state_with_optimizer if body.optimizer else client.load_state
+                return load(body.path)
+
+            return api.in_order(model, body.seq_id, tenant, "load_weights", start, as_json)
+        if body.session_id is None or body.model_seq_id is None:
+            raise HTTPException(400, "load_weights needs model_id + seq_id, or session_id + model_seq_id")
+        state.session(body.session_id, tenant)
+        model_id = f"{body.session_id}:train:{body.model_seq_id}"
+        state.hold_slot(model_id, tenant)
+
+        def create() -> types.LoadWeightsResponse:
+            service = state.service
+            make = (
+                service.create_training_client_from_state_with_optimizer
+                if body.optimizer
+                else service.create_training_client_from_state
+            )
+            try:
+                client = make(body.path)
+                info = client.get_info()
+                base_name = next(
+                    (n for n, p in state.served.items() if Path(p) == Path(info.model_name or "")), ""
+                )
+                # with its optimizer, the model is that checkpoint: a durable state to come back to
+                restore = body.path if body.optimizer else None
+                state.adapters.add(model_id, tenant, client, base_name, {"rank": info.lora_rank}, restore)
+            finally:
+                state.creating.pop(model_id, None)
+            return types.LoadWeightsResponse(path=body.path, model_id=model_id)
+
+        return api.submitted(tenant, "load_weights", in_thread(create), as_json, model_id)
+
+
+def _check_name(name: str, ttl_seconds: int | None) -> None:
+    """Checkpoint names the server keeps for itself are refused; so is a ttl (checkpoints do not expire)."""
+    if is_internal(name):
+        raise ValueError(f"checkpoint name {name!r}: names starting 'posttrain-internal' are the server's")
+    if ttl_seconds is not None:
+        raise ValueError("ttl_seconds: checkpoints here do not expire (they stay until deleted); pass None")

@@ -1,0 +1,159 @@
+"""What `posttrain serve` knows beyond the backend: who owns what, by the ids the SDK uses; kept in the
+journal (journal.py) so that it survives a restart (recovery.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import HTTPException
+
+from posttrain.client import ServiceClient
+from posttrain.client.sampling import SamplingClient
+from posttrain.serve.adapters import Adapters, TrainingModel, is_internal
+from posttrain.serve.futures import FutureStore, Request, Sequencer
+from posttrain.serve.journal import Journal
+from posttrain.serve.limits import Limits, Meter
+from posttrain.serve.tenants import ApiKeys
+
+JOURNAL_NAME = "serve-journal.sqlite3"
+
+
+@dataclass
+class Sampler:
+    tenant: str
+    client: SamplingClient
+    base_name: str
+    model_path: str | None = None
+
+
+@dataclass(repr=False)
+class ServerState:
+    service: ServiceClient
+    keys: ApiKeys
+    served: dict[str, str]  # base model name -> model directory
+    poll_timeout_s: float = 20.0
+    limits: Limits = field(default_factory=Limits)
+    journal: Journal = field(init=False)  # <the backend's folder>/serve-journal.sqlite3
+    meter: Meter = field(init=False)
+    futures: FutureStore = field(init=False)
+    sequencer: Sequencer = field(init=False)
+    adapters: Adapters = field(init=False)
+    sessions: dict[str, str] = field(default_factory=dict)  # session id -> tenant
+    models: dict[str, TrainingModel] = field(default_factory=dict)  # tinker model id -> model
+    lost: dict[str, tuple[str, str]] = field(default_factory=dict)  # model id -> (tenant, why): 410
+    samplers: dict[str, Sampler] = field(default_factory=dict)  # in order of last use
+    released_samplers: dict[str, str] = field(default_factory=dict)  # sampler id -> tenant
+    checkpoint_owner: dict[str, str] = field(default_factory=dict)  # backend model id -> tenant
+    creating: dict[str, str] = field(default_factory=dict)  # model ids being created -> tenant (slots held)
+    stop: asyncio.Event | None = None  # set when a graceful stop begins: long polls return at once
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def __post_init__(self) -> None:
+        self.journal = Journal(self.service.backend.root / JOURNAL_NAME)
+        self.meter = Meter(self.limits)
+        self.futures = FutureStore(uuid.uuid4().hex[:8], self.journal, self._finished)
+        self.sequencer = Sequencer(self.journal)
+        self.adapters = Adapters(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "limits" and "meter" in self.__dict__:  # limits changed at run time: the rates follow
+            self.meter.limits = value
+
+    def _finished(self, request: Request, queue_seconds: float) -> None:
+        self.meter.queued(request.tenant, queue_seconds)
+
+    def queued(self, tenant: str) -> int:
+        return sum(1 for r in self.futures.pending() if r.tenant == tenant)
+
+    def begin_stop(self) -> None:
+        """A graceful stop begins (called from the signal handler): end the long polls now."""
+        if self.loop is not None and self.stop is not None:
+            self.loop.call_soon_threadsafe(self.stop.set)
+
+    # ---- sessions and ownership ------------------------------------------------------------------
+    def add_session(self, session_id: str, tenant: str) -> None:
+        self.sessions[session_id] = tenant
+        self.journal.session(session_id, tenant)
+
+    def session(self, session_id: str, tenant: str) -> None:
+        if self.sessions.get(session_id) != tenant:
+            raise HTTPException(404, f"no session {session_id!r}")
+
+    def own_checkpoints(self, backend_id: str, tenant: str) -> None:
+        self.checkpoint_owner[backend_id] = tenant
+        self.journal.checkpoint_owner(backend_id, tenant)
+
+    def model(self, model_id: str, tenant: str) -> TrainingModel:
+        model = self.models.get(model_id)
+        if model is None or model.tenant != tenant:
+            lost = self.lost.get(model_id)
+            if lost is not None and lost[0] == tenant:
+                raise HTTPException(410, lost[1])
+            raise HTTPException(404, f"no training model {model_id!r}")
+        return model
+
+    def sampler(self, sampler_id: str, tenant: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None or sampler.tenant != tenant:
+            if self.released_samplers.get(sampler_id) == tenant:
+                raise HTTPException(
+                    404,
+                    f"sampling session {sampler_id!r} was released: a tenant keeps its "
+                    f"samplers_per_tenant={self.limits.samplers_per_tenant} most recently used ones, and a "
+                    "finished session releases its own; create a new one",
+                )
+            raise HTTPException(
+                404, f"no sampling session {sampler_id!r} (sampling sessions do not survive a restart)"
+            )
+        self.samplers[sampler_id] = self.samplers.pop(sampler_id)  # the most recently used: last
+        return sampler
+
+    def add_sampler(self, sampler_id: str, sampler: Sampler) -> None:
+        """Keep a new sampling session; release the tenant's least recently used beyond the limit (the
+        engine and its copy of the weights go with the last reference to the client)."""
+        self.samplers[sampler_id] = sampler
+        mine = [k for k, v in list(self.samplers.items()) if v.tenant == sampler.tenant]
+        for old in mine[: max(0, len(mine) - self.limits.samplers_per_tenant)]:
+            self.release_sampler(old)
+
+    def release_sampler(self, sampler_id: str) -> None:
+        sampler = self.samplers.pop(sampler_id, None)
+        if sampler is not None:
+            self.released_samplers[sampler_id] = sampler.tenant
+            while len(self.released_samplers) > 100_000:  # remembered for a clear 404, within bounds
+                self.released_samplers.pop(next(iter(self.released_samplers)))
+
+    def finish_session(self, session_id: str) -> None:
+        """A finished session's sampling sessions are released (its models stay: they are the tenant's)."""
+        for sampler_id in [k for k in list(self.samplers) if k.startswith(f"{session_id}:")]:
+            self.release_sampler(sampler_id)
+
+    def check_path(self, path: str, tenant: str, kind: str) -> None:
+        """A tinker:// path of this tenant's own checkpoints (the backend then resolves it in its folder)."""
+        try:
+            backend_model_id, _ = self.service.backend.resolve(path, kind)
+        except ValueError as exc:
+            raise HTTPException(404, str(exc)) from None
+        if self.checkpoint_owner.get(backend_model_id) != tenant or is_internal(path.rsplit("/", 1)[-1]):
+            raise HTTPException(404, f"{path!r}: no such checkpoint")
+
+    def base_dir(self, name: str) -> str:
+        if name not in self.served:
+            raise HTTPException(
+                404, f"base model {name!r} is not served here; served: {', '.join(self.served)}"
+            )
+        return self.served[name]
+
+    def hold_slot(self, model_id: str, tenant: str) -> None:
+        """Count a model being created against the adapter limits from the moment it is asked for: per
+        tenant every model it has (released ones too), in total the adapters loaded."""
+        if model_id in self.models or model_id in self.creating or model_id in self.lost:
+            raise HTTPException(409, f"model {model_id!r} exists already")
+        mine = sum(1 for m in list(self.models.values()) if m.tenant == tenant)
+        mine += sum(1 for t in list(self.creating.values()) if t == tenant)
+        self.limits.check_adapters(mine, self.adapters.occupied())
+        self.creating[model_id] = tenant

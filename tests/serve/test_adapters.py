@@ -1,0 +1,115 @@
+"""Idle adapters are released and come back on their next request, under the same model id; rate limits
+on tokens name themselves; /metrics has per-tenant queue time under route templates."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from .conftest import KEYS, SESSION, Running, logprobs, result, training
+
+ALICE, BOB = list(KEYS)
+
+
+@pytest.fixture
+def alice_model(server: Running) -> Iterator[tuple[str, str]]:
+    """A fresh model of alice's (session id, model id), limits put back after the test."""
+    saved = server.state.limits  # type: ignore[attr-defined]
+    with server.client(ALICE) as alice:
+        session_id = alice.post("/api/v1/create_session", json=SESSION).json()["session_id"]
+        create = {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": "tiny",
+            "lora_config": {"rank": 2},
+        }
+        model_id = result(alice, alice.post("/api/v1/create_model", json=create).json()["request_id"])[
+            "model_id"
+        ]
+    yield session_id, model_id
+    server.state.limits = saved  # type: ignore[attr-defined]
+
+
+def test_an_idle_adapter_is_released_and_comes_back_transparently(
+    server: Running, alice_model: tuple[str, str]
+) -> None:
+    state = server.state
+    session_id, model_id = alice_model
+    model = state.models[model_id]  # type: ignore[attr-defined]
+    with server.client(ALICE) as alice:
+        for seq_id, verb in ((1, "forward_backward"), (2, "optim_step")):
+            result(alice, training(alice, model_id, seq_id, verb))
+        before = logprobs(result(alice, training(alice, model_id, 3, "forward")))
+        first_backend_id, occupied = model.backend_id, state.adapters.occupied()  # type: ignore[attr-defined]
+        state.limits = replace(state.limits, adapter_idle_seconds=0.3)  # type: ignore[attr-defined]
+        deadline = time.time() + 10
+        while model.loaded:
+            assert time.time() < deadline, "the idle adapter was not released"
+            time.sleep(0.05)
+        state.limits = replace(state.limits, adapter_idle_seconds=0)  # type: ignore[attr-defined]
+        assert first_backend_id not in state.service.backend.models  # type: ignore[attr-defined]
+        assert state.adapters.occupied() < occupied  # type: ignore[attr-defined]  # its slot is free
+        internal = model.restore_path
+        assert "posttrain-internal" in internal
+        # the server's own save is not the tenant's to load or overwrite
+        load = {"session_id": session_id, "model_seq_id": 5, "path": internal, "optimizer": True}
+        assert alice.post("/api/v1/load_weights", json=load).status_code == 404
+        save = {"model_id": model_id, "seq_id": 4, "path": "posttrain-internal-release"}
+        refused = result(alice, alice.post("/api/v1/save_weights", json=save).json()["request_id"])
+        assert refused["category"] == "user" and "the server's" in refused["error"]
+        # the next request loads it again: same model id, same weights, the optimizer state with them
+        assert logprobs(result(alice, training(alice, model_id, 5, "forward"))) == pytest.approx(
+            before, abs=1e-6
+        )
+        assert model.loaded and model.backend_id != first_backend_id
+        info = alice.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}).json()
+        assert info["model_id"] == model_id and info["lora_rank"] == 2
+        for seq_id, verb in ((6, "forward_backward"), (7, "optim_step")):  # and trains on
+            answer = result(alice, training(alice, model_id, seq_id, verb))
+            assert not (isinstance(answer, dict) and "error" in answer), answer
+        assert logprobs(result(alice, training(alice, model_id, 8, "forward"))) != pytest.approx(
+            before, abs=1e-6
+        )
+
+
+def test_a_released_adapter_waits_for_a_free_slot(server: Running, alice_model: tuple[str, str]) -> None:
+    state = server.state
+    _, model_id = alice_model
+    model = state.models[model_id]  # type: ignore[attr-defined]
+    assert state.adapters.release(model)  # type: ignore[attr-defined]
+    state.limits = replace(state.limits, adapters_total=state.adapters.occupied())  # type: ignore[attr-defined]
+    with server.client(ALICE) as alice:
+        full = alice.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}})
+        assert full.status_code == 429 and "adapters_total=" in full.text and model_id in full.text
+
+
+def test_tokens_per_second_is_a_429_naming_it_and_metrics_have_queue_time(
+    server: Running, alice_model: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="posttrain.serve")
+    state = server.state
+    session_id, model_id = alice_model
+    state.limits = replace(state.limits, tokens_per_second=2.0)  # type: ignore[attr-defined]
+    with server.client(ALICE) as alice:
+        result(
+            alice, training(alice, model_id, 1, "forward")
+        )  # 5 tokens: through on a full bucket, now in debt
+        with pytest.raises(AssertionError, match=r"limit tokens_per_second=2 reached"):
+            training(alice, model_id, 2, "forward")
+        assert alice.post(f"/api/v1/sessions/{session_id}/finish").status_code == 200
+    metrics = server.client(None).get("/metrics").text
+    assert (
+        'posttrain_requests_total{tenant="alice",endpoint="/api/v1/forward_backward",status="429"}' in metrics
+    )
+    assert 'endpoint="/api/v1/sessions/{session_id}/finish"' in metrics  # the route, not one series per id
+    assert session_id not in metrics
+    assert 'posttrain_queue_seconds_count{tenant="alice"}' in metrics
+    assert "posttrain_adapters_loaded " in metrics
+    # one log line per request: method, path, status, time, tenant
+    lines = [r.getMessage() for r in caplog.records if "/api/v1/forward_backward 429" in r.getMessage()]
+    assert lines and re.fullmatch(r"POST /api/v1/forward_backward 429 [0-9.]+ms tenant=alice", lines[0])

@@ -1,0 +1,154 @@
+"""`posttrain serve` as a real process, killed with SIGKILL mid-request and stopped with SIGTERM, then
+started again on the same state folder: what was durable is there, what was lost says so."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from .conftest import KEYS, SESSION, free_port, logprobs, result, training
+
+ALICE, BOB = list(KEYS)
+
+
+class ServeProcess:
+    """`python -m posttrain.cli serve` on 127.0.0.1, its log in a file."""
+
+    def __init__(self, model_dir: Path, work: Path) -> None:
+        self.model_dir, self.work = model_dir, work
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (work / "keys.json").write_text(json.dumps(KEYS))
+        (work / "limits.yaml").write_text("shutdown_grace_seconds: 20\nadapters_per_tenant: 8\n")
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.log = self.work / f"serve-{self.starts}.log"
+        command = [
+            sys.executable, "-m", "posttrain.cli", "--log-level", "INFO", "serve", "--model", str(self.model_dir),
+            "--model-name", "tiny", "--keys", str(self.work / "keys.json"), "--state-dir", str(self.work / "state"),
+            "--port", str(self.port), "--config", str(self.work / "limits.yaml"),
+        ]  # fmt: skip
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+    def stop(self, sig: int) -> int:
+        assert self.process is not None
+        self.process.send_signal(sig)
+        return self.process.wait(timeout=60)
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": key}, timeout=60)
+
+
+@pytest.fixture
+def serve_process(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
+    running = ServeProcess(tiny_model_dir, tmp_path)
+    yield running
+    if running.process is not None and running.process.poll() is None:
+        running.process.kill()
+        running.process.wait()
+
+
+def new_model(client: httpx.Client, session_id: str, model_seq_id: int) -> str:
+    create = {"session_id": session_id, "model_seq_id": model_seq_id, "base_model": "tiny"}
+    create["lora_config"] = {"rank": 2, "seed": 0}
+    answer = client.post("/api/v1/create_model", json=create).json()
+    return result(client, answer["request_id"])["model_id"]
+
+
+def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProcess) -> None:
+    server = serve_process
+    server.start()
+    with server.client(ALICE) as alice:
+        session_id = alice.post("/api/v1/create_session", json=SESSION).json()["session_id"]
+        created = alice.post(
+            "/api/v1/create_model",
+            json={
+                "session_id": session_id,
+                "model_seq_id": 0,
+                "base_model": "tiny",
+                "lora_config": {"rank": 2},
+            },
+        ).json()["request_id"]
+        model_id = result(alice, created)["model_id"]
+        for seq_id, verb in ((1, "forward_backward"), (2, "optim_step")):
+            result(alice, training(alice, model_id, seq_id, verb))
+        save = {"model_id": model_id, "seq_id": 3, "path": "ckpt"}
+        saved = result(alice, alice.post("/api/v1/save_weights", json=save).json()["request_id"])["path"]
+        forward_id = training(alice, model_id, 4, "forward")
+        at_save = result(alice, forward_id)
+        for seq_id, verb in ((5, "forward_backward"), (6, "optim_step")):  # steps after the save: not durable
+            result(alice, training(alice, model_id, seq_id, verb))
+        assert logprobs(result(alice, training(alice, model_id, 7, "forward"))) != logprobs(at_save)
+        unsaved = new_model(alice, session_id, 1)  # never saved
+        in_flight = training(alice, model_id, 9, "optim_step")  # waits for seq_id 8, which never comes
+    server.process.kill()  # type: ignore[union-attr]
+    server.process.wait()  # type: ignore[union-attr]
+
+    server.start()
+    assert "recovered from the journal" in server.log.read_text()
+    with server.client(ALICE) as alice, server.client(BOB) as bob:
+        assert result(alice, created)["model_id"] == model_id  # finished results are still there
+        assert result(alice, forward_id) == at_save
+        lost = result(alice, in_flight)
+        assert (
+            lost["error"].startswith("the server restarted while this request ran") and saved in lost["error"]
+        )
+        assert training(alice, model_id, 4, "forward") == forward_id  # a seq_id seen before: the same request
+        # the model comes back from its save, with the same id, and its seq_ids go on
+        assert logprobs(result(alice, training(alice, model_id, 10, "forward"))) == pytest.approx(
+            logprobs(at_save), abs=1e-6
+        )
+        gone = alice.post("/api/v1/get_info", json={"model_id": unsaved, "type": "get_info"})
+        assert gone.status_code == 410 and unsaved in gone.text and "save_state" in gone.text
+        # ownership holds after the restart
+        assert bob.post("/api/v1/retrieve_future", json={"request_id": forward_id}).status_code == 404
+        assert (
+            bob.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}).status_code == 404
+        )
+        beat = {"session_id": session_id, "type": "session_heartbeat"}
+        assert bob.post("/api/v1/session_heartbeat", json=beat).status_code == 404
+        assert alice.post("/api/v1/session_heartbeat", json=beat).status_code == 200
+        load = {"session_id": bob.post("/api/v1/create_session", json=SESSION).json()["session_id"]}
+        load |= {"model_seq_id": 0, "path": saved, "optimizer": True}
+        assert bob.post("/api/v1/load_weights", json=load).status_code == 404
+
+        # a graceful stop: the running request finishes, the waiting one fails, unsaved models are kept
+        third = new_model(alice, session_id, 2)
+        for seq_id, verb in ((1, "forward_backward"), (2, "optim_step")):
+            result(alice, training(alice, third, seq_id, verb))
+        third_now = logprobs(result(alice, training(alice, third, 3, "forward")))
+        running = training(alice, model_id, 11, "forward_backward")
+        waiting = training(alice, model_id, 13, "optim_step")  # seq_id 12 never comes
+    assert server.stop(signal.SIGTERM) == 0
+    assert "stopped:" in server.log.read_text()
+
+    server.start()
+    with server.client(ALICE) as alice:
+        assert "loss:sum" in deserialize_forward_backward_output(result(alice, running)).metrics
+        assert "the server stopped while this request waited" in result(alice, waiting)["error"]
+        assert logprobs(result(alice, training(alice, third, 4, "forward"))) == pytest.approx(
+            third_now, abs=1e-6
+        )
+    assert server.stop(signal.SIGTERM) == 0
