@@ -18,7 +18,8 @@ def test_builtin_sources():
 
 def test_unknown_data_source_lists_known():
     with pytest.raises(
-        RewardError, match=r"unknown data_source 'gsm9k'; valid: arithmetic, gsm8k, long_addition, openai/gsm8k"
+        RewardError,
+        match=r"unknown data_source 'gsm9k'; valid: arithmetic, gsm8k, long_addition, openai/gsm8k",
     ):
         get_scorer("gsm9k")
 
