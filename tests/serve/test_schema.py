@@ -19,6 +19,7 @@ from .conftest import FUZZER, SESSION, Running, result
 
 FUZZER_KEY = next(iter(FUZZER))
 EXAMPLES = 10  # per endpoint and mode: ~20 endpoints x 2 modes in ~10 s
+PROTOBUF_BODIES = {"/api/v1/forward_backward"}
 schemathesis.serializer.alias("application/x-protobuf", "application/octet-stream")  # bytes as they are
 
 
@@ -63,10 +64,16 @@ def test_no_endpoint_answers_a_server_error(server: Running, fuzzer_ids: dict, m
     server_errors: list[str] = []
     statuses: dict[int, int] = {}
     for operation in operations:
+        if mode is GenerationMode.NEGATIVE and operation.path in PROTOBUF_BODIES:
+            continue  # schemathesis cannot break a binary body (it raises); positive mode sends random bytes
 
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(
-            max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None
+            max_examples=EXAMPLES,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            derandomize=True,  # the same cases every run: CI must not be flaky
         )
         def probe(case: schemathesis.Case) -> None:
             if mode is GenerationMode.POSITIVE:
