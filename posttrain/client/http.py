@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
-import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -33,6 +32,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from posttrain.client.backend import ResolvedFuture
 from posttrain.client.batching import check_request
+from posttrain.client.custom_loss import CustomLoss, custom_output, linearise, probe_data
 from posttrain.client.http_sampling import HttpSamplingClient, dump, load_tokenizer_named, resolved, then
 from posttrain.client.http_transport import (
     ApiStatusError,
@@ -42,10 +42,9 @@ from posttrain.client.http_transport import (
     RetryPolicy,
     Sender,
 )
-from posttrain.client.service import ServiceClient
+from posttrain.client.service import ServiceClient, check_lora_args
 
 T = TypeVar("T")
-CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 class HttpServiceClient(ServiceClient):
@@ -108,10 +107,7 @@ class HttpServiceClient(ServiceClient):
         user_metadata: dict[str, str] | None = None,
     ) -> HttpTrainingClient:
         """A new LoRA adapter of `rank` on the served model `base_model` (B matrices zero)."""
-        if not (train_mlp or train_attn or train_unembed):
-            raise ValueError("At least one of train_mlp, train_attn, or train_unembed must be True")
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1 (got {rank}); a server trains LoRA adapters")
+        check_lora_args(rank, train_mlp, train_attn, train_unembed, "a server trains LoRA adapters")
         lora = types.LoraConfig(
             rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
         )
@@ -289,37 +285,14 @@ class HttpTrainingClient(ResolvedFuture):
         each datum's log-probs `lp_i`; `loss_fn(data, lps)` is differentiated here; a `cross_entropy`
         forward_backward with weights `-dloss/dlp_i` then puts dloss/dtheta into the server's gradients.
         Both requests are sent in this call's turn, so later calls come after them."""
-        if not data:
-            raise ValueError("No data provided")
-        for datum in data:
-            if "target_tokens" not in datum.loss_fn_inputs:
-                raise ValueError("forward_backward_custom needs target_tokens in every datum")
-        data = list(data)
-        probe = [_with_weights(d, torch.zeros(d.model_input.length)) for d in data]
-        check_request(probe, "cross_entropy", None)
-
-        def linearise(
-            first: types.ForwardBackwardOutput,
-        ) -> tuple[list[types.Datum], float, dict[str, float]]:
-            lps = [out["logprobs"].to_torch().float().requires_grad_(True) for out in first.loss_fn_outputs]
-            loss, metrics = loss_fn(data, lps)
-            value = float(loss.detach().sum())
-            loss.sum().backward()  # type: ignore[no-untyped-call]
-            if any(lp.grad is None for lp in lps):
-                raise ValueError("the custom loss does not depend on every datum's logprobs")
-            linear = [_with_weights(d, -lp.grad) for d, lp in zip(data, lps, strict=True)]  # type: ignore[operator]
-            return linear, value, {k: float(v) for k, v in metrics.items()}
+        probe, data = probe_data(data), list(data)
 
         async def run(send: Sender) -> types.ForwardBackwardOutput:
             first = await self._output(await self._fb(send, probe, "cross_entropy", None, True), "forward")
-            linear, value, metrics = await asyncio.to_thread(linearise, first)
+            linear, value, metrics = await asyncio.to_thread(linearise, data, loss_fn, first)
             request_id = await self._fb(send, linear, "cross_entropy", None, False)
             send.release()
-            out = await self._output(request_id, "forward_backward")
-            surrogate = out.metrics.pop("loss:sum")
-            out.metrics.update(metrics)
-            out.metrics.update({"loss:sum": value, "surrogate_loss:sum": surrogate})
-            return out
+            return custom_output(await self._output(request_id, "forward_backward"), value, metrics)
 
         return self._turn(run)
 
@@ -433,13 +406,3 @@ class HttpTrainingClient(ResolvedFuture):
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer_named(self._tokenizer_id())
         return self._tokenizer
-
-
-def _with_weights(datum: types.Datum, weights: torch.Tensor) -> types.Datum:
-    return types.Datum(
-        model_input=datum.model_input,
-        loss_fn_inputs={
-            "target_tokens": datum.loss_fn_inputs["target_tokens"],
-            "weights": types.TensorData.from_torch(weights.detach().float()),
-        },
-    )

@@ -18,6 +18,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 from posttrain.client.backend import ResolvedFuture
 from posttrain.client.batching import model_input_tokens
 from posttrain.client.http_transport import Connection
+from posttrain.client.sampling import check_sample_options
 
 T = TypeVar("T")
 
@@ -102,21 +103,10 @@ class HttpSamplingClient(ResolvedFuture):
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
         """`num_samples` responses to `prompt`, as the local `sample` (tinker 0.38's signature; its top-k,
         target, alternative-token and last-n prompt log-probs are a ValueError here too)."""
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        unsupported = {
-            "topk_prompt_logprobs": topk_prompt_logprobs != 0,
-            "topk_sample_logprobs": topk_sample_logprobs != 0,
-            "target_prompt_logprobs": target_prompt_logprobs is not None,
-            "prompt_alt_tokens_k": prompt_alt_tokens_k != 0,
-            "prompt_logprobs_last_n": prompt_logprobs_last_n is not None,
-        }
-        asked = [name for name, given in unsupported.items() if given]
-        if asked:
-            raise ValueError(
-                f"{', '.join(asked)}: not supported by posttrain's backends; leave at the default "
-                "(include_prompt_logprobs=True gives the prompt tokens' own log-probs)"
-            )
+        check_sample_options(
+            num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+            prompt_alt_tokens_k, prompt_logprobs_last_n,
+        )  # fmt: skip
         if not model_input_tokens(prompt):
             raise ValueError("the prompt is empty")
         conn, seq_id = self._conn, next(self._seq)

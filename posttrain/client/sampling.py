@@ -89,21 +89,10 @@ class SamplingClient(ResolvedFuture):
         tinker 0.38's signature; its top-k, target, alternative-token and last-n prompt log-probs are not
         implemented: asking for them (a value other than the default) is a ValueError, never ignored.
         """
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        unsupported = {
-            "topk_prompt_logprobs": (topk_prompt_logprobs != 0, "top-k prompt log-probs are"),
-            "topk_sample_logprobs": (topk_sample_logprobs != 0, "top-k sample log-probs are"),
-            "target_prompt_logprobs": (target_prompt_logprobs is not None, "log-probs of chosen tokens are"),
-            "prompt_alt_tokens_k": (prompt_alt_tokens_k != 0, "alternative prompt tokens are"),
-            "prompt_logprobs_last_n": (prompt_logprobs_last_n is not None, "scoring the last n tokens is"),
-        }
-        for name, (asked, what) in unsupported.items():
-            if asked:
-                raise ValueError(
-                    f"{name}: {what} not supported by this backend; leave it at its default "
-                    "(include_prompt_logprobs=True gives the prompt tokens' own log-probs)"
-                )
+        check_sample_options(
+            num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+            prompt_alt_tokens_k, prompt_logprobs_last_n,
+        )  # fmt: skip
         tokens = model_input_tokens(prompt)
         if not tokens:
             raise ValueError("the prompt is empty")
@@ -127,6 +116,32 @@ class SamplingClient(ResolvedFuture):
             return [None, *values[1:]]
 
         return self._backend.submit(run, f"sampler {sampler}")
+
+
+def check_sample_options(
+    num_samples: int,
+    topk_prompt_logprobs: int,
+    topk_sample_logprobs: int,
+    target_prompt_logprobs: types.TensorData | None,
+    prompt_alt_tokens_k: int,
+    prompt_logprobs_last_n: int | None,
+) -> None:
+    """tinker's `sample` options no backend here implements are a ValueError when asked for, never ignored."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    unsupported = {
+        "topk_prompt_logprobs": (topk_prompt_logprobs != 0, "top-k prompt log-probs are"),
+        "topk_sample_logprobs": (topk_sample_logprobs != 0, "top-k sample log-probs are"),
+        "target_prompt_logprobs": (target_prompt_logprobs is not None, "log-probs of chosen tokens are"),
+        "prompt_alt_tokens_k": (prompt_alt_tokens_k != 0, "alternative prompt tokens are"),
+        "prompt_logprobs_last_n": (prompt_logprobs_last_n is not None, "scoring the last n tokens is"),
+    }
+    for name, (asked, what) in unsupported.items():
+        if asked:
+            raise ValueError(
+                f"{name}: {what} not supported by this backend; leave it at its default "
+                "(include_prompt_logprobs=True gives the prompt tokens' own log-probs)"
+            )
 
 
 def _close_sampler(backend: Backend, sampler_id: str) -> None:

@@ -36,6 +36,14 @@ def default_root() -> Path:
     return Path(tempfile.gettempdir()) / f"posttrain-api-{os.getuid()}"
 
 
+def check_lora_args(rank: int, train_mlp: bool, train_attn: bool, train_unembed: bool, hint: str) -> None:
+    """create_lora_training_client's arguments, as tinker checks them (`hint`: what rank 0 would mean)."""
+    if not (train_mlp or train_attn or train_unembed):
+        raise ValueError("At least one of train_mlp, train_attn, or train_unembed must be True")
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1 (got {rank}); {hint}")
+
+
 class ServiceClient:
     def __new__(
         cls, backend: BackendName | Literal["http"] = "local", *args: Any, **kwargs: Any
@@ -98,12 +106,9 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
         """A new LoRA adapter of `rank` on `base_model` (its B matrices zero: it starts as the base model)."""
-        if not (train_mlp or train_attn or train_unembed):
-            raise ValueError("At least one of train_mlp, train_attn, or train_unembed must be True")
-        if rank < 1:
-            raise ValueError(
-                f"rank must be >= 1 (got {rank}); create_training_client trains the full weights"
-            )
+        check_lora_args(
+            rank, train_mlp, train_attn, train_unembed, "create_training_client trains the full weights"
+        )
         model = ModelSpec(str(base_model), rank, train_attn, train_mlp, train_unembed, seed)
         return self._create(model)
 

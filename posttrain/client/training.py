@@ -12,22 +12,20 @@ input key, config key or length is a ValueError raised at the call, listing what
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from posttrain.client.backend import Backend, Pass, ResolvedFuture
 from posttrain.client.batching import check_request, datums_to_batch, forward_output
+from posttrain.client.custom_loss import CustomLoss, custom_output, linearise, probe_data
 from posttrain.client.sampling import SamplingClient
 from posttrain.config.schema import OptimConfig
 from posttrain.data.batch import Batch
 from posttrain.models import load_config, load_tokenizer
 from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
-
-CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 def adam_config(params: types.AdamParams) -> OptimConfig:
@@ -82,33 +80,16 @@ class TrainingClient(ResolvedFuture):
         `-dloss/dlp_i` puts exactly dloss/dtheta (the chain rule through the log-probs) into the gradients.
         `metrics` gets `loss:sum` (your loss) and `surrogate_loss:sum` (the linearised one's value).
         """
-        if not data:
-            raise ValueError("No data provided")
-        for datum in data:
-            if "target_tokens" not in datum.loss_fn_inputs:
-                raise ValueError("forward_backward_custom needs target_tokens in every datum")
-        probe = [_with_weights(d, torch.zeros(d.model_input.length)) for d in data]
-        check_request(probe, "cross_entropy", None)
+        probe = probe_data(data)
         backend, group, model_id, data = self._backend, self._backend.group, self.model_id, list(data)
 
         def run() -> types.ForwardBackwardOutput:
             batch = datums_to_batch(probe, backend.world_size)
             first = forward_output(probe, batch, group.forward(model_id, batch, ApiLossSpec("cross_entropy")))
-            lps = [out["logprobs"].to_torch().float().requires_grad_(True) for out in first.loss_fn_outputs]
-            loss, metrics = loss_fn(data, lps)
-            value = float(loss.detach().sum())
-            loss.sum().backward()
-            if any(lp.grad is None for lp in lps):
-                raise ValueError("the custom loss does not depend on every datum's logprobs")
-            linear = [_with_weights(d, -lp.grad) for d, lp in zip(data, lps, strict=True)]  # type: ignore[operator]
+            linear, value, metrics = linearise(data, loss_fn, first)
             batch = datums_to_batch(linear, backend.world_size)
-            out = forward_output(
-                linear, batch, group.forward_backward(model_id, batch, ApiLossSpec("cross_entropy"))
-            )
-            surrogate = out.metrics.pop("loss:sum")
-            out.metrics.update({k: float(v) for k, v in metrics.items()})
-            out.metrics.update({"loss:sum": value, "surrogate_loss:sum": surrogate})
-            return out
+            out = group.forward_backward(model_id, batch, ApiLossSpec("cross_entropy"))
+            return custom_output(forward_output(linear, batch, out), value, metrics)
 
         return backend.submit(run, model_id)
 
@@ -218,16 +199,6 @@ class TrainingClient(ResolvedFuture):
 
     def get_tokenizer(self):  # noqa: ANN201
         return load_tokenizer(self._model.base_model)
-
-
-def _with_weights(datum: types.Datum, weights: torch.Tensor) -> types.Datum:
-    return types.Datum(
-        model_input=datum.model_input,
-        loss_fn_inputs={
-            "target_tokens": datum.loss_fn_inputs["target_tokens"],
-            "weights": types.TensorData.from_torch(weights.detach().float()),
-        },
-    )
 
 
 def _open_sampler(backend: Backend, model_path: str) -> SamplingClient:
