@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -118,11 +119,19 @@ def write_arithmetic_dataset(
     """Write `train.parquet` and `test.parquet` (disjoint problems) to `out_dir`; returns {split: path}."""
     rng = np.random.default_rng(seed)
     problems = sample_problems(n_train + n_test, rng, min_digits, max_digits, tuple(ops))
+    return write_splits(out_dir, problems, n_train, lambda p, split, i: _row(*p, split, i))
+
+
+def write_splits(
+    out_dir: str | Path, problems: Sequence[Any], n_train: int, row: Callable[[Any, str, int], dict]
+) -> dict[str, Path]:
+    """`train.parquet` (the first `n_train` problems) and `test.parquet` (the rest) in `out_dir`, each
+    problem made a verl-format row by `row(problem, split, index)`; returns {split: path}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, chunk in (("train", problems[:n_train]), ("test", problems[n_train:])):
-        rows = [_row(q, a, split, i) for i, (q, a) in enumerate(chunk)]
+        rows = [row(problem, split, i) for i, problem in enumerate(chunk)]
         paths[split] = out / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
     return paths

@@ -22,9 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
+from posttrain.data.tasks.arithmetic import write_splits
 from posttrain.errors import DataError
 
 DATA_SOURCE = "long_addition"
@@ -127,14 +126,7 @@ def write_long_addition_dataset(
             problems.append((a, b))
     if len(problems) < n_train + n_test:
         raise DataError(f"long_addition: only {len(problems)} distinct problems found; allow more digits")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, chunk in (("train", problems[:n_train]), ("test", problems[n_train:])):
-        rows = [_row(a, b, split, i) for i, (a, b) in enumerate(chunk)]
-        paths[split] = out / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), paths[split])
-    return paths
+    return write_splits(out_dir, problems, n_train, lambda p, split, i: _row(*p, split, i))
 
 
 def corpus(n: int, seed: int = 0, min_digits: int = 1, max_digits: int = 20) -> list[str]:
