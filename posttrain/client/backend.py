@@ -10,6 +10,7 @@ resolved inside that folder only: ids and names are checked, never joined as giv
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
 import numpy as np
+import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
@@ -88,6 +90,8 @@ class Pass:
 
 @dataclass
 class _Pending:
+    sampler_id: str
+    sampling: SamplingParams
     request: SampleRequest
     future: concurrent.futures.Future[types.SampleResponse]
 
@@ -133,7 +137,9 @@ class Backend:
         self.models: dict[str, ModelSpec] = {}
         self.calls = CallQueue(self._run_passes, worker.shared_pass_tokens)
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, SamplingParams], list[_Pending]] = {}
+        self._pending: list[_Pending] = []  # sample calls not yet generated
+        self._ready_samplers: set[str] = set()  # samplers whose creating call has run
+        self.sample_passes: collections.Counter[int] = collections.Counter()  # calls per batch -> batches
 
     # ---- ordering ------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], T], model_id: str | None = BARRIER) -> AwaitableConcurrentFuture[T]:
@@ -162,50 +168,86 @@ class Backend:
         out = getattr(self.group, f"{verb}_routed")([p.model_id for p in passes], merged, losses)
         return [p.finish(o) for p, o in zip(passes, split_output(out, merged, batches), strict=True)]
 
+    def create_sampler(self, sampler_id: str, create: Callable[[], Any], model_id: str | None) -> None:
+        """Queue the call that makes sampler `sampler_id` (`model_id`: the model it snapshots, if any); its
+        `sample` calls may join other samplers' batches only once it exists."""
+
+        def run() -> None:
+            create()
+            self._ready_samplers.add(sampler_id)
+
+        self.calls.submit(run, model_id)
+
+    def close_sampler(self, sampler_id: str) -> None:
+        """Queue freeing the sampler on the workers (after the calls already submitted)."""
+
+        def run() -> None:
+            self._ready_samplers.discard(sampler_id)
+            self.group.close_sampler(sampler_id)
+
+        self.calls.submit(run, f"sampler {sampler_id}")
+
     def submit_sample(
         self, sampler_id: str, sampling: SamplingParams, request: SampleRequest
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        """Queue a `sample` call. Calls to one sampler with the same settings that are waiting when the
-        first of them runs are generated together, as one batch (continuous batching over all of them): an
-        RL step's `sample` per prompt costs one generation pass, not one per prompt. A sampler is a
-        snapshot, so running a call earlier than its turn changes nothing it returns."""
+        """Queue a `sample` call. The `sample` calls waiting when the first of them runs are generated as
+        one batch, whichever samplers and settings they have (continuous batching over all of them; LoRA
+        samplers share one engine, so many tenants' calls cost one generation pass, and an RL step's
+        `sample` per prompt one pass, not one per prompt). A sampler is a snapshot, so running a call
+        earlier than its turn changes nothing it returns."""
         future: concurrent.futures.Future[types.SampleResponse] = concurrent.futures.Future()
-        key = (sampler_id, sampling)
         with self._lock:
-            self._pending.setdefault(key, []).append(_Pending(request, future))
-        self.calls.submit(lambda: self._flush_samples(key), f"sampler {sampler_id}")
+            self._pending.append(_Pending(sampler_id, sampling, request, future))
+        self.calls.submit(self._flush_samples, f"sampler {sampler_id}")
         return AwaitableConcurrentFuture(future)
 
-    def _flush_samples(self, key: tuple[str, SamplingParams]) -> None:
+    def _flush_samples(self) -> None:
         with self._lock:
-            pending = self._pending.pop(key, [])
-        if not pending:
-            return  # an earlier flush took these
-        sampler_id, sampling = key
+            taken = [p for p in self._pending if p.sampler_id in self._ready_samplers]
+            self._pending = [p for p in self._pending if p.sampler_id not in self._ready_samplers]
+        if not taken:
+            return  # an earlier flush took them
+        self._sample_group(taken)
+
+    def _sample_group(self, pending: list[_Pending]) -> None:
+        """Generate `pending` as one batch; if that fails, each call alone, so only a bad call fails."""
+        self.sample_passes[len(pending)] += 1
         try:
-            if sampling.seed is None:
-                responses = self._sample_together(sampler_id, sampling, [p.request for p in pending])
-            else:  # a seed numbers the rows of its own request: one request at a time
-                responses = [self._sample_together(sampler_id, sampling, [p.request])[0] for p in pending]
-        except BaseException as exc:
+            responses = self._sample_together(pending)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the callers
+            if len(pending) == 1:
+                pending[0].future.set_exception(exc)
+                return
             for p in pending:
-                p.future.set_exception(exc)
+                self._sample_group([p])
             return
         for p, response in zip(pending, responses, strict=True):
             p.future.set_result(response)
 
-    def _sample_together(
-        self, sampler_id: str, sampling: SamplingParams, requests: list[SampleRequest]
-    ) -> list[types.SampleResponse]:
-        prompts = [r.prompt for r in requests for _ in range(r.num_samples)]
-        out = self.group.sample(sampler_id, prompts_batch(prompts, self.world_size), sampling)
+    def _sample_together(self, pending: list[_Pending]) -> list[types.SampleResponse]:
+        """One row per sample; row j of a seeded request is seeded `seed + j` (so its n samples differ and
+        a repeated call repeats them)."""
+        prompts, which, seeds = [], [], []
+        for k, p in enumerate(pending):
+            for j in range(p.request.num_samples):
+                prompts.append(p.request.prompt)
+                which.append(k)
+                seeds.append(-1 if p.sampling.seed is None else p.sampling.seed + j)
+        batch = prompts_batch(prompts, self.world_size)
+        padding = len(batch) - len(prompts)  # rows that pad the batch to the workers repeat the last one
+        batch.set(keys.API_ADAPTER, torch.tensor(which + which[-1:] * padding, dtype=torch.long))
+        batch.set(keys.API_SEED, torch.tensor(seeds + seeds[-1:] * padding, dtype=torch.long))
+        out = self.group.sample([p.sampler_id for p in pending], batch, [p.sampling for p in pending])
         responses, start = [], 0
-        for r in requests:
+        for p in pending:
+            r = p.request
             rows = range(start, start + r.num_samples)
             start += r.num_samples
             prompt_lp = None
             if r.include_prompt_logprobs:
-                scored = self.group.prompt_log_probs(sampler_id, prompt_rows(r.prompt, self.world_size), 1.0)
+                scored = self.group.prompt_log_probs(
+                    p.sampler_id, prompt_rows(r.prompt, self.world_size), 1.0
+                )
                 prompt_lp = scored[keys.API_LOGPROBS][0].numpy().astype(np.float32)
                 prompt_lp[0] = np.nan
             sequences = sampled_sequences(out, rows, r.request_id)

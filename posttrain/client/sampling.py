@@ -147,6 +147,6 @@ def check_sample_options(
 def _close_sampler(backend: Backend, sampler_id: str) -> None:
     """Free a dropped client's sampler on the workers (after the calls already submitted)."""
     try:
-        backend.submit(lambda: backend.group.close_sampler(sampler_id), f"sampler {sampler_id}")
+        backend.close_sampler(sampler_id)
     except RuntimeError:  # the backend is closed (interpreter exit): its workers are gone with it
         pass

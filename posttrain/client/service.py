@@ -160,7 +160,9 @@ class ServiceClient:
             raise ValueError(f"base_model {base_model!r} is not a model directory on this machine")
         sampler_id = self.backend.new_id("sampler")
         group = self.backend.group
-        self.backend.submit(lambda: group.open_sampler(sampler_id, Path(base_model)))
+        self.backend.create_sampler(
+            sampler_id, lambda: group.open_sampler(sampler_id, Path(base_model)), None
+        )
         return SamplingClient(self.backend, sampler_id, base_model)
 
     # ---- capabilities --------------------------------------------------------------------------

@@ -178,7 +178,9 @@ class TrainingClient(ResolvedFuture):
         not change it. Returned at once; its calls run after the copy."""
         sampler_id = self._backend.new_id("sampler")
         group, model_id = self._backend.group, self.model_id
-        self._backend.submit(lambda: group.snapshot_sampler(sampler_id, model_id), model_id)
+        self._backend.create_sampler(
+            sampler_id, lambda: group.snapshot_sampler(sampler_id, model_id), model_id
+        )
         return SamplingClient(self._backend, sampler_id, self._model.base_model)
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
@@ -206,5 +208,7 @@ def _open_sampler(backend: Backend, model_path: str) -> SamplingClient:
     model_id, folder = backend.resolve(model_path, "sampler_weights")
     sampler_id = backend.new_id("sampler")
     group = backend.group
-    backend.submit(lambda: group.open_sampler(sampler_id, folder), f"sampler {sampler_id}")
+    backend.create_sampler(
+        sampler_id, lambda: group.open_sampler(sampler_id, folder), f"sampler {sampler_id}"
+    )
     return SamplingClient(backend, sampler_id, str(folder))

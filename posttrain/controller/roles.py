@@ -221,8 +221,10 @@ class ApiGroup(RoleGroup):
     def close_sampler(self, sampler_id: str) -> None:
         self.dispatcher.call("close_sampler", sampler_id)
 
-    def sample(self, sampler_id: str, batch: Batch, sampling: SamplingParams) -> Batch:
-        return self._batch("sample", sampler_id, batch, sampling)
+    def sample(self, sampler_ids: list[str], batch: Batch, samplings: list[SamplingParams]) -> Batch:
+        """Row i on sampler `sampler_ids[batch.api_adapter[i]]` with `samplings[...]` (several samplers'
+        calls in one batch: LoRA samplers share one engine and generate together)."""
+        return self._batch("sample", sampler_ids, batch, samplings)
 
     def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float) -> Batch:
         return self._batch("prompt_log_probs", sampler_id, batch, temperature)

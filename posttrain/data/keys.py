@@ -25,7 +25,10 @@ API_INPUT_PREFIX = "api_in_"  # (B, T) float: the explicit API's other loss inpu
 API_ROW = "api_row"  # (B,) long: the datum's position in its request (rows come back in this order)
 API_VALID = "api_valid"  # (B,) float: 1 for a datum, 0 for a row that only pads the batch to the workers
 API_LOGPROBS = "api_logprobs"  # (B, T) float: the learner's log-probs of the targets (forward outputs)
-API_ADAPTER = "api_adapter"  # (B,) long: the adapter a row runs under, in a pass shared by several
+API_ADAPTER = (
+    "api_adapter"  # (B,) long: the adapter (or sampler) a row runs under, in a pass shared by several
+)
+API_SEED = "api_seed"  # (B,) long: a sampled row's own seed, -1 for none (the sampler's generator)
 API_LOSS = "api_loss"  # (B,) float: each datum's summed loss
 LOSS_MASK = "loss_mask"  # (B, T) float: 1 on tokens the SFT loss is taken on (response and eos)
 

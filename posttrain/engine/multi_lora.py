@@ -240,6 +240,24 @@ class MultiLora:
         self.adapters[name] = adapter
         return adapter
 
+    @torch.no_grad()
+    def add_frozen_copy(self, name: str, source: LoraAdapter) -> LoraAdapter:
+        """A frozen copy of `source` (an adapter of another model with the same layer names) under `name`:
+        a sampler of a LoRA model is its adapter, snapshotted, on a shared base (no merged copy of the
+        whole model per sampler); later training of `source` does not change it."""
+        dtype, device = source.lora_a[_key(source.module_names[0])].dtype, self._device()
+        adapter = self.add(name, source.spec, dtype, device, seed=0)  # seeded: leaves the global RNG alone
+        if adapter.module_names != source.module_names:
+            self.remove(name)
+            raise ConfigError(f"adapter {name!r}: the layers it adapts are not this model's")
+        for table, src in ((adapter.lora_a, source.lora_a), (adapter.lora_b, source.lora_b)):
+            for key, value in src.items():
+                table[key].copy_(_full(value.detach()))
+        return adapter.requires_grad_(False)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
 

@@ -11,8 +11,9 @@ log softmax(logits).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -48,6 +49,9 @@ class SamplingParams:
 class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
+    # a LoRA adapter registered on the engine (`NativeRolloutEngine.adapters`) to sample under; None = the
+    # engine's own weights. Requests of different adapters share the engine's batches.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,21 @@ class GenerationResult:
     text: str
     stop_reason: str
     error: str | None = None  # why the request was rejected (then nothing was generated)
+
+
+class AdapterRouter(Protocol):
+    """LoRA adapters by name over an engine's model that several can share a pass token by token (the
+    training engine's `MultiLora` is one; a worker composes the two, this layer knows only the interface)."""
+
+    adapters: dict[str, Any]
+
+    def routed(self, names: list[str]) -> AbstractContextManager[None]:
+        """Passes inside run adapter `names[k]` on the positions routed to k."""
+        ...
+
+    def set_routes(self, slots: torch.Tensor, head_slots: torch.Tensor | None = None) -> None:
+        """The adapter index (-1: none) of every position of the next pass, and of the LM head's positions."""
+        ...
 
 
 class RolloutEngine(Protocol):

@@ -5,16 +5,22 @@ for the n samples of a GRPO group is prefilled once and its keys/values copied t
 join the running batch. Each decode step advances every running sequence by one token; a finished
 sequence frees its slot at once, so a long answer never holds the batch. A background thread runs the
 loop, so `submit`/`agenerate` return futures and callers (agents) can interleave generation with tools.
+
+Many LoRA adapters can sample on one engine (`enable_adapters`): each request names its adapter, and the
+prefills and decode steps of requests of different adapters run as one batch over the shared base, each
+row's adapter delta added on its own tokens (`MultiLora.routed`; the explicit API's tenants sample together
+as they train together). A sequence never mixes adapters, so every row is what its adapter alone gives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -22,7 +28,7 @@ import torch
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+from posttrain.rollout.base import AdapterRouter, GenerationRequest, GenerationResult, SamplingParams
 from posttrain.rollout.decoder import DecoderRunner, supports
 from posttrain.rollout.sampling import sample_tokens
 
@@ -87,6 +93,12 @@ class NativeRolloutEngine:
         self_ref = weakref.ref(self)
         atexit.register(lambda: (engine := self_ref()) is not None and engine.close())
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+        self.adapters: AdapterRouter | None = None
+
+    def enable_adapters(self, router: AdapterRouter) -> None:
+        """LoRA adapters over this engine's model (`router`, e.g. a `MultiLora(engine.model)`), picked per
+        request by `GenerationRequest.adapter`; requests without one sample the base weights."""
+        self.adapters = router
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -200,6 +212,10 @@ class NativeRolloutEngine:
             return str(exc)
         if len(request.prompt_ids) == 0:
             return "empty prompt"
+        if request.adapter is not None and (
+            self.adapters is None or request.adapter not in self.adapters.adapters
+        ):
+            return f"no adapter {request.adapter!r} on this engine"
         total = len(request.prompt_ids) + request.sampling.max_tokens
         if total > self.max_context:
             return (
@@ -265,7 +281,10 @@ class NativeRolloutEngine:
             if len(seq.request.prompt_ids) + seq.request.sampling.max_tokens > self.cache.max_len:
                 break  # needs a bigger cache: wait until the running batch drains
             prompt = seq.request.prompt_ids
-            same_as_last = groups and groups[-1][0].request.prompt_ids == prompt
+            last = groups[-1][0].request if groups else None
+            same_as_last = (
+                last is not None and last.prompt_ids == prompt and last.adapter == seq.request.adapter
+            )
             if not same_as_last and groups and budget < len(prompt):
                 break
             waiting.popleft()
@@ -287,7 +306,8 @@ class NativeRolloutEngine:
         rows = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=self.device)
         slots = torch.tensor([seq.slot for seq in members], device=self.device)
         # one prefill per distinct prompt, its keys/values written to the slot of every sample of it
-        logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows)
+        with self._adapter_routes([g[0].request.adapter for g in groups], tokens.shape[1]):
+            logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows)
         self.stats["prefill_tokens"] += int(lengths.sum())
         self._append_tokens(members, logits[rows], running, free)
 
@@ -295,11 +315,27 @@ class NativeRolloutEngine:
         tokens = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         positions = torch.tensor([s.position for s in running], device=self.device)
         slots = torch.tensor([s.slot for s in running], device=self.device)
-        logits = self.runner.decode(self.cache, tokens, positions, slots)
+        with self._adapter_routes([s.request.adapter for s in running], 1):
+            logits = self.runner.decode(self.cache, tokens, positions, slots)
         self.stats["decode_steps"] += 1
         members = list(running)
         running.clear()
         self._append_tokens(members, logits, running, free)
+
+    @contextlib.contextmanager
+    def _adapter_routes(self, row_adapters: list[str | None], width: int) -> Iterator[None]:
+        """The next pass over rows of `width` tokens runs each row under its adapter (None: the base)."""
+        names = sorted({a for a in row_adapters if a is not None})
+        if not names:
+            yield
+            return
+        assert self.adapters is not None  # requests naming an adapter were checked in `_check`
+        index = {name: k for k, name in enumerate(names)}
+        slots = torch.tensor([-1 if a is None else index[a] for a in row_adapters], device=self.device)
+        with self.adapters.routed(names):
+            # the model's input is (rows, width) positions; its LM head sees one position per row
+            self.adapters.set_routes(slots.repeat_interleave(width), slots)
+            yield
 
     def _append_tokens(
         self, members: list[_Sequence], logits: torch.Tensor, running: list[_Sequence], free: list[int]

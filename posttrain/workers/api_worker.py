@@ -2,8 +2,9 @@
 
 Each training model (one per `TrainingClient`) is either the full weights (a `TrainEngine` of its own) or a
 LoRA adapter (`AdapterModel`) on the one frozen base engine that all of the worker's adapters share, so N
-tenants cost one copy of the base plus N small adapters. Each sampler (one per `SamplingClient`) is a rollout engine holding a snapshot of a model's
-weights, taken in-process from the training engine (`snapshot_sampler`) or loaded from a directory.
+tenants cost one copy of the base plus N small adapters. Each sampler (one per `SamplingClient`) is a
+snapshot of a model's weights, taken in-process (`snapshot_sampler`) or loaded from a directory; LoRA
+samplers share one rollout engine and sample in one batch (`api_samplers.py`).
 Batches arrive split for this rank, in the explicit API's layout (`data/keys.py`: `input_ids` right-padded,
 `target_tokens`, the loss inputs under `api/<name>`, `api/row` and `api/valid` for each row). A plain class:
 the controller runs it as a Ray actor per rank, or in-process.
@@ -14,8 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +27,13 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.distributed import DistInfo
-from posttrain.engine.lora import untie_output_embeddings
 from posttrain.engine.multi_lora import AdapterSpec
 from posttrain.engine.shared_prompt import MASKED_ATTENTION
-from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
+from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError
-from posttrain.rollout import make_rollout_engine
-from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.rollout.base import SamplingParams
+from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
 from posttrain.workers.process import prepare_worker_process, rank_seed
-from posttrain.workers.sampling import sample_batch
 
 # The modules each tinker LoRA switch adapts (Qwen2/Llama/Mistral names).
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -95,8 +93,17 @@ class ApiWorker:
         self.base: TrainEngine | None = None  # the frozen base every LoRA adapter of this worker shares
         self.models: dict[str, TrainEngine | AdapterModel] = {}
         self.model_specs: dict[str, ModelSpec] = {}
-        self.samplers: dict[str, RolloutEngine] = {}
-        self._engines_made = itertools.count()
+        device = self.dist_info.device if self.dist_info.device not in ("auto", "") else "cpu"
+        self.samplers = ApiSamplers(
+            SamplerSettings(
+                spec.rollout_name,
+                device,
+                spec.dtype,
+                spec.rollout_max_batch_size,
+                spec.attn_implementation,
+                rank_seed(spec.seed, self.rank, "sampler"),
+            )
+        )
         self._adapters_made = itertools.count()
 
     def ping(self) -> dict[str, Any]:
@@ -242,71 +249,24 @@ class ApiWorker:
         """The model as a Hugging Face directory a sampler loads (LoRA merged), written by rank 0."""
         self._model(model_id).export_hf(out_dir, merged=True)
 
-    # ---- samplers ------------------------------------------------------------------------------
-    def _new_engine(self, path: str) -> RolloutEngine:
-        return make_rollout_engine(
-            self.spec.rollout_name,
-            path,
-            device=self.dist_info.device if self.dist_info.device not in ("auto", "") else "cpu",
-            dtype=DTYPES[self.spec.dtype],
-            max_batch_size=self.spec.rollout_max_batch_size,
-            # every new sampler draws new numbers (an RL step's fresh snapshot must not replay the last one's)
-            seed=rank_seed(self.spec.seed, self.rank, "sampler") + 104_729 * next(self._engines_made),
-            attn_implementation=self.spec.attn_implementation,
-        )
-
+    # ---- samplers (workers/api_samplers.py) -----------------------------------------------------
     def snapshot_sampler(self, sampler_id: str, model_id: str) -> dict[str, float]:
-        """A sampler with `model_id`'s current weights, copied in-process (no disk), tensor by tensor."""
-        start = time.perf_counter()
-        engine = self._model(model_id)
-        sampler = self._new_engine(engine.config.model_path)
-        if engine.lora and getattr(sampler, "model", None) is not None:
-            untie_output_embeddings(sampler.model)  # an adapted lm_head must not change the embeddings
-        loaded = sampler.load_weights(engine.named_tensors_for_rollout())
-        self.samplers[sampler_id] = sampler
-        return {"sync/tensors": float(loaded), "sync/seconds": time.perf_counter() - start}
+        """A sampler with `model_id`'s current weights, copied in-process (no disk)."""
+        return self.samplers.snapshot(sampler_id, self._model(model_id))
 
     def open_sampler(self, sampler_id: str, path: str) -> None:
         """A sampler on the weights of a Hugging Face directory (a base model or exported sampler weights)."""
-        self.samplers[sampler_id] = self._new_engine(path)
+        self.samplers.open(sampler_id, path)
 
     def close_sampler(self, sampler_id: str) -> None:
-        sampler = self.samplers.pop(sampler_id, None)
-        if sampler is not None and hasattr(sampler, "close"):
-            sampler.close()
+        self.samplers.close(sampler_id)
 
-    def _sampler(self, sampler_id: str) -> RolloutEngine:
-        if sampler_id not in self.samplers:
-            raise ConfigError(f"no sampler {sampler_id!r} on this backend")
-        return self.samplers[sampler_id]
+    def sample(self, sampler_ids: list[str], batch: Batch, samplings: list[SamplingParams]) -> Batch:
+        """One response per prompt row, row i on sampler `sampler_ids[api_adapter[i]]` (ApiSamplers.sample)."""
+        return self.samplers.sample(sampler_ids, batch, samplings)
 
-    def sample(self, sampler_id: str, batch: Batch, sampling: SamplingParams) -> Batch:
-        """One response per row; with a seed, row i of the whole request (over every rank) uses seed + i,
-        so n seeded samples of one prompt differ and repeat exactly."""
-        engine = self._sampler(sampler_id)
-        if sampling.seed is None:
-            return sample_batch(engine, batch, sampling)
-        first = self.rank * len(batch)
-        rows = [
-            sample_batch(engine, batch.index([i]), replace(sampling, seed=sampling.seed + first + i))
-            for i in range(len(batch))
-        ]
-        return Batch.concat(rows)
-
-    @torch.no_grad()
     def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float = 1.0) -> Batch:
-        """log p(token i | tokens < i) of each row's tokens under the sampler's weights, at `temperature`
-        (0 at position 0, which nothing predicts). Rows are right-padded."""
-        model = getattr(self._sampler(sampler_id), "model", None)
-        if model is None:
-            raise ConfigError("this rollout engine cannot score prompts (it exposes no model)")
-        ids, mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-        if temperature > 0 and temperature != 1.0:
-            logits = logits / temperature
-        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        lp = torch.nn.functional.pad(lp * mask[:, 1:], (1, 0))
-        return Batch.from_dict({keys.API_LOGPROBS: lp})
+        return self.samplers.prompt_log_probs(sampler_id, batch, temperature)
 
 
 @dataclass(frozen=True)

@@ -12,19 +12,31 @@ import torch
 
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.base import GenerationResult, SamplingParams
+
+
+def batch_prompts(batch: Batch) -> list[list[int]]:
+    """The prompt tokens of each (padded) row of `batch`."""
+    prompt_ids, prompt_mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
+    return [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
 
 
 def sample_batch(engine: Any, batch: Batch, sampling: SamplingParams) -> Batch:
     """Generate one response per prompt row of `batch` with `engine`."""
     engine.wake()
-    prompt_ids, prompt_mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
-    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     start = time.perf_counter()
-    results = engine.generate(prompts, sampling)
+    results = engine.generate(batch_prompts(batch), sampling)
     seconds = time.perf_counter() - start
-    rows, width = len(results), sampling.max_tokens
-    responses = torch.full((rows, width), engine.pad_id, dtype=torch.long)
+    return results_batch(batch, results, engine.pad_id, sampling.max_tokens, seconds, sampling.temperature)
+
+
+def results_batch(
+    batch: Batch, results: list[GenerationResult], pad_id: int, width: int, seconds: float, temperature: float
+) -> Batch:
+    """`batch`'s prompt rows with their generated responses (right-padded to `width` tokens)."""
+    prompt_ids, prompt_mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
+    rows = len(results)
+    responses = torch.full((rows, width), pad_id, dtype=torch.long)
     response_mask = torch.zeros((rows, width), dtype=torch.float32)
     rollout_log_probs = torch.zeros((rows, width), dtype=torch.float32)
     for i, result in enumerate(results):
@@ -47,5 +59,5 @@ def sample_batch(engine: Any, batch: Batch, sampling: SamplingParams) -> Batch:
             keys.RESPONSE_TEXT: [r.text for r in results],
             keys.STOP_REASON: [r.stop_reason for r in results],
         },
-        meta={keys.GEN_SECONDS: seconds, keys.TEMPERATURE: sampling.temperature},
+        meta={keys.GEN_SECONDS: seconds, keys.TEMPERATURE: temperature},
     )
