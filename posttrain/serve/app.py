@@ -21,10 +21,11 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tinker import types
 
 from posttrain.serve.api import Api, as_json
@@ -36,6 +37,40 @@ from posttrain.serve.state import ServerState
 
 log = logging.getLogger("posttrain.serve")
 PROTO = "application/x-protobuf"
+
+
+class RequestLog:
+    """One log line and one metrics sample per request (tenant, endpoint, status, time): plain ASGI, which
+    costs a fraction of a `BaseHTTPMiddleware` per request (no second task, no wrapped body stream)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets if the app fails before answering
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            seconds = time.perf_counter() - start
+            key = dict(scope["headers"]).get(b"x-api-key")
+            tenant = self.state.keys.peek(key.decode("latin-1") if key is not None else None)
+            route = scope.get("route")  # the route's template: ids in paths do not make new series
+            endpoint = getattr(route, "path", None) or "(no route)"
+            self.state.meter.record(tenant, endpoint, status, seconds)
+            log.info(
+                "%s %s %d %.1fms tenant=%s", scope["method"], scope["path"], status, 1000 * seconds, tenant
+            )
 
 
 def make_app(state: ServerState) -> FastAPI:
@@ -54,20 +89,7 @@ def make_app(state: ServerState) -> FastAPI:
     api = Api(state)
     bodies = api.bodies
 
-    @app.middleware("http")
-    async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        seconds = time.perf_counter() - start
-        tenant = state.keys.peek(request.headers.get("x-api-key"))
-        route = request.scope.get("route")  # the route's template: ids in paths do not make new series
-        endpoint = getattr(route, "path", None) or "(no route)"
-        state.meter.record(tenant, endpoint, response.status_code, seconds)
-        log.info(
-            "%s %s %d %.1fms tenant=%s", request.method, request.url.path, response.status_code,
-            1000 * seconds, tenant,
-        )  # fmt: skip
-        return response
+    app.add_middleware(RequestLog, state=state)
 
     # ---- service ------------------------------------------------------------------------------
     @app.get("/metrics", response_class=Response)
