@@ -116,7 +116,7 @@ def make_data(n: int, seq_len: int, seed: int) -> list[Any]:
     return data
 
 
-def tenant_step(training: Any, data: list[Any], latencies: list[float]) -> None:
+def tenant_step(training: Any, data: list[Any], latencies: list[float], samples: int = 1) -> None:
     from tinker import types
 
     start = time.perf_counter()
@@ -128,7 +128,7 @@ def tenant_step(training: Any, data: list[Any], latencies: list[float]) -> None:
     sampler = training.save_weights_and_get_sampling_client().result()
     sampler.sample(
         types.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12]),
-        num_samples=1,
+        num_samples=samples,
         sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0),
     ).result()
 
@@ -190,6 +190,28 @@ def run_baseline(model: Path, tenants: int, n: int, args: argparse.Namespace) ->
     return summary(wall, tenants, n, args, latencies)
 
 
+def run_ceiling(model: Path, tenants: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The same tokens as one adapter's requests of `tenants` x `n` sequences, in-process: what any batching
+    of the tenants' small requests can reach at best (the work is the same; only per-call costs go)."""
+    from posttrain.client import ServiceClient
+
+    with ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as service:
+        client = service.create_lora_training_client(str(model), rank=RANK, seed=0)
+        data = make_data(tenants * n, args.seq_len, seed=0)
+
+        def step(latencies: list[float]) -> None:
+            tenant_step(client, data, latencies, samples=tenants)
+
+        for _ in range(args.warmup):
+            step([])
+        latencies: list[float] = []
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step(latencies)
+        wall = time.perf_counter() - start
+    return summary(wall, tenants, n, args, latencies)
+
+
 def summary(wall: float, tenants: int, n: int, args: argparse.Namespace, latencies: list[float]) -> dict:
     ordered = sorted(latencies)
     return {
@@ -231,18 +253,21 @@ def main() -> None:
         for n in sizes:
             served: dict[int, list[dict]] = {t: [] for t in tenant_counts}
             baseline: dict[int, list[dict]] = {t: [] for t in tenant_counts}
+            ceiling: dict[int, list[dict]] = {t: [] for t in tenant_counts if t > 1}
             for repeat in range(args.repeats):
                 process, url = start_server(model, work, max(tenant_counts))
                 try:
                     for t in tenant_counts:  # alternating served / baseline
                         served[t].append(run_served(url, t, n, args))
                         baseline[t].append(run_baseline(model, t, n, args))
-                        report(preset, n, t, repeat, served[t][-1], baseline[t][-1])
+                        if t > 1:
+                            ceiling[t].append(run_ceiling(model, t, n, args))
+                        report(preset, n, t, repeat, served[t][-1], baseline[t][-1], ceiling.get(t))
                 finally:
                     process.terminate()
                     process.wait(timeout=60)
             for t in tenant_counts:
-                rows += case_rows(preset, n, t, args, served[t], baseline[t])
+                rows += case_rows(preset, n, t, args, served[t], baseline[t], ceiling.get(t))
     result = {
         "bench": "service",
         "machine": machine_info(args.threads),
@@ -252,18 +277,31 @@ def main() -> None:
     print(f"wrote {write_result(args.out, result)}")
 
 
-def report(preset: str, n: int, t: int, repeat: int, served: dict, baseline: dict) -> None:
+def report(
+    preset: str, n: int, t: int, repeat: int, served: dict, baseline: dict, ceiling: list[dict] | None
+) -> None:
+    best = (
+        f" | one adapter, {t}x the sequences per call {ceiling[-1]['tokens_per_s']:.0f} tok/s"
+        if ceiling
+        else ""
+    )
     print(
         f"{preset} n={n} tenants={t} repeat={repeat}: served {served['tokens_per_s']:.0f} tok/s "
-        f"(fb p50 {served['p50_ms']:.0f} ms, p99 {served['p99_ms']:.0f} ms) | one adapter at a time "
-        f"in-process {baseline['tokens_per_s']:.0f} tok/s (fb p50 {baseline['p50_ms']:.0f} ms) | ratio "
+        f"(fb p50 {served['p50_ms']:.1f} ms, p99 {served['p99_ms']:.1f} ms) | one adapter at a time "
+        f"in-process {baseline['tokens_per_s']:.0f} tok/s (fb p50 {baseline['p50_ms']:.1f} ms){best} | ratio "
         f"{served['tokens_per_s'] / baseline['tokens_per_s']:.2f}",
         flush=True,
     )
 
 
 def case_rows(
-    preset: str, n: int, t: int, args: argparse.Namespace, served: list[dict], baseline: list[dict]
+    preset: str,
+    n: int,
+    t: int,
+    args: argparse.Namespace,
+    served: list[dict],
+    baseline: list[dict],
+    ceiling: list[dict] | None,
 ) -> list[dict]:
     case = f"{preset} tenants={t} n={n}x{args.seq_len}"
     rows = []
@@ -289,6 +327,22 @@ def case_rows(
                 "spread": [round(x, 2) for x in spread],
             }
         )
+    if t == 1:  # what serving adds to one request: the forward_backward round trip, served minus in-process
+        extra = [a["p50_ms"] - b["p50_ms"] for a, b in zip(served, baseline, strict=True)]
+        value, spread = median_spread(extra)
+        rows.append(
+            {"case": case, "metric": "serving_overhead_ms", "value": round(value, 2), "higher_is_better": False,
+             "repeats": len(extra), "spread": [round(x, 2) for x in spread]}
+        )  # fmt: skip
+    if ceiling:  # the bound for any batching of the tenants' requests: the same tokens in one adapter's calls
+        value, spread = median_spread([r["tokens_per_s"] for r in served])
+        best, _ = median_spread([r["tokens_per_s"] for r in ceiling])
+        rows.append(
+            {"case": case, "metric": "tokens_per_s_vs_ceiling", "value": round(value, 2),
+             "baseline_name": f"in-process, one adapter, {t}x the sequences per call", "baseline_value":
+             round(best, 2), "ratio": round(value / best, 3), "higher_is_better": True, "repeats": len(served),
+             "spread": [round(x, 2) for x in spread]}
+        )  # fmt: skip
     return rows
 
 
