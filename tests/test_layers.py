@@ -13,11 +13,11 @@ ORDER = [
     "cli",
     "demo",
     "trainers",
-    "service",
+    "serve",
+    "agents",  # on client/'s SamplingClient (ARCHITECTURE.md); used by trainers/
     "client",
     "controller",
     "workers",
-    "agents",
     "engine",
     "rollout",
     "rewards",

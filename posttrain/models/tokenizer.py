@@ -17,10 +17,39 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 
-# Qwen2's template without its default system prompt: a system message is used only when given.
+# Qwen2.5's chat format without its default system prompt: a system message is used only when given.
+# With `tools`, a system block lists their JSON schemas inside <tools></tools>; an assistant's tool calls are
+# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Hermes format) after its content; tool
+# messages in a row form one user turn of `<tool_response>` blocks. Every turn ends with <|im_end|> and a
+# newline (the model samples <|im_end|>; the newline belongs to what follows).
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n"
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set call = call['function'] if call.get('function') else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"

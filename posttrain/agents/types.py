@@ -1,0 +1,73 @@
+"""What an agent episode is made of: observations and actions as token ids, step results, trajectories.
+
+Everything is token ids from the sampler (tokens in, tokens out): a trajectory is never re-tokenised from
+text, so what is trained is exactly what was sampled. An observation is the whole context the next action
+is sampled from (tinker-cookbook's convention); when it extends the previous observation plus the action,
+the turns are trained as one sequence (`training_data.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Why a trajectory ended. `completed`: the environment said done; the others are limits or failures.
+StopReason = Literal[
+    "completed",
+    "max_turns",
+    "max_tokens",
+    "max_tool_calls",
+    "context_overflow",
+    "parse_error",
+    "tool_timeout",
+    "error",
+]
+STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled action: its tokens, their log-probs under the sampler, and why sampling stopped
+    (`stop`: an end-of-turn/stop token or string; `length`: the token budget)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to an action.
+
+    `next_observation`: the full context of the next action (unused when `done`); `stop_reason`: why the
+    episode ended (when `done`); `metrics`: numbers averaged into the step's metrics (e.g. tool calls)."""
+
+    reward: float
+    done: bool
+    next_observation: list[int] = field(default_factory=list)
+    stop_reason: StopReason = "completed"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One turn: the observation sampled from, the action, and the environment's answer."""
+
+    observation: list[int]
+    action: Completion
+    reward: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One episode: its turns, why it ended, and the reward the group hook added at the end."""
+
+    transitions: list[Transition]
+    stop_reason: StopReason
+    final_reward: float = 0.0  # from the group's reward hook (e.g. a scorer on the final answer)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_reward(self) -> float:
+        return sum(t.reward for t in self.transitions) + self.final_reward
