@@ -65,8 +65,7 @@ def run(args: argparse.Namespace, seed: int, model: Path, data: Path) -> dict:
     test = [test_set[i] for i in range(min(256, len(test_set)))]  # the trainer's data.val_max_prompts
     loader = PromptDataLoader(train, args.prompts, lambda items, uids: items, seed=seed)  # trainer's order
     greedy = types.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop=[tok.eos_token_id])
-    # unseeded: drawn from the worker's stream (its seed below); this backend samples a seeded request's
-    # rows one at a time, ~4x slower
+    # unseeded: drawn from the worker's stream (its seed below)
     sampling = greedy.model_copy(update={"temperature": 1.0})
     adam = types.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.999, eps=1e-8, grad_clip_norm=1.0)
     ray = {"n_workers": args.workers, "device": "cpu"} if args.backend == "ray" else {}
