@@ -1,0 +1,97 @@
+"""Agent loops by name: a dataset row's `agent_name` picks how its episodes run (verl's dataset convention).
+
+A row is verl's: `prompt` (chat messages), `data_source`, `reward_model.ground_truth`, `extra_info` (with
+`tools_kwargs`, the per-row arguments of each tool, passed to the tools of that row's episodes) and
+optionally `agent_name`; without one, `single_turn`. A factory turns a row into the group builder of its
+`n` episodes.
+
+    @register_agent("my_agent")
+    def my_agent(row: dict, setup: AgentSetup) -> EnvGroupBuilder: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.agents.env import EnvGroupBuilder, Scorer, SingleTurnGroup
+from posttrain.errors import ConfigError, DataError
+from posttrain.rewards import default_compute_score
+
+DEFAULT_AGENT = "single_turn"
+
+
+@dataclass
+class AgentSetup:
+    """What every row's episodes share: the tokenizer, the scorer of final answers, and the agent settings
+    (tools, limits) of the run."""
+
+    tokenizer: Any
+    scorer: Callable[[str, str, str, Mapping[str, Any]], float] | None = None  # (source, text, truth, info)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def score(self, data_source: str, text: str, ground_truth: str, extra_info: Mapping[str, Any]) -> float:
+        if self.scorer is not None:
+            return float(self.scorer(data_source, text, ground_truth, extra_info))
+        result = default_compute_score(data_source, text, ground_truth, extra_info)
+        return float(result["score"] if isinstance(result, dict) else result)
+
+    def row_scorer(self, row: Mapping[str, Any]) -> Scorer:
+        source, info = str(row.get("data_source", "")), row.get("extra_info") or {}
+        return lambda text, truth: self.score(source, text, truth, info)
+
+
+AgentFactory = Callable[[Mapping[str, Any], AgentSetup], EnvGroupBuilder]
+_AGENTS: dict[str, AgentFactory] = {}
+
+
+def register_agent(name: str) -> Callable[[AgentFactory], AgentFactory]:
+    def add(factory: AgentFactory) -> AgentFactory:
+        if name in _AGENTS:
+            raise ConfigError(f"agent {name!r} is registered already")
+        _AGENTS[name] = factory
+        return factory
+
+    return add
+
+
+def agent_names() -> list[str]:
+    return sorted(_AGENTS)
+
+
+def ground_truth(row: Mapping[str, Any]) -> str:
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+        raise DataError("reward_model.ground_truth is missing (verl's row format)")
+    return str(reward_model["ground_truth"])
+
+
+def chat_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    prompt = row.get("prompt")
+    if not isinstance(prompt, list | tuple) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
+        raise DataError("prompt must be a non-empty list of chat messages")
+    return [dict(m) for m in prompt]
+
+
+def group_builder(row: Mapping[str, Any], setup: AgentSetup, index: int = 0) -> EnvGroupBuilder:
+    """The group builder of a row, by its `agent_name` (an unknown name is an error listing the known)."""
+    name = str(row.get("agent_name") or DEFAULT_AGENT)
+    if name not in _AGENTS:
+        raise DataError(
+            f"row {index}: agent_name {name!r} is not registered; known: {', '.join(agent_names())}"
+        )
+    try:
+        return _AGENTS[name](row, setup)
+    except DataError as exc:
+        raise DataError(f"row {index} (agent {name}): {exc}") from None
+
+
+@register_agent(DEFAULT_AGENT)
+def single_turn(row: Mapping[str, Any], setup: AgentSetup) -> EnvGroupBuilder:
+    """One answer per episode, scored by the row's data_source scorer."""
+    tok = setup.tokenizer
+    text = tok.apply_chat_template(chat_messages(row), add_generation_prompt=True, tokenize=False)
+    prompt = list(tok.encode(text, add_special_tokens=False))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return SingleTurnGroup(prompt, decode, setup.row_scorer(row), ground_truth(row), (tok.eos_token_id,))
