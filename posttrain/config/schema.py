@@ -278,6 +278,14 @@ class SFTOptimConfig(OptimConfig):
 
 
 @dataclass(frozen=True)
+class SFTDataConfig(DataConfig):
+    """SFT's data: rows with `messages` (chats), `text` (continued pre-training) or verl's prompt + response
+    (posttrain/data/sft_dataset.py), and which tokens of a chat carry loss (posttrain/data/chat_masks.py)."""
+
+    train_on: Literal["last_assistant", "all_assistant", "all_messages", "everything"] = "all_assistant"
+
+
+@dataclass(frozen=True)
 class SFTTrainerConfig:
     run_dir: str = "runs/sft"
     total_steps: int = 200
@@ -307,7 +315,7 @@ class SFTConfig:
     model: ModelConfig = field(
         default_factory=lambda: ModelConfig(share_prompt=False)
     )  # one response per prompt
-    data: DataConfig = field(default_factory=lambda: DataConfig(max_response_length=32))
+    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(max_response_length=32))
     optim: SFTOptimConfig = field(
         default_factory=lambda: SFTOptimConfig(lr=1e-3, betas=(0.9, 0.95), warmup_steps=10)
     )

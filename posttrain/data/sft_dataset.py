@@ -1,7 +1,13 @@
-"""Supervised fine-tuning data: chat-templated prompt + response + eos, with a loss mask on the response.
+"""Supervised fine-tuning data: token ids with a loss mask, from three kinds of rows.
 
-Reads the same verl-format files as `PromptDataset`; the response text is taken from a dotted path
-into the row (`extra_info.answer` by default). Must not import engine, rollout, worker, Ray or model code.
+* `messages` (a chat: system/user/assistant/tool, multi-turn): rendered with the tokenizer's chat template;
+  `train_on` picks the tokens with loss (posttrain/data/chat_masks.py: the mask follows the template);
+* `text` (continued pre-training): the text and eos, every token with loss;
+* otherwise verl's prompt rows: the chat-templated `prompt`, then the response taken from a dotted path
+  into the row (`extra_info.answer` by default) and eos; loss on the response and eos (`train_on`
+  `last_assistant`/`all_assistant`), or on every token (`everything`).
+
+Must not import engine, rollout, worker, Ray or model code.
 """
 
 from __future__ import annotations
@@ -14,6 +20,12 @@ import torch
 
 from posttrain.data import keys as K
 from posttrain.data.batch import Batch
+from posttrain.data.chat_masks import (
+    check_train_on,
+    conversation_tokens,
+    parse_conversation,
+    text_tokens,
+)
 from posttrain.data.dataset import (
     ChatTokenizer,
     PathLike,
@@ -31,11 +43,11 @@ from posttrain.errors import DataError
 
 
 class SFTDataset:
-    """Tokens = prompt ids + ids of (response + eos); `loss_mask` is 1 on the response part.
+    """Rows as (token ids, loss mask); see the module docstring for the row kinds and `train_on`.
 
     Rows longer than `max_length` tokens are filtered (count in `n_filtered`) or, with
-    `overlong="error"`, rejected. The prompt and the response are tokenized separately so the mask
-    boundary is exact whatever the tokenizer merges.
+    `overlong="error"`, rejected. A prompt row's prompt and response are tokenized separately so the mask
+    boundary is exact whatever the tokenizer merges. A bad row is a DataError naming its file and index.
     """
 
     def __init__(
@@ -45,41 +57,73 @@ class SFTDataset:
         max_length: int,
         response_key: str = "extra_info.answer",
         overlong: str = "filter",
+        train_on: str = "all_assistant",
     ) -> None:
         check_overlong_mode(overlong)
+        check_train_on(train_on)
         eos = getattr(tokenizer, "eos_token", None)
         if not eos:
             raise DataError("SFTDataset: the tokenizer has no eos_token; responses must end with one")
         self.files = as_paths(files)
         self.max_length = max_length
         self.response_key = response_key
+        self.train_on = train_on
         self.n_filtered = 0
-        self._items: list[tuple[np.ndarray, int]] = []  # (ids, number of prompt tokens)
+        self._items: list[tuple[np.ndarray, np.ndarray]] = []  # (ids, loss mask)
         n_total = 0
         for path, i, row in iter_rows(self.files):
             n_total += 1
             where = f"{path}: row {i}"
-            messages = parse_messages(row, where)
-            response = as_text(get_field(row, response_key, where), response_key, where)
-            _, prompt_ids = render_prompt(tokenizer, messages)
-            response_ids = list(tokenizer.encode(response + eos, add_special_tokens=False))
-            n = len(prompt_ids) + len(response_ids)
-            if n > max_length:
+            ids, mask = self._tokens(tokenizer, row, eos, where)
+            if not any(mask):
+                raise DataError(f"{where}: no token carries loss under train_on={train_on}")
+            if len(ids) > max_length:
                 if overlong == "error":
-                    raise DataError(f"{where}: prompt + response has {n} tokens, max_length is {max_length}")
+                    kind = (
+                        "conversation"
+                        if "messages" in row
+                        else "text"
+                        if "text" in row
+                        else "prompt + response"
+                    )
+                    raise DataError(f"{where}: {kind} has {len(ids)} tokens, max_length is {max_length}")
                 self.n_filtered += 1
                 continue
-            self._items.append((np.asarray(prompt_ids + response_ids, dtype=np.int64), len(prompt_ids)))
+            self._items.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int8)))
         report_filtered(self.files, self.n_filtered, n_total, f"max_length={max_length}")
+
+    def _tokens(
+        self, tokenizer: ChatTokenizer, row: dict, eos: str, where: str
+    ) -> tuple[list[int], list[int]]:
+        if row.get("messages") is not None:
+            messages = parse_conversation(row["messages"], where)
+            tools = row.get("tools")
+            tools = tools.tolist() if isinstance(tools, np.ndarray) else tools
+            return conversation_tokens(tokenizer, messages, self.train_on, where, tools=tools or None)
+        if row.get("text") is not None:
+            ids = text_tokens(tokenizer, as_text(row["text"], "text", where), eos)
+            return ids, [1] * len(ids)
+        if "prompt" not in row:
+            raise DataError(f"{where}: a row needs 'messages', 'text' or 'prompt' (+ {self.response_key!r})")
+        if self.train_on == "all_messages":
+            raise DataError(
+                f"{where}: train_on=all_messages needs 'messages' rows; a prompt row trains on its response "
+                "(last_assistant, all_assistant) or on every token (everything)"
+            )
+        messages = parse_messages(row, where)
+        response = as_text(get_field(row, self.response_key, where), self.response_key, where)
+        _, prompt_ids = render_prompt(tokenizer, messages)
+        response_ids = list(tokenizer.encode(response + eos, add_special_tokens=False))
+        first = 1 if self.train_on == "everything" else 0
+        return prompt_ids + response_ids, [first] * len(prompt_ids) + [1] * len(response_ids)
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """`input_ids` (list[int]), `loss_mask` (list[int], 1 on response + eos), `index`."""
-        ids, n_prompt = self._items[i]
-        loss_mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
-        return {"input_ids": ids.tolist(), K.LOSS_MASK: loss_mask, "index": range(len(self._items))[i]}
+        """`input_ids` (list[int]), `loss_mask` (list[int], 1 on tokens with loss), `index`."""
+        ids, mask = self._items[i]
+        return {"input_ids": ids.tolist(), K.LOSS_MASK: mask.tolist(), "index": range(len(self._items))[i]}
 
 
 def collate_sft(

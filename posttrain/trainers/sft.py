@@ -70,6 +70,7 @@ class SFTTrainer:
             max_length=max_length,
             response_key=cfg.data.response_key,
             overlong=cfg.data.overlong_prompts,
+            train_on=cfg.data.train_on,
         )
         self.train_set = make(cfg.data.train_files)
         self.val_set = make(cfg.data.val_files) if cfg.data.val_files else None
