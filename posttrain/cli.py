@@ -46,6 +46,17 @@ def _sft(args: argparse.Namespace) -> None:
     print(f"wrote {trainer.hf_dir}")
 
 
+def _dpo(args: argparse.Namespace) -> None:
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import DPOConfig
+    from posttrain.trainers.dpo import DPOTrainer
+
+    cfg = load_config(DPOConfig, args.config_name, args.overrides)
+    trainer = DPOTrainer(cfg)
+    trainer.fit()
+    print(f"wrote {trainer.hf_dir}")
+
+
 def _make_model(args: argparse.Namespace) -> None:
     from posttrain.data.tasks import arithmetic, long_addition
     from posttrain.models import make_tiny_model
@@ -119,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, func, config in (("train", _train, "rl"), ("sft", _sft, "sft")):
+    for name, func, config in (("train", _train, "rl"), ("sft", _sft, "sft"), ("dpo", _dpo, "dpo")):
         p = sub.add_parser(name, help=f"{name} with Hydra overrides (key=value ...)")
         p.add_argument("--config-name", default=config, help="a YAML under posttrain/config/yaml")
         p.add_argument("overrides", nargs="*")

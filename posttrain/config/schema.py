@@ -321,3 +321,48 @@ class SFTConfig:
     )
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass(frozen=True)
+class DPODataConfig:
+    """Preference pairs in TRL's columns (posttrain/data/preference_dataset.py)."""
+
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+    max_length: int = 256  # tokens of prompt + completion, the longer of chosen and rejected
+    overlong: Literal["filter", "error"] = "filter"
+    shuffle: bool = True
+    val_max_pairs: int = 1024  # pairs of the validation split used per validation (0 = all)
+
+
+@dataclass(frozen=True)
+class DPOLossConfig:
+    """The preference loss (posttrain/algorithms/preference_losses.py has each formula and paper); TRL's names."""
+
+    # sigmoid | ipo | hinge | robust | apo_zero | sft | simpo | orpo; several are summed with loss_weights
+    loss_type: tuple[str, ...] = ("sigmoid",)
+    loss_weights: tuple[float, ...] = ()  # one per loss_type; empty = all 1
+    beta: float = 0.1  # the KL strength (DPO's beta); orpo: the odds-ratio weight lambda (TRL's ORPO beta)
+    label_smoothing: float = 0.0  # sigmoid / robust / simpo: the assumed rate of flipped labels
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+    # model: the frozen initial weights, run each step (with LoRA: the adapter off, no second copy);
+    # precompute: the initial weights' log-probs of every pair, computed once before training (no second copy);
+    # columns: the data's ref_chosen_logps / ref_rejected_logps. Reference-free losses (simpo, orpo, sft) use none.
+    reference: Literal["model", "precompute", "columns"] = "model"
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Preference optimisation (`posttrain dpo`): SFT's engine, packing and worker, a pairwise loss.
+    `optim.batch_size` and `optim.micro_batch_size` count pairs (two sequences each)."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(share_prompt=False))
+    data: DPODataConfig = field(default_factory=DPODataConfig)
+    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
+    optim: SFTOptimConfig = field(
+        default_factory=lambda: SFTOptimConfig(lr=1e-6, batch_size=32, micro_batch_size=8)
+    )
+    trainer: SFTTrainerConfig = field(
+        default_factory=lambda: SFTTrainerConfig(run_dir="runs/dpo", total_steps=100)
+    )
+    ray: RayConfig = field(default_factory=RayConfig)

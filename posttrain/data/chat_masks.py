@@ -208,3 +208,19 @@ def text_tokens(tokenizer: Any, text: str, eos: str) -> list[int]:
     if not text.endswith(eos):
         text = text + eos
     return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def completion_tokens(
+    tokenizer: Any,
+    prompt: list[dict[str, Any]],
+    completion: list[dict[str, Any]],
+    where: str,
+    tools: list[dict] | None = None,
+) -> tuple[list[int], int]:
+    """(ids of prompt + completion rendered together, number of prompt tokens): the completion starts after
+    the prompt's generation prompt and ends after its last end-of-turn token (trailing whitespace cut), as
+    an assistant turn's loss span does in `conversation_tokens`."""
+    renderer = _Renderer(tokenizer, [*prompt, *completion], where, tools)
+    start = renderer._prefix_len(renderer._render(prompt, True), "the prompt + generation prompt")
+    end = max(start, renderer._end(len(prompt) + len(completion) - 1))
+    return renderer.full_ids[:end], start

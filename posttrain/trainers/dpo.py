@@ -1,0 +1,255 @@
+"""Preference optimisation (`posttrain dpo`): the SFT trainer's engine, worker and packing with a pairwise loss.
+
+A step: a batch of pairs (rows 2i chosen, 2i+1 rejected), the reference's summed completion log-probs
+(the frozen initial weights run now, precomputed at start, or read from the data), one forward/backward of
+the `preference` loss (workers/preference.py; formulas in algorithms/preference_losses.py), one optimizer
+step. Validation reports the same loss and its reward metrics on held-out pairs. The result is written as a
+Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.algorithms.preference_losses import (
+    PairLogps,
+    PreferenceOptions,
+    check_preference,
+    needs_reference,
+    preference_loss,
+)
+from posttrain.config.load import to_dict
+from posttrain.config.schema import DPOConfig
+from posttrain.controller.placement import (
+    RoleRequest,
+    check_worker_settings,
+    start_role_groups,
+    threads_per_worker,
+)
+from posttrain.controller.roles import ActorGroup
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.dataloader import PromptDataLoader
+from posttrain.data.preference_dataset import (
+    PAIR_CHOSEN,
+    PAIR_INDEX,
+    REF_SEQ_LOG_PROB,
+    PreferenceDataset,
+    collate_pairs,
+)
+from posttrain.errors import ConfigError
+from posttrain.models import check_model_dir, load_tokenizer
+from posttrain.tracking import Tracker
+from posttrain.trainers.setup import check_files, check_model_options, engine_config
+from posttrain.trainers.sft import optim_only
+from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
+from posttrain.workers.losses import LossSpec
+from posttrain.workers.preference import PreferenceWorker, sequence_log_probs
+from posttrain.workers.process import seed_everything
+
+TRAIN_COLUMNS = [
+    keys.INPUT_IDS,
+    keys.ATTENTION_MASK,
+    keys.POSITION_IDS,
+    keys.LOSS_MASK,
+    PAIR_INDEX,
+    PAIR_CHOSEN,
+]
+
+
+def check_dpo_config(cfg: DPOConfig) -> None:
+    """What cannot work is rejected before any model loads, naming the key."""
+    check_model_dir(cfg.model.path)
+    check_model_options(cfg.model, cfg.data.max_length, {})
+    check_files(cfg.data.train_files, "data.train_files")
+    d = cfg.dpo
+    check_preference(d.loss_type, d.loss_weights, PreferenceOptions(d.beta, d.label_smoothing, d.simpo_gamma))
+    if cfg.model.share_prompt:
+        raise ConfigError(
+            "model.share_prompt=true is for RL (n samples of a prompt); set model.share_prompt=false"
+        )
+    if cfg.optim.max_token_len_per_worker:
+        raise ConfigError(
+            "optim.max_token_len_per_worker must be 0 for dpo: a token budget would split a chosen/rejected "
+            "pair across micro-batches; use optim.micro_batch_size (pairs)"
+        )
+    if cfg.trainer.stop_at_val_nll:
+        raise ConfigError("trainer.stop_at_val_nll is an SFT setting; dpo has no NLL to stop at (leave it 0)")
+    if cfg.optim.batch_size % cfg.trainer.world_size:
+        raise ConfigError(
+            f"optim.batch_size={cfg.optim.batch_size} pairs must be divisible by the {cfg.trainer.world_size} workers"
+        )
+    check_worker_settings(cfg.trainer)
+
+
+class DPOTrainer:
+    def __init__(self, cfg: DPOConfig) -> None:
+        check_dpo_config(cfg)
+        self.cfg = cfg
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.uses_reference = needs_reference(cfg.dpo.loss_type)
+        columns = self.uses_reference and cfg.dpo.reference == "columns"
+        make = partial(
+            PreferenceDataset,
+            tokenizer=self.tokenizer,
+            max_length=cfg.data.max_length,
+            overlong=cfg.data.overlong,
+            with_reference=columns,
+        )
+        self.train_set = make(cfg.data.train_files)
+        self.val_set = make(cfg.data.val_files) if cfg.data.val_files else None
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.loader = PromptDataLoader(
+            self.train_set,
+            cfg.optim.batch_size,
+            partial(collate_pairs, pad_token_id=self.pad_id),
+            shuffle=cfg.data.shuffle,
+            seed=cfg.trainer.seed,
+        )
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.hf_dir = Path(cfg.trainer.save_hf_dir or self.run_dir / "hf")
+        d = cfg.dpo
+        self.loss = LossSpec(
+            "preference",
+            {
+                "loss_type": tuple(d.loss_type),
+                "loss_weights": tuple(d.loss_weights),
+                "beta": d.beta,
+                "label_smoothing": d.label_smoothing,
+                "simpo_gamma": d.simpo_gamma,
+            },
+        )
+        # precompute: the initial weights' sums per (split, pair index, chosen?), filled before step 1
+        self.precomputed: dict[tuple[str, int, int], float] = {}
+
+    def _start(self) -> tuple[ActorGroup, dict[str, Any]]:
+        cfg = self.cfg
+        spec = ActorRolloutRefSpec(
+            engine=engine_config(
+                cfg.model,
+                optim=optim_only(cfg.optim),
+                total_steps=cfg.trainer.total_steps,
+                micro_batch_size=2 * cfg.optim.micro_batch_size,  # rows: two per pair
+                max_token_len=0,
+            ),
+            with_rollout=False,
+            with_ref=self.uses_reference and cfg.dpo.reference == "model",
+            seed=cfg.trainer.seed,
+            threads=threads_per_worker(cfg.trainer),
+        )
+        request = RoleRequest("actor_rollout_ref", PreferenceWorker, spec)
+        started, pools = start_role_groups(cfg.trainer, cfg.ray, [request])
+        return ActorGroup(started[request.role]), pools
+
+    def fit(self) -> dict[str, float]:
+        """Train `trainer.total_steps` optimizer steps, write the HF directory, return the last metrics."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        group, pools = self._start()
+        tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="dpo", config=to_dict(cfg))
+        metrics: dict[str, float] = {}
+        try:
+            if self.uses_reference and cfg.dpo.reference == "precompute":
+                self._precompute(group)
+            for step in range(1, cfg.trainer.total_steps + 1):
+                start = time.perf_counter()
+                batch = self.loader.next_batch()
+                batch = self._with_reference(group, batch, "train")
+                batch = batch.select(TRAIN_COLUMNS + ([REF_SEQ_LOG_PROB] if self.uses_reference else []), [])
+                batch.meta[keys.GLOBAL_SEQS] = len(batch) // 2
+                batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.LOSS_MASK][0::2].sum())
+                metrics = group.forward_backward(batch, self.loss)
+                metrics.update(group.optim_step())
+                seconds = time.perf_counter() - start
+                metrics["timing/step"] = seconds
+                metrics["throughput/tokens_per_s"] = float(batch[keys.ATTENTION_MASK].sum()) / seconds
+                last = step == cfg.trainer.total_steps
+                if self.val_set is not None and (
+                    (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
+                ):
+                    metrics.update(self.validate(group))
+                tracker.log(metrics, step)
+            group.export_hf(self.hf_dir)
+        finally:
+            tracker.close()
+            group.shutdown()
+            for pool in pools.values():
+                pool.remove()
+        return metrics
+
+    # ---- the reference ---------------------------------------------------------------------------
+    def _sums(self, group: ActorGroup, batch: Batch, model: str) -> torch.Tensor:
+        """(B,) summed completion log-probs under the actor or the reference; rows padded to the workers."""
+        pad = -(len(batch) // 2) % group.world_size  # pairs to add so every worker gets whole pairs
+        inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], [])
+        if pad:
+            inputs = Batch.concat([inputs, inputs.index(list(range(2 * pad)))])
+        if model == "ref":
+            per_token = group.forward(inputs, model="ref")[keys.REF_LOG_PROB]
+        else:
+            per_token = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS]
+        return sequence_log_probs(per_token[: len(batch)], batch[keys.LOSS_MASK])[0]
+
+    def _with_reference(self, group: ActorGroup, batch: Batch, split: str) -> Batch:
+        if not self.uses_reference or self.cfg.dpo.reference == "columns":
+            return batch
+        if self.cfg.dpo.reference == "model":
+            batch.set(REF_SEQ_LOG_PROB, self._sums(group, batch, "ref"))
+            return batch
+        rows = zip(batch[PAIR_INDEX].tolist(), batch[PAIR_CHOSEN].tolist(), strict=True)
+        ref = [self.precomputed[(split, int(i), int(c))] for i, c in rows]
+        batch.set(REF_SEQ_LOG_PROB, torch.tensor(ref, dtype=torch.float64))
+        return batch
+
+    def _precompute(self, group: ActorGroup) -> None:
+        """One pass of the initial weights over every pair (train and validation) before any update."""
+        splits = {"train": self.train_set, "val": self.val_set}
+        for split, dataset in splits.items():
+            if dataset is None:
+                continue
+            size = 2 * self.cfg.optim.batch_size
+            for begin in range(0, len(dataset), size):
+                batch = collate_pairs(
+                    [dataset[i] for i in range(begin, min(begin + size, len(dataset)))], self.pad_id
+                )
+                sums = self._sums(group, batch, "actor").tolist()
+                rows = zip(batch[PAIR_INDEX].tolist(), batch[PAIR_CHOSEN].tolist(), sums, strict=True)
+                self.precomputed.update({(split, int(i), int(c)): s for i, c, s in rows})
+
+    # ---- validation ------------------------------------------------------------------------------
+    def validate(self, group: ActorGroup) -> dict[str, float]:
+        """The loss and its metrics (`val/rewards_accuracy`, margins, ...) on held-out pairs, no update."""
+        assert self.val_set is not None
+        n = (
+            len(self.val_set)
+            if not self.cfg.data.val_max_pairs
+            else min(len(self.val_set), self.cfg.data.val_max_pairs)
+        )
+        batch = collate_pairs([self.val_set[i] for i in range(n)], self.pad_id)
+        batch = self._with_reference(group, batch, "val")
+        sums = self._sums(group, batch, "actor")
+        tokens = batch[keys.LOSS_MASK].to(torch.float64).sum(-1)
+        ref = batch[REF_SEQ_LOG_PROB].to(torch.float64) if REF_SEQ_LOG_PROB in batch else None
+        pairs = PairLogps(
+            sums[0::2],
+            sums[1::2],
+            tokens[0::2],
+            tokens[1::2],
+            None if ref is None else ref[0::2],
+            None if ref is None else ref[1::2],
+        )
+        d = self.cfg.dpo
+        options = PreferenceOptions(
+            **{k: v for k, v in asdict(d).items() if k in ("beta", "label_smoothing", "simpo_gamma")}
+        )
+        losses, metrics = preference_loss(pairs, d.loss_type, d.loss_weights, options)
+        out = {f"val/{k}": float(v.mean()) for k, v in metrics.items()}
+        out["val/loss"] = float(losses.mean())
+        return out
