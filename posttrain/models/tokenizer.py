@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a tool as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n"
+    '{{- \'\\n</tools>\\nCall a tool as <tool_call>\\n{"name": <name>, "arguments": <object>}\\n'
     "</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
