@@ -1,5 +1,9 @@
-"""Preference losses against hand computations (plain `math`), edge cases, combination and option checks;
-TRL's DPOTrainer as an oracle when trl is installed."""
+"""Preference losses against hand computations (plain `math`), edge cases, combination and option checks.
+
+TRL is not an oracle here: TRL 1.16 computes its DPO losses inside `DPOTrainer._compute_loss` from a model's
+outputs (no standalone `dpo_loss` on log-prob tensors any more), and its `sigmoid` no longer takes label
+smoothing. The formulas below were checked against that source: sigmoid (eps 0), hinge, ipo (per-token mean),
+robust, apo_zero and sft (token-mean NLL of the chosen) are the same expressions."""
 
 from __future__ import annotations
 
@@ -154,45 +158,3 @@ def test_reference_free_losses_report_length_normalised_rewards() -> None:
 def test_options_that_cannot_work_are_rejected(types, weights, options, message) -> None:
     with pytest.raises(ConfigError, match=message):
         check_preference(types, weights, PreferenceOptions(**options))
-
-
-# TRL's own loss on the same log-prob tensors (TRL's DPOTrainer.dpo_loss; trl is the benchmark peer, `.[bench]`)
-TRL_CASES = ["sigmoid", "ipo", "hinge", "robust", "apo_zero"]
-
-
-@pytest.mark.parametrize("name", TRL_CASES)
-def test_same_values_as_trl(name: str) -> None:
-    trl = pytest.importorskip("trl")
-    from types import SimpleNamespace
-
-    gen = torch.Generator().manual_seed(0)
-    chosen, rejected = (
-        -torch.rand(6, generator=gen, dtype=torch.float64) * 10,
-        -torch.rand(6, generator=gen, dtype=torch.float64) * 10,
-    )
-    ref_c, ref_r = (
-        -torch.rand(6, generator=gen, dtype=torch.float64) * 10,
-        -torch.rand(6, generator=gen, dtype=torch.float64) * 10,
-    )
-    tokens = torch.full((6,), 1.0, dtype=torch.float64)  # TRL's ipo divides by length before dpo_loss
-    eps = 0.1 if name == "robust" else 0.0
-    fake = SimpleNamespace(
-        beta=BETA,
-        label_smoothing=eps,
-        loss_type=[name],
-        f_divergence_type="reverse_kl",
-        reference_free=False,
-        use_weighting=False,
-        ld_alpha=None,
-        f_divergence_params={},
-        accelerator=SimpleNamespace(device="cpu"),
-        args=SimpleNamespace(use_liger_kernel=False),
-    )
-    expected, _, _ = trl.DPOTrainer.dpo_loss(fake, chosen, rejected, ref_c, ref_r, loss_type=name)
-    ours, _ = preference_loss(
-        PairLogps(chosen, rejected, tokens, tokens, ref_c, ref_r),
-        [name],
-        [],
-        PreferenceOptions(beta=BETA, label_smoothing=eps),
-    )
-    torch.testing.assert_close(ours, expected.to(torch.float64), rtol=1e-6, atol=1e-9)
