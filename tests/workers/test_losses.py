@@ -33,9 +33,13 @@ def _batch(**meta: float) -> Batch:
     )
 
 
-def test_the_three_losses_are_registry_entries() -> None:
-    assert LOSSES.names() == ["cross_entropy", "ppo", "value"]
-    with pytest.raises(ConfigError, match=r"unknown loss 'dpo'; valid: cross_entropy, ppo, value"):
+def test_the_losses_are_registry_entries() -> None:
+    import posttrain.workers.preference  # noqa: F401 - registers `preference` (as the DPO trainer's workers do)
+
+    assert LOSSES.names() == ["cross_entropy", "ppo", "preference", "value"]
+    with pytest.raises(
+        ConfigError, match=r"unknown loss 'dpo'; valid: cross_entropy, ppo, preference, value"
+    ):
         build_loss(LossSpec("dpo"), 1)
 
 
