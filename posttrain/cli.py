@@ -1,4 +1,4 @@
-"""`posttrain <command>`: train, sft, make-model, data, export, demo.
+"""`posttrain <command>`: train, sft, dpo, make-model, data, export, serve, demo, eval, config, plot.
 
 Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers_per_node=2`).
 Every project error is printed as one line naming the problem (a reward function that keeps failing adds its
@@ -15,9 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from posttrain.commands import data_cmd, eval_cmd
+from posttrain.commands.help import show_defaults
 from posttrain.errors import PosttrainError
-
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -73,34 +73,6 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
-def _data(args: argparse.Namespace) -> None:
-    if args.task == "gsm8k":
-        from posttrain.data.gsm8k import prepare_gsm8k
-
-        paths = prepare_gsm8k(args.src or SHARED_GSM8K, args.out)
-    else:
-        from posttrain.data.tasks import write_task
-
-        options = {
-            "n_train": args.n_train,
-            "n_test": args.n_test,
-            "min_digits": args.min_digits,
-            "max_digits": args.max_digits,
-            "seed": args.seed,
-        }
-        if args.task == "arithmetic":
-            options["ops"] = tuple((args.ops or "+").split(","))
-        else:  # long_addition
-            options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}
-        if args.ops and args.task != "arithmetic":
-            raise SystemExit(f"posttrain data {args.task}: --ops applies to the arithmetic task only")
-        if (args.tail_prob or args.tail_digits) and args.task != "long_addition":
-            raise SystemExit(f"posttrain data {args.task}: --tail-* apply to the long_addition task only")
-        paths = write_task(args.task, args.out, **{k: v for k, v in options.items() if v is not None})
-    for split, path in paths.items():
-        print(f"{split}: {path}")
-
-
 def _export(args: argparse.Namespace) -> None:
     from posttrain.trainers.export import export_checkpoint
 
@@ -151,21 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus-file", action="append", help="extra text files (one sample per line)")
     p.set_defaults(func=_make_model)
 
-    p = sub.add_parser("data", help="write a built-in task or prepare GSM8K as verl-format parquet")
-    p.add_argument("task", choices=["arithmetic", "long_addition", "gsm8k"])
-    p.add_argument("--out", required=True)
-    p.add_argument("--src", help="gsm8k: folder with train.jsonl and test.jsonl")
-    p.add_argument("--n-train", type=int, default=10000)
-    p.add_argument("--n-test", type=int, default=500)
-    p.add_argument("--min-digits", type=int, help="operand digits (arithmetic: 1, long_addition: 7)")
-    p.add_argument("--max-digits", type=int, help="operand digits (arithmetic: 3, long_addition: 11)")
-    p.add_argument("--ops", help="arithmetic: operators, comma-separated (default +)")
-    p.add_argument(
-        "--tail-prob", type=float, default=0.0, help="long_addition: share of problems from the long tail"
-    )
-    p.add_argument("--tail-digits", type=int, default=0, help="long_addition: longest tail operands")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_data)
+    data_cmd.add_parser(sub)
+    eval_cmd.add_parser(sub)
 
     p = sub.add_parser(
         "export", help="an RL checkpoint as a Hugging Face directory (full, merged or adapter)"
@@ -204,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rl-steps", type=int, default=0, help="0 = the demo's default")
     p.add_argument("--fresh", action="store_true", help="delete --out first instead of resuming")
     p.set_defaults(func=_demo)
+    show_defaults(parser)
     return parser
 
 
