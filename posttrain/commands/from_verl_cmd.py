@@ -1,0 +1,187 @@
+"""`posttrain config from-verl`: a verl command line, launch script or YAML as a `posttrain train` command line.
+
+Values are read with Hydra's own override parser (verl's command lines are Hydra overrides); a launch script
+is split as the shell would (quotes, `\\` continuations, `$VAR` from the environment and from the script's
+own assignments) and its arguments after `main_ppo` are taken. The result is checked to compose into a valid
+posttrain config before it is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from posttrain.commands.verl_convert import Conversion, convert, migration_markdown
+from posttrain.errors import ConfigError
+
+
+def add_parser(actions: argparse._SubParsersAction) -> None:
+    p = actions.add_parser("from-verl", help="a verl command line, launch script or YAML in posttrain's keys")
+    p.add_argument("overrides", nargs="*", help="verl overrides, key=value")
+    p.add_argument("--script", help="a verl launch script (python3 -m verl.trainer.main_ppo key=value ...)")
+    p.add_argument("--yaml", help="a verl config YAML (nested keys; null values and ${...} are not settings)")
+    p.add_argument(
+        "--train-rows", type=int, help="rows of the train file, for total_epochs (default: read it)"
+    )
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--table", action="store_true", help="print the whole mapping table (Markdown) and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.table:
+        print(migration_markdown(), end="")
+        return
+    given: dict[str, Any] = {}
+    if args.yaml:
+        given |= read_yaml(Path(args.yaml))
+    if args.script:
+        given |= parse_overrides(script_arguments(Path(args.script).read_text()))
+    given |= parse_overrides(args.overrides)
+    if not given:
+        raise ConfigError(
+            "config from-verl: give verl overrides (key=value ...), --script FILE or --yaml FILE"
+        )
+    result = convert(given, args.train_rows if args.train_rows is not None else count_train_rows(given))
+    check_valid(result)
+    if args.format == "json":
+        print(json.dumps(_as_json(result), indent=1, default=str))
+    else:
+        print(render(result), end="")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """{key: value} of verl's `key=value` overrides, values as Hydra reads them (`+`/`++` prefixes dropped)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"config from-verl: {item!r} is not a key=value override")
+        try:
+            (override,) = parser.parse_overrides([item])
+        except HydraException as exc:
+            raise ConfigError(f"config from-verl: cannot read {item!r}: {str(exc).splitlines()[0]}") from None
+        out[override.key_or_group] = override.value()
+    return out
+
+
+def script_arguments(text: str) -> list[str]:
+    """The `key=value` arguments of the verl command (after `...main_ppo`) in a launch script."""
+    env = dict(os.environ)
+    joined = re.sub(r"\\\n", " ", text)
+    for line in joined.splitlines():
+        tokens = shlex.split(line, comments=True)
+        if not tokens:
+            continue
+        if len(tokens) == 1 and re.fullmatch(r"(export\s+)?[A-Za-z_]\w*=.*", line.strip()):
+            name, _, value = tokens[0].partition("=")  # a shell variable the command may use
+            env[name] = _expand(value, env)
+            continue
+        if tokens[0] == "export" and len(tokens) == 2 and "=" in tokens[1]:
+            name, _, value = tokens[1].partition("=")
+            env[name] = _expand(value, env)
+            continue
+        starts = [i for i, t in enumerate(tokens) if t.endswith("main_ppo") or t.endswith("main_ppo.py")]
+        if starts:
+            return [_expand(t, env) for t in tokens[starts[0] + 1 :] if "=" in t and not t.startswith("-")]
+    raise ConfigError("config from-verl --script: no `... verl.trainer.main_ppo key=value ...` command found")
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """verl settings of a YAML file as flattened keys; `_target_`, nulls and `${...}` interpolations are not
+    settings (they are verl's own plumbing and defaults)."""
+    from omegaconf import OmegaConf
+
+    if not path.is_file():
+        raise ConfigError(f"config from-verl --yaml: file not found: {path}")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key not in ("_target_", "defaults", "hydra"):
+                    walk(value, f"{prefix}{key}.")
+        elif node is not None and not (isinstance(node, str) and "${" in node):
+            out[prefix.rstrip(".")] = node
+
+    walk(data, "")
+    return out
+
+
+def count_train_rows(given: dict[str, Any]) -> int | None:
+    """Rows of the train files when they are readable here (parquet metadata or JSONL lines), else None."""
+    files = given.get("data.train_files")
+    if files is None:
+        return None
+    total = 0
+    for name in [files] if isinstance(files, str) else files:
+        path = Path(os.path.expandvars(str(name))).expanduser()
+        if not path.is_file():
+            return None
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(path).metadata.num_rows
+        else:
+            total += sum(1 for line in path.read_text().splitlines() if line.strip())
+    return total
+
+
+def check_valid(result: Conversion) -> None:
+    """The converted overrides must compose into posttrain's RL config (a failure is a mapping bug)."""
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import RLConfig
+
+    try:
+        load_config(RLConfig, "rl", result.overrides())
+    except ConfigError as exc:
+        raise ConfigError(
+            f"config from-verl produced an invalid posttrain config ({exc}); please report it"
+        ) from None
+
+
+def render(result: Conversion) -> str:
+    """The posttrain command line, then the conversions, no-effect keys and unmapped keys as comments."""
+    lines = ["posttrain train \\"]
+    lines += [f"    {shlex.quote(o)} \\" for o in result.overrides()]
+    lines[-1] = lines[-1].removesuffix(" \\")
+    given = [m for m in result.mapped if m.origin == "given"]
+    defaults = [m for m in result.mapped if m.origin != "given"]
+    lines.append(f"# {len(given)} settings mapped:")
+    lines += [
+        f"#   {m.verl_key}={m.verl_value} -> {m.key}={m.value}" + (f"  ({m.note})" if m.note else "")
+        for m in given
+    ]
+    if defaults:
+        lines.append(f"# {len(defaults)} verl defaults that differ from posttrain's, carried over:")
+        lines += [f"#   {m.verl_key}={m.verl_value} (verl default) -> {m.key}={m.value}" for m in defaults]
+    if result.no_effect:
+        lines.append(f"# {len(result.no_effect)} settings with nothing to set in posttrain:")
+        lines += [f"#   {s.verl_key}={s.verl_value}: {s.reason}" for s in result.no_effect]
+    lines.append(f"# {len(result.unmapped)} settings NOT mapped:")
+    lines += [f"#   {s.verl_key}={s.verl_value}: {s.reason}" for s in result.unmapped]
+    return "\n".join(lines) + "\n"
+
+
+def _as_json(result: Conversion) -> dict[str, Any]:
+    import dataclasses
+
+    return {
+        "overrides": result.overrides(),
+        "mapped": [dataclasses.asdict(m) for m in result.mapped],
+        "no_effect": [dataclasses.asdict(s) for s in result.no_effect],
+        "unmapped": [dataclasses.asdict(s) for s in result.unmapped],
+    }

@@ -1,0 +1,169 @@
+"""Apply verl_map's rules to a set of verl settings, and write the migration table from the same rules.
+
+`convert` sorts every verl key into mapped (posttrain key = value), no effect (posttrain does this anyway)
+and not mapped (with the reason), and carries over verl's defaults where they differ from posttrain's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from posttrain.commands.verl_map import BY_KEY, RULES, VERL_DEFAULTS, Context, NoEffect, Unmappable
+from posttrain.commands.verl_unmapped import UNMAPPED, unmapped_reason
+from posttrain.config.schema import RLConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapped:
+    verl_key: str
+    verl_value: Any
+    key: str  # posttrain's
+    value: Any
+    origin: str  # "given" | "verl default"
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    verl_key: str
+    verl_value: Any
+    reason: str
+
+
+@dataclasses.dataclass
+class Conversion:
+    mapped: list[Mapped] = dataclasses.field(default_factory=list)
+    no_effect: list[Skipped] = dataclasses.field(default_factory=list)
+    unmapped: list[Skipped] = dataclasses.field(default_factory=list)
+
+    def overrides(self) -> list[str]:
+        """The posttrain command line (`key=value`, Hydra syntax)."""
+        first = {m.key: m for m in reversed(self.mapped)}  # one verl key per posttrain key: the first
+        return [f"{m.key}={hydra_value(m.value)}" for m in self.mapped if first[m.key] is m]
+
+
+def posttrain_default(key: str) -> Any:
+    value: Any = RLConfig()
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_norm(v) for v in value]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversion:
+    """posttrain's settings for the verl settings `given` (flattened keys -> values)."""
+    ctx = Context(given, train_rows)
+    out = Conversion()
+    source: dict[str, str] = {}  # posttrain key -> the verl key that set it
+
+    def add(rule_key: str, verl_value: Any, values: dict[str, Any], origin: str, note: str) -> None:
+        for key, value in values.items():
+            if key in source:
+                previous = next(m for m in out.mapped if m.key == key)
+                if _norm(previous.value) != _norm(value):
+                    out.unmapped.append(
+                        Skipped(
+                            rule_key, verl_value, f"conflicts with {source[key]} ({key}={previous.value})"
+                        )
+                    )
+                elif origin == "given":  # agrees with the key that set it: shown, set once
+                    out.mapped.append(Mapped(rule_key, verl_value, key, value, origin, note))
+                continue
+            if origin == "verl default" and _norm(value) == _norm(posttrain_default(key)):
+                continue
+            source[key] = rule_key
+            out.mapped.append(Mapped(rule_key, verl_value, key, value, origin, note))
+
+    for key, value in given.items():
+        rule = BY_KEY.get(key)
+        if rule is None:
+            out.unmapped.append(Skipped(key, value, unmapped_reason(key)))
+            continue
+        try:
+            add(key, value, rule.convert(value, ctx), "given", rule.note)
+        except NoEffect as exc:
+            out.no_effect.append(Skipped(key, value, str(exc)))
+        except Unmappable as exc:
+            out.unmapped.append(Skipped(key, value, str(exc)))
+    for rule in RULES:
+        if rule.verl in given or not rule.apply_default or rule.verl not in VERL_DEFAULTS:
+            continue
+        value = VERL_DEFAULTS[rule.verl]
+        try:
+            add(rule.verl, value, rule.convert(value, ctx), "verl default", rule.note)
+        except NoEffect:
+            pass
+        except Unmappable as exc:
+            out.unmapped.append(Skipped(rule.verl, value, f"verl's default {value!r}: {exc}"))
+    return out
+
+
+def hydra_value(value: Any) -> str:
+    """`value` in Hydra's override syntax (lists in brackets, strings quoted when they need it)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        if (
+            value == ""
+            or any(c in value for c in " ,[]{}()='\"\\:")
+            or value.lower() in ("true", "false", "null")
+        ):
+            return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return value
+    return str(value)
+
+
+def migration_markdown() -> str:
+    """docs/migration_from_verl.md: every rule and every unmapped key or prefix, from verl_map's tables."""
+    lines = [
+        "# Coming from verl",
+        "",
+        "Generated from `posttrain/commands/verl_map.py` (do not edit; a test checks this page against the "
+        "code). `posttrain config from-verl` applies the same table to a command line or YAML:",
+        "",
+        "```bash",
+        "posttrain config from-verl --script examples/grpo_trainer/run_qwen2-7b.sh   # a verl launch script",
+        "posttrain config from-verl data.train_batch_size=1024 actor_rollout_ref.rollout.n=5 ...",
+        "posttrain config from-verl --yaml my_verl_config.yaml",
+        "```",
+        "",
+        "It prints the `posttrain train` command line, each conversion, and every key it cannot map with the "
+        "reason. Units differ in one place: verl's `ppo_mini_batch_size` counts prompts, posttrain's "
+        "`mini_batch_size` counts samples (prompt x response), so it is multiplied by `rollout.n`; verl's "
+        "global `ppo_micro_batch_size` is divided by the GPUs; `total_epochs` becomes `trainer.total_steps` "
+        "from the train file's rows. A verl command line relies on verl's defaults: where one differs from "
+        "posttrain's (last column), it is carried over, so the converted run is the verl run.",
+        "",
+        "## Mapped keys",
+        "",
+        "| verl key | posttrain key | conversion | verl default carried over |",
+        "|---|---|---|---|",
+    ]
+    for rule in RULES:
+        targets = ", ".join(f"`{t}`" for t in rule.targets) or "(nothing to set)"
+        default = f"`{VERL_DEFAULTS[rule.verl]}`" if rule.apply_default and rule.verl in VERL_DEFAULTS else ""
+        lines.append(f"| `{rule.verl}` | {targets} | {rule.note or 'same value'} | {default} |")
+    lines += [
+        "",
+        "## Keys with no posttrain equivalent",
+        "",
+        "A key ending in `.` stands for every key under it that has no rule above.",
+        "",
+        "| verl key | why |",
+        "|---|---|",
+    ]
+    lines += [f"| `{key}` | {reason} |" for key, reason in UNMAPPED.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,42 @@
+"""verl keys with no posttrain equivalent (no rule in verl_map.RULES), by exact key or prefix, with the reason.
+
+Part of the migration table (docs/migration_from_verl.md is generated from it and verl_map).
+"""
+
+from __future__ import annotations
+
+from posttrain.commands.verl_map import A, C, D, M, R, T
+
+# keys without a rule: exact key or prefix (ending in ".") -> why there is no posttrain equivalent
+UNMAPPED: dict[str, str] = {
+    f"{R}tensor_model_parallel_size": "vLLM/SGLang tensor parallelism; the built-in engine runs one model copy per worker",
+    f"{R}gpu_memory_utilization": "vLLM's KV-cache share; the built-in engine preallocates rollout.max_batch_size slots",
+    f"{R}log_prob_micro_batch_size": "log-prob passes use actor.micro_batch_size / actor.max_token_len_per_worker",
+    f"{R}log_prob_micro_batch_size_per_gpu": "log-prob passes use actor.micro_batch_size / actor.max_token_len_per_worker",
+    "actor_rollout_ref.ref.": "the reference is the actor's initial weights in the same workers (LoRA: adapter off); its batches and offload follow the actor's",
+    f"{R}": "a vLLM/SGLang engine setting; the built-in engine has no equivalent",
+    f"{A}fsdp_config.": "FSDP2 is applied the same way for every model; only model.offload is configurable",
+    f"{C}model.fsdp_config.": "the critic's FSDP2 setup follows the actor's (model.offload)",
+    f"{C}model.": "the critic shares the actor's model settings (model.*)",
+    f"{A}checkpoint.": "posttrain always saves model, optimizer and trainer state",
+    f"{A}profiler.": "no profiler integration",
+    f"{C}profiler.": "no profiler integration",
+    "global_profiler.": "no profiler integration",
+    f"{M}": "no posttrain equivalent for this model option (posttrain loads local HF directories)",
+    f"{D}val_batch_size": "validation runs the whole split (up to data.val_max_prompts) as one batch",
+    "reward_model.": "model-based rewards are not supported: score with a reward function",
+    f"{T}": "no posttrain equivalent for this trainer option",
+    f"{D}": "no posttrain equivalent for this data option",
+    "algorithm.": "no posttrain equivalent for this algorithm option",
+    f"{A}": "no posttrain equivalent for this actor option",
+    f"{C}": "no posttrain equivalent for this critic option",
+}
+GENERIC = "from-verl knows no posttrain equivalent for this key"
+
+
+def unmapped_reason(key: str) -> str:
+    """Why `key` (without a rule) cannot be mapped: the longest matching entry of UNMAPPED."""
+    if key in UNMAPPED and UNMAPPED[key]:
+        return UNMAPPED[key]
+    prefixes = [p for p in UNMAPPED if p.endswith(".") and key.startswith(p) and UNMAPPED[p]]
+    return UNMAPPED[max(prefixes, key=len)] if prefixes else GENERIC

@@ -1,0 +1,133 @@
+"""`posttrain config from-verl` on verl's own GSM8K example command lines (tests/commands/verl_examples/, copied
+from volcengine/verl examples/grpo_trainer/run_qwen2-7b.sh and examples/ppo_trainer/run_gemma.sh)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from posttrain.cli import main
+from posttrain.commands.from_verl_cmd import count_train_rows, parse_overrides, read_yaml, script_arguments
+from posttrain.commands.verl_convert import Conversion, convert, migration_markdown
+from posttrain.commands.verl_map import RULES
+from posttrain.config.load import check_override_keys, load_config
+from posttrain.config.schema import RLConfig
+
+EXAMPLES = Path(__file__).parent / "verl_examples"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "migration_from_verl.md"
+
+
+def from_script(name: str, train_rows: int | None = None) -> tuple[dict, Conversion]:
+    given = parse_overrides(script_arguments((EXAMPLES / name).read_text()))
+    return given, convert(given, train_rows)
+
+
+def settings(result: Conversion) -> dict:
+    return {m.key: m.value for m in result.mapped}
+
+
+def every_key_accounted_for(given: dict, result: Conversion) -> None:
+    seen = [m.verl_key for m in result.mapped if m.origin == "given"]
+    seen += [s.verl_key for s in result.no_effect + result.unmapped if s.verl_key in given]
+    assert set(seen) == set(given), set(given) ^ set(seen)
+
+
+def test_grpo_example(tmp_path: Path) -> None:
+    given, result = from_script("grpo_run_qwen2-7b.sh")
+    assert len(given) == 37
+    every_key_accounted_for(given, result)
+    out = settings(result)
+    assert out["algorithm.adv_estimator"] == "grpo" and "critic.enable" not in out
+    assert out["data.train_batch_prompts"] == 1024 and out["rollout.n"] == 5
+    assert out["actor.mini_batch_size"] == 256 * 5  # verl: 256 prompts; posttrain: samples
+    assert out["actor.micro_batch_size"] == 40 and out["actor.kl_loss_type"] == "low_var_kl"
+    assert out["actor.optim.weight_decay"] == 0.01  # verl's default, not posttrain's 0
+    unmapped = {s.verl_key: s.reason for s in result.unmapped}
+    assert "vLLM/SGLang adapters are not included" in unmapped["actor_rollout_ref.rollout.name"]
+    assert "tensor parallelism" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
+    assert "wandb" in unmapped["trainer.logger"]
+    assert "--train-rows" in unmapped["trainer.total_epochs"]
+    cfg = load_config(RLConfig, "rl", result.overrides())  # the command line is a valid posttrain config
+    assert cfg.actor.mini_batch_size == 1280 and cfg.data.max_response_length == 1024
+    assert cfg.trainer.run_dir == "checkpoints/verl_grpo_example_gsm8k/qwen2_7b_function_rm"
+
+
+def test_ppo_example_with_epochs_from_the_train_rows() -> None:
+    given, result = from_script("ppo_run_gemma.sh", train_rows=7473)
+    every_key_accounted_for(given, result)
+    out = settings(result)
+    assert out["algorithm.adv_estimator"] == "gae" and out["critic.enable"] is True
+    assert out["trainer.total_steps"] == 15 * (7473 // 512)
+    assert out["rollout.n"] == 1  # verl's default n; posttrain's is 8
+    assert out["actor.mini_batch_size"] == 128 and out["critic.mini_batch_size"] == 128  # the critic inherits
+    assert out["actor.use_kl_loss"] is False and out["critic.optim.lr"] == 1e-5
+    assert "critic.model_path" not in out  # the actor's model: posttrain's default
+    cfg = load_config(RLConfig, "rl", result.overrides())
+    assert cfg.critic.enable and cfg.trainer.n_workers_per_node == 2
+
+
+def test_units_and_conflicts() -> None:
+    base = {"trainer.n_gpus_per_node": 8, "actor_rollout_ref.rollout.n": 4}
+    out = settings(convert({**base, "actor_rollout_ref.actor.ppo_micro_batch_size": 128}))
+    assert out["actor.micro_batch_size"] == 16  # verl's global micro-batch over 8 GPUs
+    result = convert({**base, "actor_rollout_ref.actor.ppo_micro_batch_size": 100})
+    assert "does not split over 8 GPUs" in result.unmapped[0].reason
+    out = settings(
+        convert({"actor_rollout_ref.actor.clip_ratio": 0.3, "actor_rollout_ref.actor.clip_ratio_high": 0.28})
+    )
+    assert out["actor.clip_ratio_low"] == 0.3 and out["actor.clip_ratio_high"] == 0.28
+    result = convert(
+        {
+            "actor_rollout_ref.actor.fsdp_config.param_offload": True,
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload": False,
+        }
+    )
+    assert any("offloads parameters, gradients and optimizer together" in s.reason for s in result.unmapped)
+    result = convert({"some.new_verl_key": 1})
+    assert result.unmapped[0].reason == "from-verl knows no posttrain equivalent for this key"
+
+
+def test_yaml_gives_the_same_as_the_command_line(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    given, from_cli = from_script("grpo_run_qwen2-7b.sh")
+    nested = OmegaConf.create({})
+    for key, value in given.items():
+        OmegaConf.update(nested, key, value, force_add=True)
+    nested.actor_rollout_ref.actor.optim._target_ = "verl.workers.config.FSDPOptimizerConfig"  # verl plumbing
+    nested.critic = {"ppo_micro_batch_size": None, "rollout_n": "${actor_rollout_ref.rollout.n}"}  # unset
+    OmegaConf.save(nested, tmp_path / "verl.yaml")
+    assert main(["config", "from-verl", "--yaml", str(tmp_path / "verl.yaml"), "--format", "json"]) == 0
+    assert sorted(convert(read_yaml(tmp_path / "verl.yaml")).overrides()) == sorted(from_cli.overrides())
+
+
+def test_train_rows_read_from_the_train_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "train.parquet")
+    assert count_train_rows({"data.train_files": str(tmp_path / "train.parquet")}) == 100
+    argv = [
+        "config",
+        "from-verl",
+        f"data.train_files={tmp_path}/train.parquet",
+        "data.train_batch_size=8",
+        "trainer.total_epochs=2",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("posttrain train \\") and "trainer.total_steps=24" in out
+
+
+def test_every_rule_targets_a_posttrain_key() -> None:
+    targets = [t for rule in RULES for t in rule.targets]
+    check_override_keys(RLConfig, [f"{t}=0" for t in targets])
+    assert len({rule.verl for rule in RULES}) == len(RULES), "one rule per verl key"
+
+
+def test_migration_page_is_generated_from_the_rules() -> None:
+    assert DOCS.read_text() == migration_markdown(), (
+        "docs/migration_from_verl.md is stale: posttrain config from-verl --table > docs/migration_from_verl.md"
+    )
+    for rule in RULES:
+        assert f"`{rule.verl}`" in DOCS.read_text()
