@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from posttrain.commands import config_cmd, data_cmd, eval_cmd
+from posttrain.commands import config_cmd, data_cmd, eval_cmd, preflight
 from posttrain.commands.help import show_defaults
 from posttrain.errors import PosttrainError
 
@@ -26,6 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     from posttrain.trainers.rl import RLTrainer
 
     cfg = load_config(RLConfig, args.config_name, args.overrides)
+    preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = RLTrainer(cfg)
     history = trainer.fit()
     if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM after a checkpoint: 128 + signal number
@@ -41,6 +42,7 @@ def _sft(args: argparse.Namespace) -> None:
     from posttrain.trainers.sft import SFTTrainer
 
     cfg = load_config(SFTConfig, args.config_name, args.overrides)
+    preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = SFTTrainer(cfg)
     trainer.fit()
     print(f"wrote {trainer.hf_dir}")
@@ -91,6 +93,7 @@ def _demo(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from posttrain.serve.server import serve
 
+    preflight.check_port_free(args.host, args.port)  # before the model loads, not after
     serve(
         args.model, model_name=args.model_name, keys_file=args.keys, root_dir=args.state_dir,
         host=args.host, port=args.port, backend=args.backend, n_workers=args.n_workers, config=args.config,
