@@ -2,10 +2,12 @@
 
 Rows arrive padded ([left-padded prompt | right-padded response]). Their real tokens (attention_mask == 1)
 are laid end to end in rows of `row_tokens` tokens (first-fit decreasing, a row grows to the longest
-sequence), position ids restart at 0 for every sequence, and the model is called with no attention mask:
-transformers then detects the packed layout from the position ids and builds a block-diagonal causal mask
-(sdpa/eager) or uses variable-length kernels (flash attention), so attention never crosses sequences and
-no compute is spent on padding beyond the tail of each packed row. Pure tensor code around one model call.
+sequence), position ids restart at 0 for every sequence, and the model is called with no attention mask. A model
+loaded with `posttrain_varlen` (the engine's choice for sdpa) gets the rows' runs (`varlen_attention`) and
+attends per sequence, with no row-squared mask; under eager, transformers detects the packed layout from
+the position ids and builds a block-diagonal causal mask; flash attention uses its variable-length kernel.
+Attention never crosses sequences and no compute is spent on padding beyond the tail of each packed row.
+Pure tensor code around one model call.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from posttrain.engine.shared_prompt import (
     pack_prefix_groups,
     pack_shared_prompts,
     real_tokens,
+)
+from posttrain.engine.varlen_attention import (
+    SEGMENTS_KWARG,
+    Segments,
+    segments_from_position_ids,
+    uses_varlen,
 )
 
 
@@ -85,13 +93,23 @@ def packed_model_output(
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim).
 
     `keep` (flat positions): only those rows of the result, in that order. With an LM head the hidden
     states are gathered before the head, so the (vocab-wide) logits exist only for the kept positions:
     less compute and far less memory with a large vocabulary.
+
+    A `posttrain_varlen` model attends per run of `segments` (default: the sequences that `position_ids`
+    restart at) and takes no mask; other models take `attention_mask` (None: transformers derives the
+    block-diagonal mask from the position ids) and ignore `segments`.
     """
+    extra = {}
+    if uses_varlen(model):
+        if attention_mask is not None:
+            raise ValueError("a posttrain_varlen model takes its packed layout as segments, not as a mask")
+        extra[SEGMENTS_KWARG] = segments if segments is not None else segments_from_position_ids(position_ids)
     head = model.get_output_embeddings() if keep is not None else None
     handle = None
     if head is not None:
@@ -107,6 +125,7 @@ def packed_model_output(
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **extra,
         ).logits
     finally:
         if handle is not None:
@@ -139,6 +158,19 @@ class PackingOptions:
     eager_mask_dtype: torch.dtype | None = None  # set for attn_implementation=eager: additive float mask
 
 
+def layout_attention(
+    model: nn.Module, segments: Segments, width: int, device: torch.device, options: PackingOptions
+) -> tuple[torch.Tensor | None, Segments | None]:
+    """How a non-block-diagonal layout (shared prefixes) reaches the model: (mask, segments). A
+    `posttrain_varlen` model takes the runs; any other gets them as a 4D mask (additive under eager)."""
+    if uses_varlen(model):
+        return None, segments
+    mask = segments.attention_mask(width, device)
+    if options.eager_mask_dtype is not None:
+        mask = additive_mask(mask, options.eager_mask_dtype)
+    return mask, None
+
+
 def response_outputs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -153,12 +185,12 @@ def response_outputs(
     """
     if options.share_prompt and has_shared_prompts(input_ids, attention_mask, response_width):
         shared = pack_shared_prompts(input_ids, attention_mask, response_width, options.row_tokens)
-        mask = shared.attention_mask
-        if options.eager_mask_dtype is not None:
-            mask = additive_mask(mask, options.eager_mask_dtype)
+        width = shared.input_ids.shape[1]
+        mask, segments = layout_attention(model, shared.segments, width, input_ids.device, options)
         valid = shared.predict_pos >= 0
         keep = shared.predict_pos[valid]
-        return packed_model_output(model, shared.input_ids, shared.position_ids, mask, keep), valid
+        out = packed_model_output(model, shared.input_ids, shared.position_ids, mask, keep, segments)
+        return out, valid
     layout = pack(input_ids, attention_mask, options.row_tokens)
     total = layout.flat_pos.shape[1]
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
@@ -242,15 +274,11 @@ def packed_target_log_probs(
     elif options.share_prompt:
         groups = detect_shared_prefixes(sequences)
     mask: torch.Tensor | None = None
+    segments: Segments | None = None
     if any(len(g.rows) > 1 and g.prefix_len > 0 for g in groups):
         shared = pack_prefix_groups(sequences, groups, options.row_tokens, device)
-        ids, positions, mask = (
-            shared.input_ids.to(input_ids.dtype),
-            shared.position_ids,
-            shared.attention_mask,
-        )
-        if options.eager_mask_dtype is not None:
-            mask = additive_mask(mask, options.eager_mask_dtype)
+        ids, positions = shared.input_ids.to(input_ids.dtype), shared.position_ids
+        mask, segments = layout_attention(model, shared.segments, ids.shape[1], device, options)
         # rows in order, each row's tokens in column order: the order of `attention_mask.bool()` cells
         cell_pos = torch.tensor([p for row in shared.token_pos for p in row], dtype=torch.long, device=device)
     else:
@@ -263,7 +291,7 @@ def packed_target_log_probs(
         cell_rows = torch.nonzero(attention_mask.bool())[:, 0]
         slots[cell_pos] = routes.row_slots.to(device)[cell_rows]
         routes.set_routes(slots, slots[keep])
-    logits = at_least_float32(packed_model_output(model, ids, positions, mask, keep=keep))
+    logits = at_least_float32(packed_model_output(model, ids, positions, mask, keep=keep, segments=segments))
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     valid = attention_mask.bool()

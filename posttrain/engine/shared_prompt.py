@@ -8,10 +8,12 @@ sampled and the outputs equal the unshared computation (up to float reordering),
 activations are computed once and receive the gradient of all n responses. With prompts of P tokens and
 responses of R, the model processes P + nR tokens per group instead of n(P + R).
 
-The attention pattern is not block-diagonal causal, so it goes to the model as an explicit 4D boolean
-mask (rows, 1, W, W) that transformers passes through unchanged (sdpa; eager gets the additive float
-form). Kernels that take no mask (flash attention's variable-length path) cannot express it; the engine
-uses plain packing there. Pure tensor code, no model call.
+The attention pattern is not block-diagonal causal. The layout describes it as runs
+(`varlen_attention.Segments`: a prefix run, then each suffix seeing the prefix and itself), which the
+engine's per-segment attention (`posttrain_varlen`, used for sdpa) takes directly; for eager it becomes an
+explicit 4D mask (rows, 1, W, W) that transformers passes through unchanged (`attention_mask`, in the
+additive float form). Kernels that take neither (flash attention's variable-length path) cannot express
+it; the engine uses plain packing there. Pure tensor code, no model call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.data.partition import first_fit_decreasing
+from posttrain.engine.varlen_attention import Run, Segments
 from posttrain.errors import ConfigError
 
 # attention implementations that accept an arbitrary 4D mask
@@ -45,8 +48,13 @@ def check_share_prompt(share_prompt: bool, remove_padding: bool, attn_implementa
 class SharedPromptLayout:
     input_ids: torch.Tensor  # (rows, width) packed tokens; the tail of each row is filler
     position_ids: torch.Tensor  # (rows, width)
-    attention_mask: torch.Tensor  # (rows, 1, width, width) bool, True = may attend
+    segments: Segments  # who attends to whom, as runs (the mask is `attention_mask`)
     predict_pos: torch.Tensor  # (B, R) flat packed index of the output predicting each response token; -1 pad
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(rows, 1, width, width) bool, True = may attend: the runs as a mask (built on each access)."""
+        return self.segments.attention_mask(self.input_ids.shape[1], self.input_ids.device)
 
 
 def real_tokens(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
@@ -137,8 +145,13 @@ def detect_shared_prefixes(sequences: list[list[int]]) -> list[PrefixGroup]:
 class SharedPrefixLayout:
     input_ids: torch.Tensor  # (rows, width) packed tokens; the tail of each row is filler
     position_ids: torch.Tensor  # (rows, width)
-    attention_mask: torch.Tensor  # (rows, 1, width, width) bool, True = may attend
+    segments: Segments  # who attends to whom, as runs (the mask is `attention_mask`)
     token_pos: list[list[int]]  # per input row: the flat packed index of each of its tokens, in order
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(rows, 1, width, width) bool, True = may attend: the runs as a mask (built on each access)."""
+        return self.segments.attention_mask(self.input_ids.shape[1], self.input_ids.device)
 
 
 def _units(groups: list[PrefixGroup], lengths: list[int], width: int) -> list[PrefixGroup]:
@@ -175,48 +188,45 @@ def pack_prefix_groups(
     unit_lens = [u.prefix_len + sum(lengths[i] - u.prefix_len for i in u.rows) for u in units]
     bins = first_fit_decreasing(unit_lens, width)
 
-    # per packed token: id, position, unit, branch (0 = prefix, k = k-th suffix of the unit)
     ids: list[int] = []
     positions: list[int] = []
-    unit_of: list[int] = []
-    branch_of: list[int] = []
+    rows: list[tuple[Run, ...]] = []  # per packed row, the runs that tile it
     token_pos: list[list[int]] = [[] for _ in sequences]
-    for row, members in enumerate(bins):
+    for members in bins:
         row_start = len(ids)
+        runs: list[Run] = []
         for u in members:
             unit = units[u]
             p = unit.prefix_len
             prefix_start = len(ids)
             ids += sequences[unit.rows[0]][:p]
             positions += range(p)
-            unit_of += [u] * p
-            branch_of += [0] * p
-            for k, i in enumerate(unit.rows, start=1):
+            if p:  # the prefix attends causally to itself
+                runs.append(Run(prefix_start - row_start, prefix_start - row_start + p))
+            for i in unit.rows:
                 suffix = sequences[i][p:]
                 token_pos[i] = [
                     *range(prefix_start, prefix_start + p),
                     *range(len(ids), len(ids) + len(suffix)),
                 ]
+                if suffix:  # a suffix sees the whole prefix and, causally, itself
+                    start = len(ids) - row_start
+                    prefix = prefix_start - row_start
+                    runs.append(Run(start, start + len(suffix), prefix, prefix + p))
                 ids += suffix
                 positions += range(p, p + len(suffix))
-                unit_of += [u] * len(suffix)
-                branch_of += [k] * len(suffix)
-        # filler: its own causal run (a unit id no real token has), never attended to by others
+        # filler: its own causal run, never attended to by others
         filler = width - (len(ids) - row_start)
+        if filler:
+            runs.append(Run(width - filler, width))
         ids += [0] * filler
         positions += range(filler)
-        unit_of += [len(units) + row] * filler
-        branch_of += [0] * filler
+        rows.append(tuple(runs))
 
     def grid(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device).view(len(bins), width)
 
-    unit_ids, branch = grid(unit_of), grid(branch_of)
-    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-    same_unit = unit_ids[:, :, None] == unit_ids[:, None, :]
-    key_visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-    attend = same_unit & key_visible & causal
-    return SharedPrefixLayout(grid(ids), grid(positions), attend[:, None], token_pos)
+    return SharedPrefixLayout(grid(ids), grid(positions), Segments(tuple(rows)), token_pos)
 
 
 def pack_shared_prompts(
@@ -241,7 +251,7 @@ def pack_shared_prompts(
     predict_pos = torch.full((batch, response_width), -1, dtype=torch.long, device=input_ids.device)
     predict_pos[cell_rows, cell_cols] = torch.tensor(cell_pos, dtype=torch.long, device=input_ids.device)
     return SharedPromptLayout(
-        layout.input_ids.to(input_ids.dtype), layout.position_ids, layout.attention_mask, predict_pos
+        layout.input_ids.to(input_ids.dtype), layout.position_ids, layout.segments, predict_pos
     )
 
 

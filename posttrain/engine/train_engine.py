@@ -45,6 +45,7 @@ from posttrain.engine.packing import (
     packed_target_log_probs,
 )
 from posttrain.engine.shared_prompt import check_share_prompt
+from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_value_model
 
@@ -67,7 +68,7 @@ class EngineConfig:
     micro_batch_size: int = 64  # rows per forward/backward on this rank (when max_token_len is 0)
     max_token_len: int = 0  # token budget per micro-batch on this rank (real tokens); 0 = by row count
     remove_padding: bool = True  # pack sequences: no compute on padding (see engine.packing)
-    pack_row_tokens: int = 256  # tokens per packed row (attention is dense within a row on sdpa)
+    pack_row_tokens: int = 256  # tokens per packed row (sdpa attends per sequence: varlen_attention)
     share_prompt: bool = True  # packed rows with the same prompt run it once (see engine.shared_prompt)
     compute_dtype: str = ""  # mixed precision: e.g. bfloat16 compute over `dtype` master weights
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~1/3 more compute)
@@ -141,9 +142,9 @@ class TrainEngine:
         self.dp_size = self.mesh.size()
         self.rank = dist.get_rank()
         load = load_causal_lm if config.head == "lm" else load_value_model
-        model = load(
-            config.model_path, dtype=DTYPES[config.dtype], attn_implementation=config.attn_implementation
-        )
+        model = load(config.model_path, dtype=DTYPES[config.dtype], attn_implementation=self._attention())
+        if self._attention() == VARLEN:
+            check_varlen_support(model)
         model.to(self.device)
         if not config.trainable:
             model.requires_grad_(False)
@@ -189,6 +190,13 @@ class TrainEngine:
         if self.adapters is None:
             self.adapters = MultiLora(self.model)
         return self.adapters
+
+    def _attention(self) -> str:
+        """The attention the model is loaded with: packed rows under sdpa attend per sequence
+        (`posttrain_varlen`: torch SDPA per segment, no row-squared mask); anything else as configured."""
+        if self.config.remove_padding and self.config.attn_implementation == "sdpa":
+            return VARLEN
+        return self.config.attn_implementation
 
     # ---- compute -------------------------------------------------------------------------------
     def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:

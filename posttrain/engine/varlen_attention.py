@@ -1,0 +1,190 @@
+"""Packed attention without an L x L mask: torch SDPA run per segment of a packed row.
+
+A packed row holds several sequences end to end (engine.packing) or shared-prompt units
+[prefix | suffix 1 | suffix 2 | ...] (engine.shared_prompt). Under `sdpa` transformers expresses that
+layout as a (rows, 1, L, L) mask: at 32k tokens a gigabyte of booleans per row, and a float copy of it
+inside SDPA on CPU. Here the row is cut into *runs* instead: each run's queries attend causally to the
+run's own keys and, for a shared-prompt suffix, to all of its prefix's keys. Memory then grows with the
+runs (the flash kernel's blocks, or one run's (n, prefix + n) mask), not with the row squared, and no
+compute is spent across sequences.
+
+The function is registered with transformers' attention registry (`AttentionInterface.register`) as
+`posttrain_varlen`; a model loaded with `attn_implementation="posttrain_varlen"` calls it from its own
+attention modules after the projections and rotary embeddings, so no attention code is copied. The runs
+arrive through the model's keyword arguments: `Qwen2ForCausalLM.forward(**kwargs)` hands its extra kwargs
+through the decoder layers to the attention function unchanged (transformers 5.x, as `cu_seq_lens_q` for
+flash attention). They travel as one host-side `Segments` object (`posttrain_segments=`), computed once
+per packed batch, because the loop over runs needs their bounds in Python: a `cu_seq_lens` tensor would
+cost a device sync per layer, and cannot express a suffix's view of its prefix. The name is deliberately
+not registered as a mask function, so transformers builds no mask for it.
+
+A call without segments, with a mask, or with a feature the loop does not implement (sliding windows,
+soft-capping) is an error, never a silent fallback to another path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from posttrain.errors import ConfigError
+
+VARLEN = "posttrain_varlen"
+SEGMENTS_KWARG = "posttrain_segments"
+
+
+class Run(NamedTuple):
+    """Columns [start, end) of a packed row attend causally among themselves and see all of the context
+    columns [context_start, context_end) (empty for a plain packed sequence; a shared prefix for a suffix)."""
+
+    start: int
+    end: int
+    context_start: int = 0
+    context_end: int = 0
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The attention layout of packed rows: per row, the runs that tile it from column 0 to its width."""
+
+    rows: tuple[tuple[Run, ...], ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [run.end - run.start for runs in self.rows for run in runs]
+
+    def cu_seqlens(self, width: int) -> torch.Tensor:
+        """Flash attention's convention: run boundaries over the flattened (rows * width) tokens (int32)."""
+        bounds = [0] + [b * width + run.end for b, runs in enumerate(self.rows) for run in runs]
+        return torch.tensor(bounds, dtype=torch.int32)
+
+    def attention_mask(self, width: int, device: torch.device | None = None) -> torch.Tensor:
+        """The same layout as a (rows, 1, width, width) boolean mask (True = may attend), for attention
+        implementations that take a mask (sdpa, eager): the L x L tensor the runs avoid."""
+        mask = torch.zeros((len(self.rows), 1, width, width), dtype=torch.bool, device=device)
+        for b, runs in enumerate(self.rows):
+            for run in runs:
+                n = run.end - run.start
+                mask[b, 0, run.start : run.end, run.start : run.end] = torch.ones(
+                    (n, n), dtype=torch.bool, device=device
+                ).tril()
+                mask[b, 0, run.start : run.end, run.context_start : run.context_end] = True
+        return mask
+
+
+def segments_from_position_ids(position_ids: torch.Tensor) -> Segments:
+    """The runs of packed rows whose position ids restart at each sequence (engine.packing's layout): a run
+    starts wherever a position is not its predecessor + 1, the rule transformers uses to detect packing."""
+    rows = []
+    for positions in position_ids.tolist():
+        starts = [0] + [c for c in range(1, len(positions)) if positions[c] != positions[c - 1] + 1]
+        ends = [*starts[1:], len(positions)]
+        rows.append(tuple(Run(s, e) for s, e in zip(starts, ends, strict=True)))
+    return Segments(tuple(rows))
+
+
+def _causal_with_context(n: int, context: int, device: torch.device) -> torch.Tensor:
+    """(n, context + n) bool: every query sees the context, and its own run causally."""
+    own = torch.ones((n, n), dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones((n, context), dtype=torch.bool, device=device), own], dim=1)
+
+
+def varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Causal SDPA per run of each packed row. query (B, H, L, D), key/value (B, KV, L, D) after rotary
+    embeddings; returns (B, L, H, D) as transformers' attention functions do."""
+    segments = kwargs.get(SEGMENTS_KWARG)
+    if not isinstance(segments, Segments):
+        raise RuntimeError(
+            f"attn_implementation={VARLEN} attends per packed segment and needs the segments of the packed "
+            f"rows ({SEGMENTS_KWARG}=..., passed by posttrain.engine.packing); this call gave none. Call the "
+            "model through engine.packing, or load it with attn_implementation='sdpa' for padded inputs"
+        )
+    if attention_mask is not None:
+        raise RuntimeError(
+            f"attn_implementation={VARLEN} takes its layout from {SEGMENTS_KWARG}, not from a mask; "
+            f"got a mask of shape {tuple(attention_mask.shape)}"
+        )
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise RuntimeError(
+            f"attn_implementation={VARLEN} implements full causal attention only, not sliding windows or "
+            "soft-capping; use attn_implementation=sdpa or eager for this model"
+        )
+    batch, _, width, _ = query.shape
+    if len(segments.rows) != batch:
+        raise RuntimeError(f"{SEGMENTS_KWARG} describes {len(segments.rows)} rows, the input has {batch}")
+    groups = getattr(module, "num_key_value_groups", 1)
+    rows = []
+    for b, runs in enumerate(segments.rows):
+        if not runs or runs[0].start != 0 or runs[-1].end != width:
+            raise RuntimeError(f"{SEGMENTS_KWARG}: the runs of row {b} do not tile its {width} columns")
+        outputs = []
+        for run in runs:
+            q = query[b : b + 1, :, run.start : run.end]
+            k = key[b : b + 1, :, run.start : run.end]
+            v = value[b : b + 1, :, run.start : run.end]
+            mask = None
+            if run.context_end > run.context_start:
+                k = torch.cat([key[b : b + 1, :, run.context_start : run.context_end], k], dim=2)
+                v = torch.cat([value[b : b + 1, :, run.context_start : run.context_end], v], dim=2)
+                mask = _causal_with_context(
+                    run.end - run.start, run.context_end - run.context_start, q.device
+                )
+            gqa = {}
+            if groups > 1:
+                # CPU kernels take grouped heads with or without a mask; CUDA's fast kernels only without one
+                if mask is None or q.device.type == "cpu":
+                    gqa = {"enable_gqa": True}
+                else:
+                    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, **gqa
+                )
+            )
+        rows.append(torch.cat(outputs, dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(VARLEN, varlen_attention_forward)
+
+
+def uses_varlen(model: nn.Module) -> bool:
+    """Whether `model` (plain, peft- or FSDP-wrapped) attends with `posttrain_varlen`."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == VARLEN
+
+
+def check_varlen_support(model: nn.Module) -> None:
+    """Reject a model whose attention does not go through transformers' attention registry: it would never
+    call `posttrain_varlen`, and packed rows would attend across sequences. Also sliding-window configs."""
+    get_base = getattr(model, "get_base_model", None)  # peft
+    base = get_base() if callable(get_base) else model
+    if not getattr(type(base), "_supports_attention_backend", False):
+        raise ConfigError(
+            f"{type(base).__name__} computes attention in its own code, not through transformers' "
+            f"AttentionInterface, so posttrain cannot attend per packed segment ({VARLEN}); set "
+            "model.attn_implementation=eager (packed rows with an explicit mask) or model.remove_padding=false"
+        )
+    config = base.config
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or []
+    ):
+        raise ConfigError(
+            f"{type(base).__name__} uses sliding-window attention, which {VARLEN} does not implement; set "
+            "model.attn_implementation=eager or model.remove_padding=false"
+        )

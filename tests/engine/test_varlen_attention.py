@@ -1,0 +1,163 @@
+"""Per-segment packed attention (`posttrain_varlen`): the same numbers as the masked path, no L x L tensor."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from posttrain.config.schema import OptimConfig
+from posttrain.data import keys
+from posttrain.engine.packing import PackingOptions, pack, packed_model_output, packed_response_log_probs
+from posttrain.engine.shared_prompt import pack_shared_prompts
+from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.varlen_attention import (
+    SEGMENTS_KWARG,
+    VARLEN,
+    Run,
+    Segments,
+    check_varlen_support,
+    segments_from_position_ids,
+    uses_varlen,
+)
+from posttrain.errors import ConfigError
+from posttrain.models import build_tiny_model, load_causal_lm
+
+from .helpers import grouped_rl_batch, synthetic_rl_batch
+
+
+def models(dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tiny preset (4 query heads over 2 key/value heads: grouped-query attention) under sdpa and
+    under posttrain_varlen, with the same weights."""
+    masked = build_tiny_model("tiny", seed=1).to(dtype)
+    varlen = copy.deepcopy(masked)
+    varlen.set_attn_implementation(VARLEN)
+    assert masked.config.num_key_value_heads < masked.config.num_attention_heads
+    assert uses_varlen(varlen) and not uses_varlen(masked)
+    return masked, varlen
+
+
+def outputs_and_grads(
+    model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    logits = packed_model_output(model, ids, pos, **kwargs)
+    (torch.log_softmax(logits, -1) * weights).sum().backward()
+    return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_segments_from_position_ids_restart_at_every_sequence() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]])
+    segments = segments_from_position_ids(pos)
+    assert segments.rows == ((Run(0, 3), Run(3, 4), Run(4, 6)), (Run(0, 6),))
+    assert segments.lengths == [3, 1, 2, 6]
+    assert segments.cu_seqlens(6).tolist() == [0, 3, 4, 6, 12]
+    mask = segments.attention_mask(6)[0, 0]
+    assert mask[5].tolist() == [False, False, False, False, True, True]
+    assert mask[2].tolist() == [True, True, True, False, False, False]
+
+
+def test_packed_logits_and_gradients_equal_the_masked_path_in_float64() -> None:
+    masked, varlen = models(torch.float64)
+    batch = synthetic_rl_batch(rows=14, prompt_width=9, response_width=7, vocab=1000, seed=11)
+    layout = pack(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], row_tokens=48)
+    assert layout.input_ids.shape[0] > 1  # several packed rows of several sequences each
+    weights = torch.randn((layout.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
+    ref, ref_grads = outputs_and_grads(masked, layout.input_ids, layout.position_ids, weights)
+    out, grads = outputs_and_grads(varlen, layout.input_ids, layout.position_ids, weights)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
+
+
+def test_shared_prompt_layout_equals_its_explicit_mask_in_float64() -> None:
+    masked, varlen = models(torch.float64)
+    batch = grouped_rl_batch(prompts=3, n=4, seed=7)
+    shared = pack_shared_prompts(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], 7, row_tokens=40)
+    assert any(run.context_end > run.context_start for runs in shared.segments.rows for run in runs)
+    weights = torch.randn((shared.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
+    ids, pos = shared.input_ids, shared.position_ids
+    ref, ref_grads = outputs_and_grads(masked, ids, pos, weights, attention_mask=shared.attention_mask)
+    out, grads = outputs_and_grads(varlen, ids, pos, weights, segments=shared.segments)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_float32_log_probs_and_entropy_equal_the_masked_path(
+    tiny_model_dir: Path, share_prompt: bool
+) -> None:
+    masked = load_causal_lm(tiny_model_dir, attn_implementation="sdpa")
+    varlen = load_causal_lm(tiny_model_dir, attn_implementation=VARLEN)
+    batch = grouped_rl_batch(prompts=3, n=4, seed=9)
+    ids, mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
+    options = PackingOptions(64, share_prompt)
+    ref, ref_ent = packed_response_log_probs(masked, ids, mask, 7, options, 0.7, with_entropy=True)
+    out, ent = packed_response_log_probs(varlen, ids, mask, 7, options, 0.7, with_entropy=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Every tensor an op creates: its shape (the L x L mask would be one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_no_tensor_grows_with_the_row_squared() -> None:
+    masked, varlen = models(torch.float32)
+    width, seq = 512, 64  # one row of 8 sequences of 64 tokens
+    ids = torch.randint(3, 1000, (1, width), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(seq).repeat(width // seq)[None]
+    keep = torch.tensor([width - 1])
+
+    def squared(model: torch.nn.Module) -> list[tuple[int, ...]]:
+        with ShapeRecorder() as recorder:
+            packed_model_output(model, ids, pos, keep=keep).sum().backward()
+        return [s for s in recorder.shapes if sum(d >= width for d in s) >= 2]
+
+    assert squared(masked)  # the block-diagonal mask (and sdpa's copy of it)
+    assert squared(varlen) == []
+
+
+def test_errors_instead_of_a_silent_fallback() -> None:
+    _, varlen = models(torch.float32)
+    ids, pos = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 1, 0, 1]])
+    with pytest.raises(RuntimeError, match="needs the segments of the packed rows"):
+        varlen(input_ids=ids, position_ids=pos, use_cache=False)
+    with pytest.raises(RuntimeError, match="do not tile"):
+        varlen(
+            input_ids=ids, position_ids=pos, use_cache=False, **{SEGMENTS_KWARG: Segments(((Run(0, 3),),))}
+        )
+    with pytest.raises(ValueError, match="not as a mask"):
+        packed_model_output(varlen, ids, pos, attention_mask=torch.ones((1, 1, 4, 4), dtype=torch.bool))
+
+    class OwnAttention(type(varlen)):
+        _supports_attention_backend = False
+
+    with pytest.raises(ConfigError, match="not through transformers' AttentionInterface"):
+        check_varlen_support(OwnAttention(varlen.config))
+    sliding = copy.deepcopy(varlen.config)
+    sliding.use_sliding_window = True
+    with pytest.raises(ConfigError, match="sliding-window"):
+        check_varlen_support(type(varlen)(sliding))
+
+
+def test_the_engine_attends_per_segment_under_sdpa_only(tiny_model_dir: Path) -> None:
+    config = EngineConfig(model_path=str(tiny_model_dir), optim=OptimConfig(lr=1e-3))
+    assert TrainEngine(config).model.config._attn_implementation == VARLEN
+    eager = TrainEngine(replace(config, attn_implementation="eager"))
+    assert eager.model.config._attn_implementation == "eager"
+    padded = TrainEngine(replace(config, remove_padding=False, share_prompt=False))
+    assert padded.model.config._attn_implementation == "sdpa"
