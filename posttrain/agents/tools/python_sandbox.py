@@ -18,7 +18,9 @@ Each call writes the code to a temporary directory and runs it there as
   address space (`RLIMIT_AS`: allocation fails with MemoryError), file size (`RLIMIT_FSIZE`, writes fail
   with EFBIG), processes (`RLIMIT_NPROC`), no core dumps; a wall-clock timeout; an output cap (the process
   is killed once stdout+stderr exceed it); the code runs at `nice` 10 so that generation wins a contended
-  core (see `runner.py` on sharing the 2 cores).
+  core (see `runner.py` on sharing the 2 cores). Keep the runner's `timeout_s` above this tool's, so that
+  the model reads "killed: ran longer than ..." with the output so far rather than the runner's timeout
+  (which also kills the process: a cancelled call never leaves it running).
 - **Environment**: `-I` (no user site, no PYTHON* variables), a minimal environment (no secrets inherited),
   the temporary directory as working directory and HOME, removed afterwards, stdin empty, one thread for
   BLAS/OpenMP.

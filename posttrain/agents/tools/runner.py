@@ -1,7 +1,8 @@
 """Tool calls run beside generation: bounded, timed out, never raising, answers truncated.
 
     runner = ToolRunner([CalculatorTool(), PythonSandboxTool()], max_concurrency=2, timeout_s=10)
-    outputs = await runner.run_all(parsed.calls, row["extra_info"].get("tools_kwargs", {}))
+    output = await runner.run(call, tools_kwargs.get(call.name, {}))   # one call, with its tool's row kwargs
+    outputs = await runner.run_all(parsed.calls, tools_kwargs)        # a turn's calls (tool name -> kwargs)
 
 Every failure (unknown tool, invalid arguments, an exception, a timeout) becomes a `ToolOutput` with
 `ok=False` and a message for the model; a hung tool is abandoned after `timeout_s` while the other calls
@@ -100,17 +101,18 @@ class ToolRunner:
         return ToolOutput(text=text, ok=ok, timed_out=timed_out, seconds=seconds, truncated=cut)
 
     async def run(self, call: ToolCall, row_kwargs: Mapping[str, Any] | None = None) -> ToolOutput:
-        """One call. `row_kwargs` is the row's whole `extra_info.tools_kwargs` (tool name -> that tool's
-        kwargs); the tool is given its own entry ({} when absent). Never raises for a tool's failure."""
+        """One call. `row_kwargs` are this tool's kwargs from the row (`extra_info.tools_kwargs[call.name]`,
+        {} when absent), passed to the tool as they are. Never raises for a tool's failure."""
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(self.tools) or "none"
             return self._output(f"Error: unknown tool {call.name!r}; available tools: {known}", ok=False)
-        own = (row_kwargs or {}).get(call.name) or {}
         async with self._slots():
             start = time.monotonic()
             try:
-                text = await asyncio.wait_for(tool.call(dict(call.arguments), own), self.timeout_s)
+                text = await asyncio.wait_for(
+                    tool.call(dict(call.arguments), row_kwargs or {}), self.timeout_s
+                )
                 ok, timed_out = True, False
                 if not isinstance(text, str):
                     text, ok = f"Error: tool {call.name!r} returned {type(text).__name__}, not text", False
@@ -124,10 +126,13 @@ class ToolRunner:
         return self._output(text, ok, seconds, timed_out)
 
     async def run_all(
-        self, calls: Sequence[ToolCall], row_kwargs: Mapping[str, Any] | None = None
+        self, calls: Sequence[ToolCall], tools_kwargs: Mapping[str, Mapping[str, Any]] | None = None
     ) -> list[ToolOutput]:
-        """The calls of one turn, concurrently (within the runner's bound), answers in the calls' order."""
-        return list(await asyncio.gather(*(self.run(call, row_kwargs) for call in calls)))
+        """The calls of one turn, concurrently (within the runner's bound), answers in the calls' order.
+        `tools_kwargs` is the row's whole `extra_info.tools_kwargs` (tool name -> kwargs): each call gets its
+        own tool's entry."""
+        kwargs = tools_kwargs or {}
+        return list(await asyncio.gather(*(self.run(call, kwargs.get(call.name)) for call in calls)))
 
     async def close(self) -> None:
         """Closes the tools that hold resources (those with a `close` method, sync or async)."""

@@ -20,18 +20,10 @@ from typing import Any, Literal
 from posttrain.errors import ConfigError
 
 _JSON_TYPES: dict[type, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
-_SECTIONS = (
-    "args",
-    "arguments",
-    "parameters",
-    "returns",
-    "return",
-    "raises",
-    "yields",
-    "example",
-    "examples",
+_SECTIONS = frozenset(
+    ("args", "arguments", "parameters", "returns", "return", "raises", "yields", "example", "examples")
+    + ("note", "notes", "see also", "attributes")
 )
-_SECTIONS += ("note", "notes", "see also", "attributes")
 
 
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:

@@ -125,11 +125,14 @@ def test_row_kwargs_are_given_per_tool() -> None:
         async def call(self, arguments: dict, row_kwargs: dict) -> str:
             return str(row_kwargs.get("create_kwargs", {}).get("user", "nobody"))
 
-    runner = ToolRunner([Whoami()])
-    tools_kwargs = {"whoami": {"create_kwargs": {"user": "ada"}}, "other": {"x": 1}}
-    assert asyncio.run(runner.run(ToolCall("whoami", {}), tools_kwargs)).text == "ada"
+    runner = ToolRunner([Whoami(), CalculatorTool()])
+    own = {"create_kwargs": {"user": "ada"}}
+    assert asyncio.run(runner.run(ToolCall("whoami", {}), own)).text == "ada"  # run: that tool's own kwargs
     assert asyncio.run(runner.run(ToolCall("whoami", {}))).text == "nobody"
-    assert runner.schemas() == [Whoami().schema()]
+    tools_kwargs = {"whoami": {"create_kwargs": {"user": "bob"}}, "calculator": {}}  # run_all: the row's all
+    calls = [ToolCall("whoami", {}), ToolCall("calculator", {"expression": "1+1"}), ToolCall("whoami", {})]
+    assert [o.text for o in asyncio.run(runner.run_all(calls, tools_kwargs))] == ["bob", "2", "bob"]
+    assert runner.schemas()[0] == Whoami().schema()
 
 
 @pytest.mark.parametrize("side", ["left", "right", "middle"])
