@@ -18,7 +18,11 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+from tinker import types
+
 from posttrain.agents.types import Completion
+from posttrain.errors import ConfigError
 
 # (prompts, max_tokens, stop token ids) -> one completion per prompt; blocking (it runs in a thread)
 GenerateFn = Callable[[list[list[int]], int, list[int]], list[Completion]]
@@ -88,3 +92,70 @@ def _truncated(completion: Completion, max_tokens: int) -> Completion:
     if len(completion.tokens) <= max_tokens:
         return completion
     return Completion(completion.tokens[:max_tokens], completion.logprobs[:max_tokens], "length")
+
+
+@dataclass
+class BatchedSamplingClient:
+    """The explicit API's `SamplingClient` surface (`sample`, `sample_async`) over a `WaveSampler`, so an
+    agent written against a `SamplingClient` runs unchanged inside the RL trainer: its calls that wait
+    together are generated as one batch on the trainer's rollout group.
+
+    The trainer samples with its configured settings (`rollout.temperature`, `top_p`, `top_k`); a call
+    asking for other ones, for a seed, or for stop strings is refused rather than silently sampled with
+    the trainer's. Stop token ids and `max_tokens` are per call."""
+
+    waves: WaveSampler
+    temperature: float
+    top_p: float
+    top_k: int
+    _calls: int = 0
+
+    def _check(self, params: types.SamplingParams) -> list[int]:
+        wanted = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+        ours = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        # tinker's "no top-k" is -1, ours 0
+        if wanted["top_k"] in (-1, 0) and ours["top_k"] in (-1, 0):
+            wanted["top_k"] = ours["top_k"]
+        differ = {k: (v, ours[k]) for k, v in wanted.items() if v != ours[k]}
+        if differ:
+            shown = ", ".join(f"{k}={v} (the trainer's: {o})" for k, (v, o) in differ.items())
+            raise ConfigError(f"the RL trainer samples with its rollout settings; this call asks for {shown}")
+        if params.seed is not None:
+            raise ConfigError(
+                "the RL trainer's sampler is seeded by trainer.seed; a per-call seed is not taken"
+            )
+        stop = params.stop
+        if stop is None:
+            return []
+        if isinstance(stop, str) or not all(isinstance(s, int) for s in stop):
+            raise ConfigError("the RL trainer's sampler takes stop token ids, not stop strings")
+        return list(stop)
+
+    async def sample_async(
+        self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams, **_: object
+    ) -> types.SampleResponse:
+        stop = self._check(sampling_params)
+        if sampling_params.max_tokens is None:
+            raise ConfigError("sampling_params.max_tokens is required")
+        tokens = prompt.to_ints()
+        completions = await asyncio.gather(
+            *(self.waves.sample(tokens, sampling_params.max_tokens, stop) for _ in range(num_samples))
+        )
+        self._calls += 1
+        return types.SampleResponse(
+            sequences=[
+                types.SampledSequence(
+                    stop_reason="length" if c.stop_reason == "length" else "stop",
+                    sequence_id=f"wave-sample-{self._calls}:{i}",
+                    tokens_np=np.asarray(c.tokens, dtype=np.int32),
+                    logprobs_np=np.asarray(c.logprobs, dtype=np.float32),
+                )
+                for i, c in enumerate(completions)
+            ]
+        )
+
+    def sample(
+        self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams, **kw: object
+    ) -> asyncio.Task[types.SampleResponse]:
+        """Awaitable result (call from the agent loop's event loop)."""
+        return asyncio.ensure_future(self.sample_async(prompt, num_samples, sampling_params, **kw))

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from posttrain.agents.chat_render import ChatRenderer
 from posttrain.agents.env import EnvGroupBuilder, Scorer, SingleTurnGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.rewards import default_compute_score
+
+if TYPE_CHECKING:
+    from posttrain.agents.tool_env import ToolEnvSettings
+    from posttrain.agents.tools import ToolCallParser, ToolRunner
 
 DEFAULT_AGENT = "single_turn"
 
@@ -29,7 +34,18 @@ class AgentSetup:
 
     tokenizer: Any
     scorer: Callable[[str, str, str, Mapping[str, Any]], float] | None = None  # (source, text, truth, info)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # a user agent's own settings
+    tool_runner: ToolRunner | None = None  # the run's tools (None: no tools)
+    tool_parser: ToolCallParser | None = None  # how tool calls are read from the model's text
+    tool_settings: ToolEnvSettings | None = None  # per-episode tool limits (None: the defaults)
+    _renderer: ChatRenderer | None = field(default=None, repr=False)
+
+    def renderer(self) -> ChatRenderer:
+        """The chat renderer of the run's tokenizer and tools (made once)."""
+        if self._renderer is None:
+            tools = self.tool_runner.schemas() if self.tool_runner is not None else None
+            self._renderer = ChatRenderer(self.tokenizer, tools)
+        return self._renderer
 
     def score(self, data_source: str, text: str, ground_truth: str, extra_info: Mapping[str, Any]) -> float:
         if self.scorer is not None:
@@ -95,3 +111,7 @@ def single_turn(row: Mapping[str, Any], setup: AgentSetup) -> EnvGroupBuilder:
     prompt = list(tok.encode(text, add_special_tokens=False))
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     return SingleTurnGroup(prompt, decode, setup.row_scorer(row), ground_truth(row), (tok.eos_token_id,))
+
+
+# agents defined in their own modules register on import (after this module's names exist)
+from posttrain.agents import tool_env  # noqa: E402, F401

@@ -31,10 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "data", help="write a built-in task, prepare GSM8K (verl-format parquet), validate a file"
     )
     tasks = data.add_subparsers(
-        dest="task", required=True, metavar="{arithmetic,long_addition,gsm8k,validate}"
+        dest="task", required=True, metavar="{arithmetic,long_addition,tool_multiplication,gsm8k,validate}"
     )
     for name in ("arithmetic", "long_addition"):
         _add_task_parser(tasks, name)
+    _add_tool_task_parser(tasks)
 
     p = tasks.add_parser("gsm8k", help="GSM8K as verl-format parquet (from --src, else the Hugging Face hub)")
     p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
@@ -87,6 +88,36 @@ def _add_task_parser(tasks: argparse._SubParsersAction, name: str) -> None:
         )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_write_task)
+
+
+def _add_tool_task_parser(tasks: argparse._SubParsersAction) -> None:
+    from posttrain.data.tasks import write_tool_multiplication_dataset
+
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(write_tool_multiplication_dataset).parameters.items()
+        if v.default is not inspect.Parameter.empty
+    }
+    p = tasks.add_parser(
+        "tool_multiplication",
+        help="the built-in agent task (multiplication with the calculator tool): train/test agent rows and "
+        "sft.parquet, tool-using demonstrations for a warm start",
+    )
+    p.add_argument("--out", required=True, help="folder for train.parquet, test.parquet and sft.parquet")
+    for key in ("n_train", "n_test", "n_sft", "min_digits", "max_digits", "seed"):
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=defaults[key])
+    p.set_defaults(func=_write_tool_task)
+
+
+def _write_tool_task(args: argparse.Namespace) -> None:
+    from posttrain.agents.tools import build_tools
+    from posttrain.data.tasks import write_tool_multiplication_dataset
+
+    tools = [t.schema() for t in build_tools(["calculator"], None)]
+    options = {
+        k: getattr(args, k) for k in ("n_train", "n_test", "n_sft", "min_digits", "max_digits", "seed")
+    }
+    _print_paths(write_tool_multiplication_dataset(args.out, tools, **options))
 
 
 def _write_task(args: argparse.Namespace) -> None:

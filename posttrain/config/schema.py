@@ -200,6 +200,31 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Agent episodes (posttrain/agents): multi-turn chats with tools, trained on exactly the sampled tokens."""
+
+    # every training and validation row runs as an agent episode; its agent_name picks the loop (tool_agent:
+    # a chat with the tools below; none: single_turn)
+    enable: bool = False
+    tools: tuple[str, ...] = ()  # built-in tools by name: calculator, python
+    tool_config_path: str = ""  # a tool config in verl's YAML shape; its tools are added to `tools`
+    tool_parser: str = "hermes"  # how tool calls are read from the model's text
+    max_turns: int = 4  # assistant turns per episode (each at most data.max_response_length tokens)
+    max_total_tokens: int = 1024  # the whole conversation: prompt, every turn and every tool response
+    max_tool_calls: int = 8  # per episode; more ends it (stop reason max_tool_calls)
+    max_parallel_calls: int = 4  # per turn; the others are answered with an error
+    max_invalid_turns: int = 2  # turns in a row with a malformed call before the episode ends (parse_error)
+    tool_timeout_s: float = 10.0  # a call running longer is stopped
+    end_on_tool_timeout: bool = True  # a timed-out call ends the episode (tool_timeout); false: error message
+    # tool calls running at once, in threads or sandbox processes beside generation (on a 2-core machine,
+    # 1-2: generation keeps the other core)
+    tool_concurrency: int = 2
+    max_tool_response_chars: int = 1024  # longer tool responses are cut, on this side:
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "right"
+    tool_use_bonus: float = 0.0  # added to a final answer's score after >= 1 successful tool call
+
+
+@dataclass(frozen=True)
 class RayConfig:
     address: str = ""  # empty = start a local, loopback-only Ray instance
     num_cpus: int = 0  # local instance only; 0 = all cores
@@ -242,7 +267,9 @@ class TrainerConfig:
     max_restarts: int = 0  # after a worker failure: new workers, resume from the last checkpoint; 0 = exit
     restart_wait_s: float = 120.0  # a restart waits this long for the failed workers' resources to be freed
     collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
+    # any of console, jsonl, tensorboard, wandb (offline, in <run_dir>/wandb), mlflow (<run_dir>/mlflow.db)
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    plots: bool = True  # PNG figures of metrics.jsonl in <run_dir>/plots when the run ends (needs jsonl)
     threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers on the node
 
     @property
@@ -263,6 +290,7 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -298,7 +326,9 @@ class SFTTrainerConfig:
     collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
     seed: int = 0
     val_every: int = 0  # steps; 0 = only at the end
+    # any of console, jsonl, tensorboard, wandb (offline, in <run_dir>/wandb), mlflow (<run_dir>/mlflow.db)
     loggers: tuple[str, ...] = ("console", "jsonl")
+    plots: bool = True  # PNG figures of metrics.jsonl in <run_dir>/plots when the run ends (needs jsonl)
     threads_per_worker: int = 0
     save_hf_dir: str = ""  # where the trained model is written as a HF directory; empty = <run_dir>/hf
     stop_at_val_nll: float = 0.0  # early stop: end (and export) once a validation's NLL is at most this

@@ -210,6 +210,9 @@ class PromptDataset:
                     "data_source": data_source,
                     "ground_truth": ground_truth,
                     "extra_info": extra_info,
+                    "messages": messages,
+                    # verl's multi-turn convention: which agent loop runs the row (None: single_turn)
+                    "agent_name": row.get("agent_name") or None,
                 }
             )
         report_filtered(self.files, self.n_filtered, n_total, f"max_prompt_length={max_prompt_length}")
@@ -218,7 +221,8 @@ class PromptDataset:
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """`input_ids` (list[int]), `raw_prompt`, `data_source`, `ground_truth`, `extra_info`, `index`
+        """`input_ids` (list[int]), `raw_prompt`, `data_source`, `ground_truth`, `extra_info`, `messages` (the
+        prompt's chat messages), `agent_name` (or None), `index`
         (the row's position in this dataset, stable across runs with the same files and tokenizer)."""
         item = self._items[i]
         index = range(len(self._items))[i]

@@ -12,6 +12,7 @@ Must not import engine, rollout, worker, Ray or model code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +100,15 @@ class SFTDataset:
             messages = parse_conversation(row["messages"], where)
             tools = row.get("tools")
             tools = tools.tolist() if isinstance(tools, np.ndarray) else tools
+            if isinstance(tools, str):  # parquet keeps JSON schemas whole as a JSON string
+                try:
+                    tools = json.loads(tools)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where}: field 'tools' is not valid JSON: {exc}") from None
+            if tools is not None and not (
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+            ):
+                raise DataError(f"{where}: field 'tools' must be a list of tool schemas (objects)")
             return conversation_tokens(tokenizer, messages, self.train_on, where, tools=tools or None)
         if row.get("text") is not None:
             ids = text_tokens(tokenizer, as_text(row["text"], "text", where), eos)

@@ -29,7 +29,8 @@ def extract_last_integer(text: str) -> int | None:
     return int(value)
 
 
-@register_scorer("arithmetic", "long_addition")  # long_addition's worked solution ends "answer <sum>"
+# long_addition's worked solution ends "answer <sum>"; tool_multiplication's answer "The answer is <product>."
+@register_scorer("arithmetic", "long_addition", "tool_multiplication")
 def compute_score(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
     """1.0 if the last integer in the response equals the integer ground truth, else 0.0."""
     try:

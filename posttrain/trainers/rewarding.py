@@ -70,6 +70,10 @@ class RewardStage:
         self.step = step
         self._tally = StepFailures(0, 0)
 
+    def count(self, result: RewardResult) -> None:
+        """Count scores made outside `score` (agent episodes score their final answers) in this step."""
+        self._tally = self._tally.add(result)
+
     def end_step(self) -> dict[str, float]:
         """The step's `reward/errors` and `reward/error_rate` over every row it scored (all rounds of dynamic
         sampling, ReMax's greedy baselines); RewardError (with the first failure's traceback) when the stop

@@ -27,6 +27,7 @@ from posttrain.errors import ConfigError, RewardError, WorkerError
 from posttrain.models import load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
+from posttrain.trainers.agent_generation import AgentStage
 from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
@@ -43,7 +44,7 @@ from posttrain.trainers.setup import (
 from posttrain.trainers.step_metrics import CONSOLE_KEYS, batch_metrics, timed, val_only
 from posttrain.trainers.throughput import PerfMeter
 from posttrain.trainers.updates import Metrics, balance_across_workers, minibatch_updates
-from posttrain.trainers.validation import validate
+from posttrain.trainers.validation import SAMPLES_DIR, validate
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.process import ProcessRNG, seed_everything
 
@@ -81,6 +82,8 @@ class RLTrainer:
             seed=cfg.trainer.seed,
         )
         self.rewards = RewardStage(cfg)
+        # agent.enable: rows run as multi-turn agent episodes (tools) instead of one response per prompt
+        self.agents = AgentStage(cfg, self.tokenizer, self.rewards) if cfg.agent.enable else None
         self.sampling = SamplingParams(
             max_tokens=cfg.data.max_response_length,
             temperature=cfg.rollout.temperature,
@@ -132,6 +135,7 @@ class RLTrainer:
             config=to_dict(cfg),
             console_keys=CONSOLE_KEYS,
             console_only_keys=True,
+            plots=cfg.trainer.plots,
         )
         stop, finished = StopSignals(), False
         try:
@@ -148,6 +152,8 @@ class RLTrainer:
             raise RewardError(f"{exc}\n{self._resume_hint()}") from None
         finally:
             tracker.close()
+            if self.agents is not None:
+                self.agents.close()
             self._stop_workers()
             if owns_ray and (stop.requested or not finished):
                 stop_ray()
@@ -237,9 +243,14 @@ class RLTrainer:
         actor, rollout = self._running()
         with timed(timings, "step"):
             with timed(timings, "gen"):
-                batch, gen_metrics = generate_step_batch(
-                    cfg, rollout, self.loader, self.sampling, self.rewards
-                )
+                if self.agents is not None:
+                    batch, gen_metrics = self.agents.step_batch(
+                        rollout, self.loader.next_batch(), self.train_set, self.sampling, self.rewards
+                    )
+                else:
+                    batch, gen_metrics = generate_step_batch(
+                        cfg, rollout, self.loader, self.sampling, self.rewards
+                    )
             if cfg.trainer.balance_batch and cfg.trainer.world_size > 1:
                 batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
                 gen_metrics.update(balance_metrics)
@@ -333,6 +344,10 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         assert self.val_set is not None
         _, rollout = self._running()
+        if self.agents is not None:
+            return self.agents.validate(
+                rollout, self.val_set, self.val_sampling, self.cfg.data.val_max_prompts, self.rewards
+            )
         return validate(
             rollout,
             self.val_set,
@@ -340,6 +355,8 @@ class RLTrainer:
             self.val_sampling,
             self.rewards,
             self.cfg.data.val_max_prompts,
+            samples_dir=self.run_dir / SAMPLES_DIR,
+            step=self.step_count,
         )
 
     def _log_validation(self, tracker: Tracker) -> None:

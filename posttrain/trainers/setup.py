@@ -30,6 +30,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
+from posttrain.tracking import check_backends
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
 
@@ -99,13 +100,19 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_model_dir(cfg.model.path)
     check_model_options(
         cfg.model,
-        cfg.data.max_prompt_length + cfg.data.max_response_length,
+        max(
+            cfg.data.max_prompt_length + cfg.data.max_response_length,
+            cfg.agent.max_total_tokens if cfg.agent.enable else 0,
+        ),
         {
             "actor.max_token_len_per_worker": cfg.actor.max_token_len_per_worker,
             "critic.max_token_len_per_worker": cfg.critic.max_token_len_per_worker,
         },
     )
     check_files(cfg.data.train_files, "data.train_files")
+    from posttrain.trainers.agent_generation import check_agent_config  # agents only when asked for
+
+    check_agent_config(cfg)
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         check_files(cfg.data.val_files, "data.val_files")
     estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -147,11 +154,7 @@ def check_rl_config(cfg: RLConfig) -> None:
         raise ConfigError(f"actor.micro_batch_size must be > 0, got {cfg.actor.micro_batch_size}")
     if cfg.reward.custom_function_path:
         load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
-    for backend in cfg.trainer.loggers:
-        if backend not in ("console", "jsonl", "tensorboard"):
-            raise ConfigError(
-                f"unknown trainer.loggers entry '{backend}'; valid: console, jsonl, tensorboard"
-            )
+    check_backends(cfg.trainer.loggers, key="trainer.loggers")  # unknown names; wandb/mlflow not installed
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo")

@@ -8,6 +8,7 @@ from typing import Any
 
 from posttrain.data.tasks.arithmetic import write_arithmetic_dataset
 from posttrain.data.tasks.long_addition import write_long_addition_dataset
+from posttrain.data.tasks.tool_multiplication import write_tool_multiplication_dataset
 from posttrain.errors import DataError
 
 TaskWriter = Callable[..., dict[str, Path]]
@@ -15,6 +16,7 @@ TaskWriter = Callable[..., dict[str, Path]]
 TASK_WRITERS: dict[str, TaskWriter] = {
     "arithmetic": write_arithmetic_dataset,
     "long_addition": write_long_addition_dataset,
+    "tool_multiplication": write_tool_multiplication_dataset,
 }
 
 
@@ -35,5 +37,6 @@ __all__ = [
     "get_task_writer",
     "write_arithmetic_dataset",
     "write_long_addition_dataset",
+    "write_tool_multiplication_dataset",
     "write_task",
 ]

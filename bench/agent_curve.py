@@ -1,0 +1,213 @@
+"""GRPO teaching the tiny model to use a calculator: held-out tool-use success and accuracy over steps.
+
+The built-in agent task (posttrain/data/tasks/tool_multiplication.py) asks for products of 3-4 digit
+numbers, which the ~1M model cannot compute: it succeeds only by calling the calculator with the right
+expression and copying its result into the answer. The model's tokenizer is trained on texts that include
+the tool-call format; an SFT warm start on a few tool-using demonstrations (`sft.parquet`) teaches the format
+imperfectly; GRPO on multi-turn episodes (the trainer's agent path, `agent.enable=true`) then raises the share
+of held-out episodes with a successful call and the accuracy. Repeated over seeds (the SFT warm start is
+shared; each seed is a GRPO run).
+
+    python bench/agent_curve.py                      # 3 seeds x 30 steps (~10 min on 2 cores)
+    python bench/agent_curve.py --steps 10 --repeats 1
+
+Writes bench/results/agent_curve.json (BENCHMARKS.md format) and bench/results/agent_curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS, machine_info, write_result
+
+from posttrain.agents.tools import build_tools
+from posttrain.config.load import load_config
+from posttrain.config.schema import RLConfig, SFTConfig
+from posttrain.data.tasks import arithmetic, tool_multiplication
+from posttrain.models import make_tiny_model
+from posttrain.trainers.rl import RLTrainer
+from posttrain.trainers.sft import SFTTrainer
+from posttrain.workers.process import quiet_transformers
+
+SFT_OVERRIDES = [
+    "optim.lr=3e-3",
+    "optim.lr_schedule=cosine",
+    "optim.warmup_steps=20",
+    "optim.batch_size=16",
+    "data.train_on=all_assistant",
+    "trainer.val_every=0",
+    "trainer.loggers=[jsonl]",
+]
+RL_OVERRIDES = [
+    "trainer.backend=local",
+    "actor.optim.lr=3e-4",
+    "data.train_batch_prompts=8",
+    "data.max_response_length=40",
+    "rollout.n=8",
+    "rollout.val_temperature=0.0",
+    "agent.enable=true",
+    "agent.tools=[calculator]",
+    "agent.max_turns=3",
+    "agent.max_total_tokens=900",
+    "agent.tool_use_bonus=0.1",
+    "trainer.val_every=5",
+    "data.val_max_prompts=64",
+    "trainer.save_every=0",
+    "trainer.loggers=[jsonl]",
+    "trainer.resume=false",
+]
+
+
+def warm_start(work: Path, n_sft: int, sft_steps: int) -> tuple[Path, list[str]]:
+    """The model (tokenizer trained with the tool format), the task files, and the SFT warm start."""
+    tools = [t.schema() for t in build_tools(["calculator"], None)]
+    model, data, sft = work / "model", work / "data", work / "sft"
+    if not (model / "config.json").exists():
+        texts = arithmetic.corpus(10000, seed=0) + tool_multiplication.corpus(10000, seed=0, tools=tools)
+        make_tiny_model("tiny", model, texts)
+    if not (data / "sft.parquet").exists():
+        tool_multiplication.write_tool_multiplication_dataset(
+            data, tools, n_train=2000, n_test=128, n_sft=n_sft
+        )
+    files = [f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]"]
+    if not (sft / "hf" / "config.json").exists():
+        cfg = load_config(
+            SFTConfig,
+            "sft",
+            [
+                f"model.path={model}",
+                f"data.train_files=[{data / 'sft.parquet'}]",
+                f"trainer.run_dir={sft}",
+                f"trainer.total_steps={sft_steps}",
+                *SFT_OVERRIDES,
+            ],
+        )
+        SFTTrainer(cfg).fit()
+    return sft / "hf", files
+
+
+def run(seed: int, model: Path, files: list[str], run_dir: Path, steps: int) -> list[dict]:
+    cfg = load_config(
+        RLConfig,
+        "rl",
+        [
+            f"model.path={model}",
+            *files,
+            *RL_OVERRIDES,
+            f"trainer.run_dir={run_dir}",
+            f"trainer.total_steps={steps}",
+            f"trainer.seed={seed}",
+        ],
+    )
+    RLTrainer(cfg).fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {
+            "step": r["step"],
+            "val_acc": r["val/acc"],
+            "tool_success": r["val/agent/tool_success"],
+            "turns": r["val/agent/turns_mean"],
+        }
+        for r in rows
+        if "val/acc" in r
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--n-sft", type=int, default=128, help="tool-using demonstrations for the warm start")
+    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--work", default="/tmp/posttrain-bench-agent")
+    args = parser.parse_args()
+    quiet_transformers()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model, files = warm_start(work, args.n_sft, args.sft_steps)
+    curves = []
+    for seed in range(args.repeats):
+        curves.append(run(seed, model, files, work / f"grpo-seed{seed}", args.steps))
+        first, last = curves[-1][0], curves[-1][-1]
+        print(
+            f"seed {seed}: tool success {first['tool_success']:.3f} -> {last['tool_success']:.3f}, "
+            f"accuracy {first['val_acc']:.3f} -> {last['val_acc']:.3f}",
+            flush=True,
+        )
+    rows = []
+    for metric in ("val_acc", "tool_success"):
+        start = [c[0][metric] for c in curves]
+        end = [c[-1][metric] for c in curves]
+        rows.append(
+            {
+                "case": f"tool_multiplication 3-4 digits, tiny, GRPO {args.steps} steps from SFT on {args.n_sft} demos",
+                "metric": f"held_out_{metric}",
+                "value": round(statistics.median(end), 4),
+                "baseline_name": "sft_warm_start",
+                "baseline_value": round(statistics.median(start), 4),
+                "ratio": round(statistics.median(end) / max(statistics.median(start), 1e-9), 4),
+                "higher_is_better": True,
+                "repeats": len(end),
+                "spread": [round(min(end), 4), round(max(end), 4)],
+                "per_seed_start": start,
+                "per_seed_end": end,
+            }
+        )
+    result = {
+        "bench": "agent_curve",
+        "machine": machine_info(torch.get_num_threads()),
+        "command": "python " + " ".join(sys.argv),
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": rows,
+        "curves": curves,
+    }
+    write_result("agent_curve.json", result)
+    plot(curves, RESULTS / "agent_curve.png")
+    for row in rows:
+        print(
+            f"{row['metric']:<26} start {row['baseline_value']:.3f}  end median {row['value']:.3f} "
+            f"[{row['spread'][0]:.3f}, {row['spread'][1]:.3f}] over {row['repeats']} seeds"
+        )
+    print(f"wrote {RESULTS / 'agent_curve.json'} and agent_curve.png ({result['seconds']} s)")
+
+
+def plot(curves: list[list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for metric, color, label in (
+        ("val_acc", "tab:blue", "accuracy"),
+        ("tool_success", "tab:orange", "tool-use success"),
+    ):
+        for i, curve in enumerate(curves):
+            ax.plot(
+                [c["step"] for c in curve],
+                [c[metric] for c in curve],
+                color=color,
+                alpha=0.9 if i == 0 else 0.45,
+                label=label if i == 0 else None,
+                marker="o",
+                markersize=3,
+            )
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out share of episodes (greedy)")
+    ax.set_title("tiny Qwen2 learning to use a calculator (GRPO on multi-turn episodes)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

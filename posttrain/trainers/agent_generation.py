@@ -1,0 +1,303 @@
+"""Driver-side generation for agent tasks: each prompt row runs as `rollout.n` agent episodes.
+
+With `agent.enable`, a step's rollouts are episodes of the agent loop (posttrain/agents): a row's
+`agent_name` picks the loop (`tool_agent`: a chat with the run's tools; none: `single_turn`), the episodes of
+all rows run concurrently, and their sampling requests are generated in waves on the rollout group
+(`WaveSampler`: one batched `sample` call for every episode waiting at once, tools running meanwhile).
+Each finished episode becomes one training row with exactly the sampled ids: `response_mask` 1 on the
+model's tokens, 0 on tool responses and template headers (agents/training_data.py). Its reward (the
+episode's, with the final answer's score and the tool-use bonus) sits on its last model token, so every
+outcome-based advantage estimator (GRPO, RLOO, REINFORCE++, ...) works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+from tinker import types
+
+from posttrain.agents.batching import BatchedSamplingClient, WaveSampler
+from posttrain.agents.registry import AgentSetup, group_builder
+from posttrain.agents.rollout import EpisodeLimits, run_groups
+from posttrain.agents.samplers import ClientSampler
+from posttrain.agents.tool_env import ToolEnvSettings
+from posttrain.agents.tools import ToolRunner, build_tools, get_parser
+from posttrain.agents.training_data import TokenSequence, sequences_batch, trajectory_sequences
+from posttrain.agents.types import Completion, Trajectory
+from posttrain.config.schema import RLConfig
+from posttrain.controller.roles import Rollout
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.dataset import PromptDataset, position_ids_from_mask
+from posttrain.errors import ConfigError
+from posttrain.rewards.manager import RewardResult
+from posttrain.rollout.base import SamplingParams
+from posttrain.trainers.rewarding import RewardStage
+
+# settings the agent path cannot honour yet: rejected, never silently ignored
+_UNSUPPORTED: dict[str, Callable[[RLConfig], bool]] = {
+    "algorithm.dynamic_sampling": lambda c: c.algorithm.dynamic_sampling,
+    "algorithm.adv_estimator=remax": lambda c: c.algorithm.adv_estimator == "remax",
+    "algorithm.adv_estimator=gae (or critic.enable)": lambda c: c.critic.enable,
+    "reward.overlong_buffer_len": lambda c: c.reward.overlong_buffer_len > 0,
+}
+
+
+def check_agent_config(cfg: RLConfig) -> None:
+    """Names and limits that need no model: tools, parser, limits; settings the agent path does not take."""
+    agent = cfg.agent
+    if not agent.enable:
+        if agent.tools or agent.tool_config_path:
+            raise ConfigError("agent.tools / agent.tool_config_path are set but agent.enable is false")
+        return
+    for name, used in _UNSUPPORTED.items():
+        if used(cfg):
+            raise ConfigError(f"agent.enable=true does not support {name} yet")
+    get_parser(agent.tool_parser)
+    ToolEnvSettings(agent.max_tool_calls, agent.max_parallel_calls, agent.max_invalid_turns)
+
+
+def dataset_row(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A PromptDataset item as verl's row (what the agent registry reads)."""
+    return {
+        "prompt": item["messages"],
+        "agent_name": item.get("agent_name"),
+        "data_source": item["data_source"],
+        "reward_model": {"ground_truth": item["ground_truth"]},
+        "extra_info": item["extra_info"],
+    }
+
+
+class AgentStage:
+    """Runs a step's (or a validation's) prompt rows as agent episodes on a rollout group."""
+
+    def __init__(self, cfg: RLConfig, tokenizer: Any, rewards: RewardStage) -> None:
+        """`rewards` scores final answers; `step_batch`/`validate` take the trainer's current one."""
+        check_agent_config(cfg)
+        agent = cfg.agent
+        self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, rewards
+        tools = build_tools(agent.tools, agent.tool_config_path or None)
+        self.runner = (
+            ToolRunner(
+                tools,
+                max_concurrency=agent.tool_concurrency,
+                timeout_s=agent.tool_timeout_s,
+                max_response_chars=agent.max_tool_response_chars,
+                truncate_side=agent.tool_response_truncate_side,
+            )
+            if tools
+            else None
+        )
+        self.setup = AgentSetup(
+            tokenizer,
+            scorer=self._score,
+            tool_runner=self.runner,
+            tool_parser=get_parser(agent.tool_parser) if tools else None,
+            tool_settings=ToolEnvSettings(
+                max_tool_calls=agent.max_tool_calls,
+                max_parallel_calls=agent.max_parallel_calls,
+                max_invalid_turns=agent.max_invalid_turns,
+                end_on_tool_timeout=agent.end_on_tool_timeout,
+                tool_use_bonus=agent.tool_use_bonus,
+            ),
+        )
+        self.limits = EpisodeLimits(
+            max_turns=agent.max_turns,
+            max_tokens_per_turn=cfg.data.max_response_length,
+            max_total_tokens=agent.max_total_tokens,
+        )
+        self.loop = asyncio.new_event_loop()  # one loop for the run: the tool pool's semaphore lives in it
+        self._results: list[RewardResult] = []
+
+    def close(self) -> None:
+        """Stop the tools' processes and threads (a later run starts them again)."""
+        if self.runner is not None:
+            self.loop.run_until_complete(self.runner.close())
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def _score(self, source: str, text: str, truth: str, info: Mapping[str, Any]) -> float:
+        result = self.rewards.manager.score([source], [text], [truth], [dict(info)])
+        self._results.append(result)
+        return float(result.scores[0])
+
+    def _scored(self) -> RewardResult:
+        """Every score of the last run as one result (for the error tally), and a fresh list."""
+        results, self._results = self._results, []
+        first = next((r.first_traceback for r in results if r.first_traceback), "")
+        return RewardResult(
+            scores=[s for r in results for s in r.scores],
+            n_errors=sum(r.n_errors for r in results),
+            first_traceback=first,
+        )
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _generate(
+        self,
+        rollout: Rollout,
+        sampling: SamplingParams,
+        prompts: list[list[int]],
+        max_tokens: int,
+        stop: list[int],
+    ) -> list[Completion]:
+        """One wave: every waiting prompt in one `sample` call (rows padded to a multiple of the world size)."""
+        rows = len(prompts) + (-len(prompts)) % rollout.world_size
+        padded = prompts + [prompts[-1]] * (rows - len(prompts))
+        width = max(len(p) for p in padded)
+        input_ids = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((rows, width), dtype=torch.long)
+        for i, p in enumerate(padded):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
+        batch = Batch.from_dict(
+            {
+                keys.INPUT_IDS: input_ids,
+                keys.ATTENTION_MASK: attention,
+                keys.POSITION_IDS: position_ids_from_mask(attention),
+            }
+        )
+        stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *stop]))
+        out = rollout.sample(batch, replace(sampling, max_tokens=max_tokens, stop_token_ids=stops))
+        completions = []
+        for i in range(len(prompts)):
+            taken = out[keys.RESPONSE_MASK][i].bool()
+            completions.append(
+                Completion(
+                    out[keys.RESPONSES][i][taken].tolist(),
+                    out[keys.ROLLOUT_LOG_PROBS][i][taken].tolist(),
+                    str(out[keys.STOP_REASON][i]),
+                )
+            )
+        return completions
+
+    def run(
+        self, rollout: Rollout, items: Sequence[Mapping[str, Any]], n: int, sampling: SamplingParams
+    ) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        """`n` episodes per item (a dataset item), run to their ends; the groups and the agent metrics."""
+        builders = [group_builder(dataset_row(item), self.setup, int(item["index"])) for item in items]
+        waves = WaveSampler(partial(self._generate, rollout, sampling))
+        # the same sampler as on the explicit API: a SamplingClient, here over the trainer's rollout group
+        client = BatchedSamplingClient(waves, sampling.temperature, sampling.top_p, sampling.top_k)
+        params = types.SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1
+        )
+        start = time.perf_counter()
+        groups, metrics = self.loop.run_until_complete(
+            run_groups(builders, n, ClientSampler(client, params), self.limits)
+        )
+        metrics["agent/generate_waves"] = float(waves.waves)
+        metrics["agent/requests_per_wave"] = waves.requests / max(waves.waves, 1)
+        metrics["timing/agent_episodes"] = time.perf_counter() - start
+        return groups, metrics
+
+    def step_batch(
+        self,
+        rollout: Rollout,
+        prompts: Batch,
+        dataset: PromptDataset,
+        sampling: SamplingParams,
+        rewards: RewardStage,
+    ) -> tuple[Batch, dict[str, float]]:
+        """The step's scored rollouts as training rows (see the module docstring)."""
+        self.rewards = rewards
+        items = [dataset[int(i)] for i in prompts[keys.INDEX]]
+        uids = list(prompts[keys.UID])
+        groups, metrics = self.run(rollout, items, self.cfg.rollout.n, sampling)
+        self.rewards.count(self._scored())
+        batch = trajectories_batch(groups, items, uids, self.tokenizer.pad_token_id)
+        metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
+        metrics.update(self.rewards.end_step())
+        return batch, metrics
+
+    def validate(
+        self,
+        rollout: Rollout,
+        dataset: PromptDataset,
+        sampling: SamplingParams,
+        limit: int,
+        rewards: RewardStage,
+    ) -> dict[str, float]:
+        """`val/acc`: the share of episodes whose final answer scores >= 1; mean reward, turns, stop reasons."""
+        self.rewards = rewards
+        count = min(limit or len(dataset), len(dataset))
+        items = [dataset[i] for i in range(count)]
+        groups, metrics = self.run(rollout, items, 1, sampling)
+        errors = self.rewards.check_validation(self._scored())
+        episodes = [t for g in groups for t in g]
+        answers = torch.tensor([answer_score(t) for t in episodes])
+        out = {
+            "val/acc": float((answers >= 1.0).float().mean()),
+            "val/reward": float(torch.tensor([t.total_reward for t in episodes]).mean()),
+            "val/response_length": float(
+                torch.tensor(
+                    [sum(len(x.action.tokens) for x in t.transitions) for t in episodes], dtype=torch.float
+                ).mean()
+            ),
+            **errors,
+        }
+        out["val/agent/tool_success"] = sum(map(made_successful_call, episodes)) / max(len(episodes), 1)
+        out.update({f"val/{k}": v for k, v in metrics.items() if k.startswith("agent/")})
+        return out
+
+
+def made_successful_call(trajectory: Trajectory) -> bool:
+    """At least one tool call of the episode ran without an error."""
+    return any(
+        t.metrics.get("tool_calls", 0.0) > t.metrics.get("tool_errors", 0.0) for t in trajectory.transitions
+    )
+
+
+def answer_score(trajectory: Trajectory) -> float:
+    """The scorer's value of the final answer (0 when the episode ended without one)."""
+    if trajectory.stop_reason != "completed" or not trajectory.transitions:
+        return 0.0
+    return float(trajectory.transitions[-1].metrics.get("answer_score", trajectory.total_reward))
+
+
+def trajectories_batch(
+    groups: Sequence[Sequence[Trajectory]],
+    items: Sequence[Mapping[str, Any]],
+    uids: Sequence[str],
+    pad_id: int,
+) -> Batch:
+    """One row per training sequence of every episode (one per episode when its turns extend each other),
+    with the episode's reward on the sequence's last model token and the group's uid."""
+    sequences: list[TokenSequence] = []
+    rewards: list[float] = []
+    columns: dict[str, list[Any]] = {
+        k: [] for k in (keys.UID, keys.DATA_SOURCE, keys.GROUND_TRUTH, keys.EXTRA_INFO, keys.INDEX)
+    }
+    scores: list[float] = []
+    stop_reasons: list[str] = []
+    for item, uid, group in zip(items, uids, groups, strict=True):
+        for trajectory in group:
+            for sequence in trajectory_sequences(trajectory):
+                sequences.append(sequence)
+                rewards.append(trajectory.total_reward)
+                scores.append(answer_score(trajectory))
+                # batch_metrics counts "length" as a clipped response
+                stop_reasons.append(
+                    "length" if trajectory.stop_reason == "max_tokens" else trajectory.stop_reason
+                )
+                columns[keys.UID].append(uid)
+                columns[keys.DATA_SOURCE].append(item["data_source"])
+                columns[keys.GROUND_TRUTH].append(item["ground_truth"])
+                columns[keys.EXTRA_INFO].append(item["extra_info"])
+                columns[keys.INDEX].append(item["index"])
+    batch = sequences_batch(sequences, pad_id)
+    mask = batch[keys.RESPONSE_MASK]
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    token_scores = torch.zeros_like(mask)
+    has = last >= 0
+    token_scores[has, last[has]] = torch.tensor(rewards, dtype=mask.dtype)[has]
+    extra = Batch.from_dict(
+        {keys.TOKEN_LEVEL_SCORES: token_scores},
+        {**columns, keys.SCORE: scores, keys.STOP_REASON: stop_reasons},
+    )
+    return batch.union(extra)
