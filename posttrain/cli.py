@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from posttrain.commands import config_cmd, data_cmd, eval_cmd, preflight
+from posttrain.commands import config_cmd, data_cmd, eval_cmd, plot_cmd, preflight
 from posttrain.commands.help import show_defaults
 from posttrain.errors import PosttrainError
 
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_cmd.add_parser(sub)
     eval_cmd.add_parser(sub)
     config_cmd.add_parser(sub)
+    plot_cmd.add_parser(sub)
 
     p = sub.add_parser(
         "export", help="an RL checkpoint as a Hugging Face directory (full, merged or adapter)"

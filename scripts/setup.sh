@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set-up on a fresh machine: creates .venv and installs posttrain with its test extras.
+# Set-up on a fresh machine: creates .venv and installs posttrain with its test extras and the optional
+# trackers the tests read back (wandb, mlflow: about 35 s more on a fresh venv).
 # PyTorch: where no NVIDIA GPU is visible the CPU build is installed (POSTTRAIN_CPU_TORCH, default 2.13.0;
 # set POSTTRAIN_TORCH_INDEX to PyTorch's CPU wheel index where plain PyPI serves CUDA builds); with a GPU,
 # the default (CUDA) build from PyPI. An existing torch in .venv is kept. Safe to run again.
@@ -19,5 +20,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==${POSTTRAIN_CPU_TORCH:-2.13.0}" ${POSTTRAIN_TORCH_INDEX:+--index-url "$POSTTRAIN_TORCH_INDEX"}
   fi
 fi
-"${pip[@]}" -e ".[test]"
+"${pip[@]}" -e ".[test,wandb,mlflow]"
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,5 +1,8 @@
-"""Metrics loggers: one `Tracker` fanning each step's scalars out to console, JSONL and TensorBoard.
+"""Metrics loggers: one `Tracker` fanning each step's scalars out to console, JSONL, TensorBoard, W&B and MLflow.
 
+W&B (offline) and MLflow (a local sqlite store) are optional extras, in tracking/external.py; they write only
+under the run directory. Every Tracker given a run config writes `<log_dir>/run_info.json` (tracking/run_info.py)
+and, with `plots`, PNG figures of `metrics.jsonl` in `<log_dir>/plots` when it closes (tracking/plots.py).
 Must not import anything from posttrain except errors (tracking is the bottom layer).
 """
 
@@ -7,6 +10,7 @@ import dataclasses
 import json
 import logging
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -14,10 +18,14 @@ from typing import Any, Protocol
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.tracking.external import MlflowBackend, WandbBackend, missing_package
+from posttrain.tracking.plots import METRICS_FILE
+from posttrain.tracking.run_info import RUN_INFO_FILE, collect_run_info
 
 logger = logging.getLogger(__name__)
 
-VALID_BACKENDS = ("console", "jsonl", "tensorboard")
+VALID_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+PLOTS_DIR = "plots"  # where a Tracker with `plots` draws metrics.jsonl when it closes
 
 # Printed first on the console line, in this order, when present; the rest follow in the order logged.
 DEFAULT_CONSOLE_KEYS = ("reward", "acc", "loss", "kl", "entropy", "grad_norm", "lr")
@@ -82,7 +90,7 @@ class JsonlBackend:
     """`<log_dir>/metrics.jsonl`, one object per step; opened in append mode so a resumed run continues it."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.path = log_dir / "metrics.jsonl"
+        self.path = log_dir / METRICS_FILE
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float | int], step: int) -> None:
@@ -112,6 +120,16 @@ class TensorboardBackend:
         self.writer.close()
 
 
+def _external_config(run_info: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """W&B's run config / MLflow's params: the resolved config, and the rest of the run info as `run_info`."""
+    if run_info is None:
+        return None
+    config = run_info.get("config")
+    out = dict(config) if isinstance(config, Mapping) else {}
+    out["run_info"] = {k: v for k, v in run_info.items() if k != "config"}
+    return out
+
+
 def _config_to_text(config: Any) -> str:
     """Serialise a run config (mapping or dataclass) as indented JSON, stringifying what JSON cannot hold."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
@@ -119,12 +137,27 @@ def _config_to_text(config: Any) -> str:
     return json.dumps(config, indent=2, default=str, sort_keys=False)
 
 
+def check_backends(backends: Sequence[str], key: str = "tracking backend") -> None:
+    """ConfigError for an unknown backend name (listing the valid ones) or one whose package is missing."""
+    for name in backends:
+        if name not in VALID_BACKENDS:
+            raise ConfigError(f"unknown {key} entry '{name}'; valid: {', '.join(VALID_BACKENDS)}")
+        hint = missing_package(name)
+        if hint:
+            raise ConfigError(f"{key} entry '{name}': {hint}")
+
+
 class Tracker:
-    """Log scalar metrics per step to any of the backends "console", "jsonl" and "tensorboard".
+    """Log scalar metrics per step to any of the backends "console", "jsonl", "tensorboard", "wandb" and
+    "mlflow", several at once.
 
     Values may be ints, floats, 0-d tensors or numpy scalars; anything else (vectors, strings, None)
     is skipped with a one-time warning per key, so a stray metric never stops a run.
-    The run config, if given, goes to `<log_dir>/config.json` (jsonl) and a TensorBoard text panel.
+    The run config, if given, goes to `<log_dir>/config.json` (jsonl), a TensorBoard text panel, W&B's run
+    config and MLflow's params; with it, `<log_dir>/run_info.json` records the config, the posttrain version,
+    its git commit and package versions (passed to W&B and MLflow under `run_info`).
+    `plots`: when it closes, PNG figures of `<log_dir>/metrics.jsonl` in `<log_dir>/plots` (jsonl only;
+    a failure to draw is a warning, never an error).
     """
 
     def __init__(
@@ -135,6 +168,7 @@ class Tracker:
         config: Mapping[str, Any] | None = None,
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
         console_only_keys: bool = False,
+        plots: bool = False,
     ) -> None:
         if isinstance(backends, str):
             backends = [backends]
@@ -144,24 +178,43 @@ class Tracker:
                 f"unknown tracking backend(s) {', '.join(map(repr, unknown))}; "
                 f"valid backends: {', '.join(VALID_BACKENDS)}"
             )
+        check_backends(backends)  # an optional backend whose package is missing: how to install it
         self.run_name = run_name
         self.log_dir = Path(log_dir)
+        self.plots = plots
+        self.plot_files: dict[str, Path] = {}  # figure name -> PNG, after close() drew them
         self._skipped: set[str] = set()
         self._closed = False
+        names = tuple(dict.fromkeys(backends))  # dedupe, keep order
         config_text = _config_to_text(config) if config is not None else None
 
-        if any(b != "console" for b in backends):
+        if any(b != "console" for b in names) or config is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.run_info: dict[str, Any] | None = None
+        if config is not None:
+            self.run_info = collect_run_info(config, names)
+            text = json.dumps(self.run_info, indent=1, default=str)
+            (self.log_dir / RUN_INFO_FILE).write_text(text + "\n", encoding="utf-8")
+        run_config = _external_config(self.run_info)
         self._backends: list[_Backend] = []
-        for name in dict.fromkeys(backends):  # dedupe, keep order
-            if name == "console":
-                self._backends.append(ConsoleBackend(console_keys, console_only_keys))
-            elif name == "jsonl":
-                self._backends.append(JsonlBackend(self.log_dir))
-                if config_text is not None:
-                    (self.log_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
-            elif name == "tensorboard":
-                self._backends.append(TensorboardBackend(self.log_dir, config_text))
+        try:
+            for name in names:
+                if name == "console":
+                    self._backends.append(ConsoleBackend(console_keys, console_only_keys))
+                elif name == "jsonl":
+                    self._backends.append(JsonlBackend(self.log_dir))
+                    if config_text is not None:
+                        (self.log_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+                elif name == "tensorboard":
+                    self._backends.append(TensorboardBackend(self.log_dir, config_text))
+                elif name == "wandb":
+                    self._backends.append(WandbBackend(self.log_dir, run_name, run_config))
+                elif name == "mlflow":
+                    self._backends.append(MlflowBackend(self.log_dir, run_name, run_config, self.run_info))
+        except BaseException:
+            for backend in self._backends:  # the ones already open: files closed, runs ended
+                backend.close()
+            raise
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Write the scalar values of `metrics` for training step `step` to every backend."""
@@ -180,12 +233,34 @@ class Tracker:
             backend.log(scalars, int(step))
 
     def close(self) -> None:
-        """Flush and close every backend; safe to call twice."""
+        """Flush and close every backend (W&B and MLflow runs end as failed when an exception is on its way
+        through the caller's `finally`), then draw the plots; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        errors = []
         for backend in self._backends:
-            backend.close()
+            try:
+                backend.close()
+            except Exception as exc:  # noqa: BLE001 - one backend's failure must not keep the others open
+                errors.append(exc)
+                logger.warning("closing the %s logger failed: %s", type(backend).__name__, exc)
+        if self.plots and any(isinstance(b, JsonlBackend) for b in self._backends):
+            self._draw_plots()
+        if errors and sys.exc_info()[1] is None:
+            raise errors[0]
+
+    def _draw_plots(self) -> None:
+        try:
+            from posttrain.tracking.plots import plot_runs
+
+            result = plot_runs([self.log_dir], self.log_dir / PLOTS_DIR)
+        except Exception as exc:  # noqa: BLE001 - figures are a convenience; the run's outcome stands
+            logger.warning("plots of %s not drawn: %s", self.log_dir, exc)
+            return
+        self.plot_files = dict(result.files)
+        if result.files and any(isinstance(b, ConsoleBackend) for b in self._backends):
+            print(f"plots: {len(result.files)} figures in {self.log_dir / PLOTS_DIR}", flush=True)
 
     def __enter__(self) -> "Tracker":
         return self

@@ -153,7 +153,9 @@ class DPOTrainer:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         group, pools = self._start()
-        tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="dpo", config=to_dict(cfg))
+        tracker = Tracker(
+            cfg.trainer.loggers, self.run_dir, run_name="dpo", config=to_dict(cfg), plots=cfg.trainer.plots
+        )
         metrics: dict[str, float] = {}
         try:
             if self.uses_reference and cfg.dpo.reference == "precompute":

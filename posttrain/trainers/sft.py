@@ -100,7 +100,9 @@ class SFTTrainer:
         request = RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, spec)
         started, pools = start_role_groups(cfg.trainer, cfg.ray, [request])
         group = ActorGroup(started[request.role])
-        tracker = Tracker(cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg))
+        tracker = Tracker(
+            cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg), plots=cfg.trainer.plots
+        )
         loss = LossSpec("cross_entropy")
         metrics: dict[str, float] = {}
         try:

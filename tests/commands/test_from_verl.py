@@ -48,7 +48,7 @@ def test_grpo_example(tmp_path: Path) -> None:
     unmapped = {s.verl_key: s.reason for s in result.unmapped}
     assert "vLLM/SGLang adapters are not included" in unmapped["actor_rollout_ref.rollout.name"]
     assert "tensor parallelism" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
-    assert "wandb" in unmapped["trainer.logger"]
+    assert out["trainer.loggers"] == ["console", "wandb"] and "trainer.logger" not in unmapped  # W&B offline
     assert "--train-rows" in unmapped["trainer.total_epochs"]
     cfg = load_config(RLConfig, "rl", result.overrides())  # the command line is a valid posttrain config
     assert cfg.actor.mini_batch_size == 1280 and cfg.data.max_response_length == 1024
