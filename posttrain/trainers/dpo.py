@@ -46,6 +46,7 @@ from posttrain.data.preference_dataset import (
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking import Tracker
+from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.setup import check_files, check_model_options, engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
@@ -157,18 +158,22 @@ class DPOTrainer:
             cfg.trainer.loggers, self.run_dir, run_name="dpo", config=to_dict(cfg), plots=cfg.trainer.plots
         )
         metrics: dict[str, float] = {}
+        progress = RunProgress(cfg.trainer.total_steps, desc="dpo", show=("loss", "val/loss")).start()
         try:
             if self.uses_reference and cfg.dpo.reference == "precompute":
-                self._precompute(group)
+                with progress.stage("reference log-probs"):
+                    self._precompute(group)
             for step in range(1, cfg.trainer.total_steps + 1):
                 start = time.perf_counter()
                 batch = self.loader.next_batch()
-                batch = self._with_reference(group, batch, "train")
+                with progress.stage("reference"):
+                    batch = self._with_reference(group, batch, "train")
                 batch = batch.select(TRAIN_COLUMNS + ([REF_SEQ_LOG_PROB] if self.uses_reference else []), [])
                 batch.meta[keys.GLOBAL_SEQS] = len(batch) // 2
                 batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.LOSS_MASK][0::2].sum())
-                metrics = group.forward_backward(batch, self.loss)
-                metrics.update(group.optim_step())
+                with progress.stage("update"):
+                    metrics = group.forward_backward(batch, self.loss)
+                    metrics.update(group.optim_step())
                 seconds = time.perf_counter() - start
                 metrics["timing/step"] = seconds
                 metrics["throughput/tokens_per_s"] = float(batch[keys.ATTENTION_MASK].sum()) / seconds
@@ -176,10 +181,14 @@ class DPOTrainer:
                 if self.val_set is not None and (
                     (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
                 ):
-                    metrics.update(self.validate(group))
+                    with progress.stage("validate"):
+                        metrics.update(self.validate(group))
                 tracker.log(metrics, step)
-            group.export_hf(self.hf_dir)
+                progress.step_done(step, metrics)
+            with progress.stage("export"):
+                group.export_hf(self.hf_dir)
         finally:
+            progress.close()
             tracker.close()
             group.shutdown()
             for pool in pools.values():

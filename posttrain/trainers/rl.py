@@ -27,6 +27,7 @@ from posttrain.errors import ConfigError, RewardError, WorkerError
 from posttrain.models import load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
+from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.agent_generation import AgentStage
 from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.compat import check_resumable, model_fingerprint
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
 UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES, keys.ROLLOUT_LOG_PROBS]
 CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
+PROGRESS_KEYS = ("reward/mean", "val/acc")  # shown on the progress bar (on a terminal)
 
 
 class RLTrainer:
@@ -115,6 +117,7 @@ class RLTrainer:
         self.restarts = 0  # worker failures recovered from in this fit()
         self.stop_signal: int | None = None  # set when SIGINT/SIGTERM stopped fit() early
         self._published = False  # a checkpoint of this run exists: a restart resumes it even without `resume`
+        self.progress = RunProgress.disabled()  # bars over steps and stages, on a terminal (fit)
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
@@ -141,6 +144,8 @@ class RLTrainer:
         try:
             with stop:
                 self._maybe_resume()
+                total = cfg.trainer.total_steps
+                self.progress = RunProgress(total, self.step_count, "rl", PROGRESS_KEYS).start()
                 run_with_restarts(
                     partial(self._train, tracker, stop), self._recover, cfg.trainer.max_restarts
                 )
@@ -151,6 +156,7 @@ class RLTrainer:
         except RewardError as exc:  # e.g. too many failed scores: the first one's traceback, where to resume
             raise RewardError(f"{exc}\n{self._resume_hint()}") from None
         finally:
+            self.progress.close()
             tracker.close()
             if self.agents is not None:
                 self.agents.close()
@@ -169,7 +175,8 @@ class RLTrainer:
             self._start_workers(wait_s=cfg.trainer.restart_wait_s)
             self._maybe_resume(after_failure=True)
         if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
-            self._log_validation(tracker)
+            with self.progress.stage("validate"):
+                self._log_validation(tracker)
         deferred = False  # a periodic checkpoint skipped while reward failures were over the rate
         while self.step_count < cfg.trainer.total_steps and not stop.requested:
             self.rewards.begin_step(self.step_count + 1)
@@ -181,7 +188,8 @@ class RLTrainer:
                 and cfg.trainer.val_every
                 and (self.step_count % cfg.trainer.val_every == 0 or last)
             ):
-                metrics.update(self.validate())
+                with self.progress.stage("validate"):
+                    metrics.update(self.validate())
                 self.history.append({"step": self.step_count, **val_only(metrics)})
             metrics["fault/restarts"] = float(self.restarts)
             tracker.log(metrics, self.step_count)
@@ -195,8 +203,10 @@ class RLTrainer:
                     "step %d: checkpoint deferred (reward errors since step %d)", self.step_count, failing
                 )
             elif saving or last or stop.requested or (deferred and failing is None):
-                self.save_checkpoint()
+                with self.progress.stage("checkpoint"):
+                    self.save_checkpoint()
                 deferred = False
+            self.progress.step_done(self.step_count, metrics)
 
     def _recover(self, error: WorkerError, restarts: int) -> None:
         """After a worker failure: tear every group down (survivors stuck in a collective included)."""
@@ -242,7 +252,7 @@ class RLTrainer:
         cfg, timings = self.cfg, dict[str, float]()
         actor, rollout = self._running()
         with timed(timings, "step"):
-            with timed(timings, "gen"):
+            with self.progress.stage("generate+score"), timed(timings, "gen"):
                 if self.agents is not None:
                     batch, gen_metrics = self.agents.step_batch(
                         rollout, self.loader.next_batch(), self.train_set, self.sampling, self.rewards
@@ -256,26 +266,26 @@ class RLTrainer:
                 gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, [])
             if not self.reuse_update_log_probs:
-                with timed(timings, "old_log_prob"):
+                with self.progress.stage("old_log_prob"), timed(timings, "old_log_prob"):
                     batch = batch.union(actor.forward(forward_batch, model="actor", temperature=self._temp))
             if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-                with timed(timings, "ref"):
+                with self.progress.stage("ref"), timed(timings, "ref"):
                     batch = batch.union(actor.forward(forward_batch, model="ref", temperature=self._temp))
             if self.critic is not None:
-                with timed(timings, "values"):
+                with self.progress.stage("values"), timed(timings, "values"):
                     batch = batch.union(self.critic.forward(forward_batch))
-            with timed(timings, "adv"):
+            with self.progress.stage("advantages"), timed(timings, "adv"):
                 rewards, kl_metrics = self.rewards.apply_kl(batch)
                 batch = batch.union(rewards)
                 batch = batch.union(self.advantages(batch))
             update_metrics: dict[str, float] = {}
             if self.critic is not None:
-                with timed(timings, "update_critic"):
+                with self.progress.stage("update_critic"), timed(timings, "update_critic"):
                     update_metrics.update(self.update_critic(batch))
             if self.step_count >= cfg.algorithm.critic_warmup:
-                with timed(timings, "update_actor"):
+                with self.progress.stage("update_actor"), timed(timings, "update_actor"):
                     update_metrics.update(self.update(batch))
-                with timed(timings, "sync"):
+                with self.progress.stage("sync"), timed(timings, "sync"):
                     self.sync_sampler()
         perf = self.perf.metrics(batch, timings, gen_metrics) if self.perf is not None else {}
         return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings, **perf}

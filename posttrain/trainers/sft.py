@@ -26,6 +26,7 @@ from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking import Tracker
+from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.setup import check_files, check_model_options, engine_config
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec
@@ -105,6 +106,7 @@ class SFTTrainer:
         )
         loss = LossSpec("cross_entropy")
         metrics: dict[str, float] = {}
+        progress = RunProgress(cfg.trainer.total_steps, desc="sft", show=("loss", "val/nll")).start()
         try:
             for step in range(1, cfg.trainer.total_steps + 1):
                 start = time.perf_counter()
@@ -114,8 +116,9 @@ class SFTTrainer:
                 tokens = float(batch[keys.LOSS_MASK].sum())
                 batch.meta[keys.GLOBAL_TOKENS] = tokens
                 batch.meta[keys.GLOBAL_SEQS] = len(batch)
-                metrics = group.forward_backward(batch, loss)
-                metrics.update(group.optim_step())
+                with progress.stage("update"):
+                    metrics = group.forward_backward(batch, loss)
+                    metrics.update(group.optim_step())
                 seconds = time.perf_counter() - start
                 metrics.update(
                     {
@@ -127,8 +130,10 @@ class SFTTrainer:
                 if self.val_set is not None and (
                     (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
                 ):
-                    metrics["val/nll"] = self.validate(group)
+                    with progress.stage("validate"):
+                        metrics["val/nll"] = self.validate(group)
                 tracker.log(metrics, step)
+                progress.step_done(step, metrics)
                 if metrics.get("val/nll", float("inf")) <= cfg.trainer.stop_at_val_nll:
                     print(
                         f"sft: stopped at step {step}: val/nll {metrics['val/nll']:.3f} <= "
@@ -136,8 +141,10 @@ class SFTTrainer:
                         flush=True,
                     )
                     break
-            group.export_hf(self.hf_dir)
+            with progress.stage("export"):
+                group.export_hf(self.hf_dir)
         finally:
+            progress.close()
             tracker.close()
             group.shutdown()
             for pool in pools.values():
