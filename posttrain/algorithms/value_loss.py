@@ -28,7 +28,9 @@ def clipped_value_loss(
     """
     if cliprange_value <= 0:
         raise ConfigError(f"critic.cliprange_value must be > 0, got {cliprange_value}")
-    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    # clamp V itself into [V_old - c, V_old + c] (as verl): V_old + clamp(V - V_old) rounds, so an unclipped
+    # V would come back one ulp off and count as clipped in vf_clipfrac
+    clipped = values.clamp(old_values - cliprange_value, old_values + cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
