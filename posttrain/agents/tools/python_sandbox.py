@@ -1,39 +1,62 @@
-"""The `python` tool: the model's code run in a fresh, limited process with no network.
+"""The `python` tool: the model's code run in a fresh, limited process with no network and no host files.
 
-Each call writes the code to a temporary directory and runs it there as
+Each call writes the code to a host temporary directory and runs, from there,
 
-    [setpriv --ruid 65534]  unshare --user --map-root-user --net --pid --fork --kill-child  python -I -u -c SUPERVISOR
+    [setpriv --ruid 65534]  unshare --user --map-root-user --mount --propagation=private --net --pid --ipc
+        --fork --kill-child  python -I -u -c SUPERVISOR CONFIG
+
+(SUPERVISOR is `sandbox_init.py`, which builds the code's file system and runs it.)
 
 - **No network**: a new network namespace has only a loopback device, and it is down, so every connect
   fails (even to 127.0.0.1). It is the kernel that refuses, not a patched `socket` module. The tool probes
   this once per process when it is built and refuses to start (ConfigError) where user namespaces are not
   available; there is no unsandboxed fallback.
-- **Processes**: a new PID namespace whose init is a small supervisor (not the model's code, which would
-  then ignore default signals as an init does); when the supervisor exits every process left in the
-  namespace is killed, so nothing outlives a call. On a timeout or an output flood the whole process group
-  is killed (SIGKILL). `RLIMIT_NPROC` bounds fork bombs: the kernel counts it per user per user namespace,
-  but never enforces it on real uid 0, so when posttrain runs as root the real uid (not the effective one,
-  which keeps file access) is set to `nobody` with `setpriv` first.
+- **File system**: in a new mount namespace the supervisor mounts a small tmpfs as the new root and puts in
+  it, read-only (bind mounts, then `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)`): `/usr` (and
+  `/bin`, `/lib`... as symlinks or binds, as on the host), the interpreter's prefixes (its venv and the
+  installation it points to, e.g. `~/.pyenv/versions/3.11.7`: standard library, extension modules,
+  site-packages), the dynamic loader's cache and `/etc/localtime`, a synthetic `/etc/passwd` (`nobody`
+  only), `/dev/{null,zero,full,random,urandom}`. The working directory `/sandbox` (also HOME, TMPDIR and,
+  through a symlink, `/dev/shm`) is the only writable place: a tmpfs of `workdir_mb` (16 MB) and 4096
+  inodes holding `main.py`, gone with the namespace. Then `pivot_root` and the old root detached: the
+  rest of the machine (home directories such as /root, /home, /work and this repository, /tmp, /var, the
+  rest of /etc, /proc, /sys, other devices) is not there at all. The code runs in a further, nested user
+  namespace, so it holds no capability over these mounts: it cannot remount them writable or unmount them
+  (tested). The probe at build time checks the view (root listing, a host file hidden, / not writable), and
+  the supervisor refuses to mount anything unless it is pid 1 in namespaces other than the host's.
+- **Processes**: a new PID namespace whose init is the supervisor (not the model's code, which would then
+  ignore default signals as an init does); when the supervisor exits every process left in the namespace
+  is killed, so nothing outlives a call. On a timeout or an output flood the whole process group is killed
+  (SIGKILL). `RLIMIT_NPROC` bounds fork bombs: the kernel counts it per user per user namespace, but never
+  enforces it on real uid 0, so when posttrain runs as root the real uid is set to `nobody` with `setpriv`
+  first (the effective uid stays: it is what the supervisor needs to bind the interpreter from /root). A
+  new IPC namespace hides the host's System V IPC and message queues. The supervisor is not dumpable (the
+  code cannot ptrace it) and the code runs with no_new_privs.
 - **Limits** (set in the child before the code runs): CPU seconds (`RLIMIT_CPU`, SIGXCPU then SIGKILL),
   address space (`RLIMIT_AS`: allocation fails with MemoryError), file size (`RLIMIT_FSIZE`, writes fail
-  with EFBIG), processes (`RLIMIT_NPROC`), no core dumps; a wall-clock timeout; an output cap (the process
-  is killed once stdout+stderr exceed it); the code runs at `nice` 10 so that generation wins a contended
-  core (see `runner.py` on sharing the 2 cores). Keep the runner's `timeout_s` above this tool's, so that
-  the model reads "killed: ran longer than ..." with the output so far rather than the runner's timeout
-  (which also kills the process: a cancelled call never leaves it running).
+  with EFBIG), processes (`RLIMIT_NPROC`), no core dumps; disk: the working directory's tmpfs size (writes
+  fail with ENOSPC); a wall-clock timeout; an output cap (the process is killed once stdout+stderr exceed
+  it); the code runs at `nice` 10 so that generation wins a contended core (see `runner.py` on sharing the
+  2 cores). Keep the runner's `timeout_s` above this tool's, so that the model reads "killed: ran longer
+  than ..." with the output so far rather than the runner's timeout (which also kills the process: a
+  cancelled call never leaves it running).
 - **Environment**: `-I` (no user site, no PYTHON* variables), a minimal environment (no secrets inherited),
-  the temporary directory as working directory and HOME, removed afterwards, stdin empty, one thread for
-  BLAS/OpenMP.
+  stdin empty, one thread for BLAS/OpenMP.
 
-Not isolated: the file system. The code runs with the user's file permissions outside its directory (a
-mount namespace with read-only binds, as bubblewrap does, would be the next step). The code's own errors
-(a traceback, a non-zero exit, a limit reached) are its output, returned normally; only a sandbox failure is
-a ToolError.
+Not isolated: what the interpreter's prefixes hold is readable (the whole venv's site-packages, with the
+path of an editable install but not its files); the code's file accesses are still checked with the
+caller's uid (root when posttrain runs as root), which matters only for the read-only files shown; no
+/proc (so no `ps`, `/proc/self/...`; `os.cpu_count()` works); no cgroup (memory is bounded by RLIMIT_AS
+plus the 16 MB tmpfs per call). The code's own errors (a traceback, a non-zero exit, a limit reached) are
+its output, returned normally; only a sandbox failure is a ToolError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+import marshal
 import math
 import os
 import shutil
@@ -42,64 +65,35 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from posttrain.agents.tools.base import FunctionTool, ToolError
 from posttrain.errors import ConfigError
 
 NOBODY_UID = 65534
-SETUP_FAILED = 120  # the supervisor's exit code when the limits could not be set
+SETUP_FAILED = 120  # the supervisor's exit code when the file system or the limits could not be set up
+WORKDIR = "/sandbox"  # the code's working directory inside the sandbox: its only writable place
+SUPERVISOR = (Path(__file__).parent / "sandbox_init.py").read_text(encoding="utf-8")  # run as pid 1
+NAMESPACES = ("user", "mnt", "net", "pid", "ipc")
 
-# pid 1 of the namespace: forks the child that sets the limits and runs main.py, and exits with its status
-# (128 + signal when it was killed); its exit takes everything else in the namespace with it.
-SUPERVISOR = r"""
-import os, resource, signal, sys, traceback
-cpu_s, mem_b, fsize_b, nproc, nice = (int(a) for a in sys.argv[1:6])
-pid = os.fork()
-if pid == 0:
-    try:
-        os.nice(nice)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_b, fsize_b))
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-        resource.setrlimit(resource.RLIMIT_AS, (mem_b, mem_b))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        with open("main.py", encoding="utf-8") as f:
-            source = f.read()
-        sys.argv = ["main.py"]
-    except BaseException as exc:
-        os.write(2, f"sandbox setup failed: {exc!r}\n".encode())
-        os._exit(120)
-    scope = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
-    status = 0
-    try:
-        exec(compile(source, "main.py", "exec"), scope)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            status = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            status = 1
-    except BaseException as exc:
-        scope.clear()  # frees what the code held (a MemoryError leaves the heap full)
-        try:
-            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        except BaseException:
-            os.write(2, f"{type(exc).__name__}\n".encode())
-        status = 1
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    os._exit(status & 0xFF)
-_, status = os.waitpid(pid, 0)
-os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+# what the code sees besides the interpreter: the system's programs and libraries, the dynamic loader's
+# configuration, a few device nodes, and an /etc/passwd naming only `nobody` (its uid inside)
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+PASSWD = f"nobody:x:{NOBODY_UID}:{NOBODY_UID}:nobody:{WORKDIR}:/usr/sbin/nologin\n"
+GROUP = f"nogroup:x:{NOBODY_UID}:\n"
+
+PROBE = """import json, os, socket
+found = {"ifaces": sorted(n for _, n in socket.if_nameindex()), "cwd": os.getcwd(), "root": os.listdir("/")}
+try:
+    open("/probe", "w")
+    found["write"] = "written"
+except OSError as exc:
+    found["write"] = exc.strerror
+found["host_file_seen"] = os.path.exists(HOST_FILE)
+print(json.dumps(found))
 """
-
-PROBE = (
-    "import os, socket\nprint(os.readlink('/proc/self/ns/net'), sorted(n for _, n in socket.if_nameindex()))"
-)
 
 _probed: dict[tuple[str, ...], None] = {}
 
@@ -113,14 +107,15 @@ class RunResult:
 
 
 def sandbox_prefix(unshare: str = "unshare") -> list[str]:
-    """The command that puts a program into fresh user, network and PID namespaces."""
+    """The command that puts a program into fresh user, mount, network, PID and IPC namespaces."""
     path = shutil.which(unshare)
     if path is None:
         raise ConfigError(
             "the python tool needs `unshare` (util-linux) to run code without network; it is not installed. "
             "posttrain does not run model code unsandboxed: install util-linux or leave out the python tool."
         )
-    prefix = [path, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
+    prefix = [path, "--user", "--map-root-user", "--mount", "--propagation=private", "--net", "--pid"]
+    prefix += ["--ipc", "--fork", "--kill-child"]
     if os.geteuid() == 0 or os.getuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
@@ -130,6 +125,78 @@ def sandbox_prefix(unshare: str = "unshare") -> list[str]:
             )
         prefix = [setpriv, f"--ruid={NOBODY_UID}", *prefix]
     return prefix
+
+
+@functools.lru_cache(maxsize=8)
+def filesystem_view(python: str) -> tuple[tuple[str, str, str], ...]:
+    """What the sandbox's root holds besides its working directory, as (kind, value, path) entries for
+    `sandbox_init.py`: ("bind", host path, path) read-only, ("symlink", target, path), ("file", text, path).
+
+    The interpreter's prefixes (a venv and the installation it points to, wherever they are: /usr/local,
+    ~/.pyenv, ...) are bound whole (the standard library, extension modules and site-packages); nothing
+    else of the home directories, /tmp, /var, /etc, /proc, /sys or the repository is there."""
+    script = (
+        "import json, sys\n"
+        "print(json.dumps([sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]))"
+    )
+    try:
+        done = subprocess.run(
+            [python, "-I", "-c", script], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        )
+        prefixes = [str(p) for p in json.loads(done.stdout)]
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"python tool: could not run the interpreter {python!r}: {exc}") from None
+    entries: list[tuple[str, str, str]] = []
+    bound: list[str] = []  # host paths visible at the same path inside
+    linked: list[str] = []
+
+    def under(path: str, tops: list[str]) -> bool:
+        return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
+
+    def bind(source: str, path: str) -> None:
+        entries.append(("bind", source, path))
+        if source == path:
+            bound.append(path)
+
+    for name in SYSTEM_DIRS:
+        path = "/" + name
+        if os.path.islink(path):
+            entries.append(("symlink", os.readlink(path), path))
+            linked.append(path)
+        elif os.path.isdir(path):
+            bind(path, path)
+    for name in ETC_FILES:
+        path = "/etc/" + name
+        if os.path.islink(path):
+            entries.append(("symlink", os.readlink(path), path))
+        elif os.path.exists(path):
+            bind(path, path)
+    entries += [("file", PASSWD, "/etc/passwd"), ("file", GROUP, "/etc/group")]
+    for name in DEVICES:
+        if os.path.exists("/dev/" + name):
+            bind("/dev/" + name, "/dev/" + name)
+    entries.append(("symlink", WORKDIR, "/dev/shm"))  # POSIX shared memory and semaphores (multiprocessing)
+    executable = os.path.abspath(python)
+    for path in sorted({os.path.abspath(p) for p in prefixes}, key=len) + [executable]:
+        real = os.path.realpath(path)
+        if not under(real, bound) and any(
+            under(os.path.realpath(private), [real])
+            for private in ("/", os.path.expanduser("~"), os.getcwd())
+        ):
+            raise ConfigError(
+                f"python tool: the interpreter {python!r} lives in {path}, which holds the home or the "
+                "working directory; the sandbox would have to show them. Use an interpreter (or venv) "
+                "installed elsewhere."
+            )
+        if not under(real, bound):
+            bind(real, real)
+        if path != real and not under(path, bound + linked):
+            bind(real, path)
+    return tuple(entries)
+
+
+def host_namespaces() -> dict[str, str]:
+    return {name: os.readlink(f"/proc/self/ns/{name}") for name in NAMESPACES}
 
 
 class PythonSandboxTool(FunctionTool):
@@ -143,12 +210,13 @@ class PythonSandboxTool(FunctionTool):
         memory_mb: int = 512,
         max_output_bytes: int = 65536,
         max_file_mb: int = 16,
+        workdir_mb: int = 16,
         max_processes: int = 16,
         nice: int = 10,
         python: str | None = None,
     ) -> None:
         checks = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_output_bytes": max_output_bytes}
-        checks |= {"max_file_mb": max_file_mb, "max_processes": max_processes}
+        checks |= {"max_file_mb": max_file_mb, "workdir_mb": workdir_mb, "max_processes": max_processes}
         for key, value in checks.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"python tool: {key} must be a positive number, got {value!r}")
@@ -161,40 +229,53 @@ class PythonSandboxTool(FunctionTool):
         self.memory_mb = int(memory_mb)
         self.max_output_bytes = int(max_output_bytes)
         self.max_file_mb = int(max_file_mb)
+        self.workdir_mb = int(workdir_mb)
         self.max_processes = int(max_processes)
         self.nice = int(nice)
-        self.python = python or sys.executable
+        self.python = shutil.which(python) or python if python else sys.executable
         self._prefix = sandbox_prefix()
+        self._config = {
+            "entries": filesystem_view(self.python),
+            "workdir": WORKDIR,
+            "workdir_bytes": self.workdir_mb << 20,
+            "workdir_inodes": 4096,
+            "host_namespaces": host_namespaces(),
+        }
         self._running: set[asyncio.subprocess.Process] = set()
         description = (
             "Run Python 3 code in a fresh process and return what it prints (stdout and stderr). Each call "
             f"starts from scratch (no state is kept between calls); no network; at most {self.timeout_s:g} s "
-            f"and {self.memory_mb} MB. Print the values you need."
+            f"and {self.memory_mb} MB. Files can be written only in the working directory (at most "
+            f"{self.workdir_mb} MB, gone after the call). Print the values you need."
         )
         super().__init__(self.python_tool, name="python", description=description)
         self._probe()
 
     def command(self) -> list[str]:
         mem_b, fsize_b = self.memory_mb << 20, self.max_file_mb << 20
-        limits = [str(v) for v in (self.cpu_s, mem_b, fsize_b, self.max_processes + 1, self.nice)]
-        return [*self._prefix, self.python, "-I", "-u", "-c", SUPERVISOR, *limits]
+        limits = [self.cpu_s, mem_b, fsize_b, self.max_processes + 1, self.nice]
+        config = marshal.dumps({**self._config, "limits": limits}).hex()
+        return [*self._prefix, self.python, "-I", "-u", "-c", SUPERVISOR, config]
 
-    def environment(self, workdir: str) -> dict[str, str]:
-        env = {"PATH": os.defpath, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    def environment(self) -> dict[str, str]:
+        env = {"PATH": os.defpath, "LANG": "C.UTF-8", "HOME": WORKDIR, "TMPDIR": WORKDIR}
         env |= {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         return env
 
     def _probe(self) -> None:
-        """Once per process and command: run the sandbox and check that it is in its own network namespace."""
+        """Once per process and command: run the sandbox and check what the code sees (only a down loopback
+        device, the expected root, no host file, nothing writable outside its directory). The supervisor
+        itself refuses to run outside fresh namespaces."""
         key = tuple(self.command())
         if key in _probed:
             return
         with tempfile.TemporaryDirectory(prefix="posttrain-py-probe-") as workdir:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(PROBE)
+            host_file = os.path.join(workdir, "main.py")
+            with open(host_file, "w", encoding="utf-8") as f:
+                f.write(f"HOST_FILE = {host_file!r}\n{PROBE}")
             try:
                 done = subprocess.run(
-                    self.command(), cwd=workdir, env=self.environment(workdir), stdin=subprocess.DEVNULL,
+                    self.command(), cwd=workdir, env=self.environment(), stdin=subprocess.DEVNULL,
                     capture_output=True, text=True, timeout=30,
                 )  # fmt: skip
                 problem = (
@@ -202,20 +283,38 @@ class PythonSandboxTool(FunctionTool):
                 )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 done, problem = None, str(exc)
-        ours = os.readlink("/proc/self/ns/net")
         if done is not None and not problem:
-            fields = done.stdout.split(maxsplit=1)
-            if len(fields) != 2 or fields[0] == ours or fields[1].strip() != "['lo']":
-                problem = f"the code still saw the host's network ({done.stdout.strip()!r})"
+            problem = self._check_probe(done.stdout)
         if problem:
             raise ConfigError(
-                "the python tool cannot isolate code from the network on this machine: running it in a new "
-                f"user+network namespace (`{' '.join(self._prefix)}`) failed: {problem}. Enable unprivileged "
-                "user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, or "
-                "the AppArmor/SELinux policy that blocks them) or leave out the python tool; posttrain does not "
-                "fall back to running model code with network access."
+                "the python tool cannot isolate code from the network and the file system on this machine: "
+                "running it in new user, mount, network, PID and IPC namespaces "
+                f"(`{' '.join(self._prefix)}`) failed: {problem}. Enable unprivileged user namespaces (sysctl "
+                "user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, or the AppArmor/SELinux "
+                "policy that blocks them) or leave out the python tool; posttrain does not fall back to "
+                "running model code unisolated."
             )
         _probed[key] = None
+
+    def _check_probe(self, stdout: str) -> str:
+        """What is wrong with what the probe saw ("" when nothing)."""
+        try:
+            found = json.loads(stdout)
+        except ValueError:
+            found = None
+        if not isinstance(found, dict) or set(found) != {"ifaces", "cwd", "root", "write", "host_file_seen"}:
+            return f"unexpected probe output {stdout.strip()[-300:]!r}"
+        expected_root = {path.split("/")[1] for _, _, path in self._config["entries"]}
+        expected_root.add(WORKDIR.split("/")[1])
+        if found["ifaces"] != ["lo"]:
+            return f"the code still saw the host's network (devices {found['ifaces']})"
+        if found["host_file_seen"] or not set(found["root"]) <= expected_root or found["cwd"] != WORKDIR:
+            return (
+                f"the code still saw the host's files (/ holds {sorted(found['root'])}, cwd {found['cwd']})"
+            )
+        if found["write"] == "written":
+            return "the code could write to /"
+        return ""
 
     async def python_tool(self, code: str) -> str:
         """Run Python code.
@@ -235,7 +334,7 @@ class PythonSandboxTool(FunctionTool):
                 f.write(code)
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *self.command(), cwd=workdir, env=self.environment(workdir), stdin=subprocess.DEVNULL,
+                    *self.command(), cwd=workdir, env=self.environment(), stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
             except OSError as exc:
@@ -313,7 +412,7 @@ def run_status(result: RunResult, tool: PythonSandboxTool) -> str:
     if code is None or code == 0:
         return ""
     if code == SETUP_FAILED:
-        raise ToolError("python: the sandbox could not set its limits: " + result.output.strip()[-300:])
+        raise ToolError("python: the sandbox could not be set up: " + result.output.strip()[-300:])
     if code > 128 and code - 128 in signal.Signals._value2member_map_:
         sig = signal.Signals(code - 128)
         if sig == signal.SIGXCPU:
