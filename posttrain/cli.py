@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from posttrain.commands import config_cmd, data_cmd, eval_cmd, plot_cmd, preflight
@@ -60,10 +61,16 @@ def _dpo(args: argparse.Namespace) -> None:
 
 
 def _make_model(args: argparse.Namespace) -> None:
-    from posttrain.data.tasks import arithmetic, long_addition
+    from posttrain.agents.tools import build_tools
+    from posttrain.data.tasks import arithmetic, long_addition, tool_multiplication
     from posttrain.models import make_tiny_model
 
-    corpora = {"arithmetic": arithmetic.corpus, "long_addition": long_addition.corpus}
+    calculator = [t.schema() for t in build_tools(["calculator"], None)]
+    corpora = {
+        "arithmetic": arithmetic.corpus,
+        "long_addition": long_addition.corpus,
+        "tool_multiplication": partial(tool_multiplication.corpus, tools=calculator),
+    }
     texts = []
     for task in args.corpus_tasks.split(","):
         if task not in corpora:
@@ -121,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus-tasks",
         default="arithmetic",
-        help="built-in tasks whose texts train the tokenizer, comma-separated (arithmetic, long_addition)",
+        help="built-in tasks whose texts train the tokenizer, comma-separated (arithmetic, long_addition, "
+        "tool_multiplication)",
     )
     p.add_argument("--corpus-file", action="append", help="extra text files (one sample per line)")
     p.set_defaults(func=_make_model)
