@@ -94,7 +94,7 @@ def test_wall_clock_timeout_kills_a_sleeping_program() -> None:
     tool = PythonSandboxTool(timeout_s=0.5)
     start = time.monotonic()
     out = run(tool, "print('started', flush=True)\nimport time\ntime.sleep(60)")
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # the program sleeps 60 s: killed long before
     assert out == "started\n[killed: ran longer than 0.5 s]"
 
 
@@ -102,7 +102,7 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit() -> None:
     tool = PythonSandboxTool(timeout_s=10, cpu_s=1)
     start = time.monotonic()
     out = run(tool, "while True:\n    pass")
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 9.0  # before the 10 s wall clock (1 s of CPU can take long under load)
     assert out == "(no output)\n[killed: CPU time limit of 1 s exceeded]"
 
 
@@ -110,7 +110,7 @@ def test_huge_output_is_capped_and_the_process_killed() -> None:
     tool = PythonSandboxTool(timeout_s=10, max_output_bytes=10_000)
     start = time.monotonic()
     out = run(tool, "while True:\n    print('x' * 1000)")
-    assert time.monotonic() - start < 2.0  # killed at the cap, not at the timeout
+    assert time.monotonic() - start < 9.0  # killed at the cap, not at the 10 s timeout
     assert out.endswith("[killed: output exceeded 10000 bytes]")
     assert out.count("x") <= 10_000
     runner = ToolRunner([tool], max_response_chars=300, truncate_side="middle")
@@ -135,7 +135,7 @@ def test_fork_bomb_is_bounded_and_nothing_outlives_the_call(tool: PythonSandboxT
     )
     start = time.monotonic()
     out = run(tool, code)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # the program sleeps 60 s: killed long before
     forks = int(out.split()[1])
     assert 1 <= forks <= tool.max_processes and "BlockingIOError" in out, out
     time.sleep(0.1)
@@ -154,7 +154,7 @@ def test_runner_timeout_kills_the_process(tool: PythonSandboxTool) -> None:
     code = f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])"
     start = time.monotonic()
     out = asyncio.run(runner.run(ToolCall("python", {"code": code})))
-    assert out.timed_out and time.monotonic() - start < 2.0
+    assert out.timed_out and time.monotonic() - start < 4.0
     time.sleep(0.1)
     assert alive(marker) == []
 
