@@ -161,3 +161,36 @@ def test_the_engine_attends_per_segment_under_sdpa_only(tiny_model_dir: Path) ->
     assert eager.model.config._attn_implementation == "eager"
     padded = TrainEngine(replace(config, remove_padding=False, share_prompt=False))
     assert padded.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow
+def test_a_32k_packed_row_equals_its_sequences_run_alone() -> None:
+    """The long-context preset's full window: a 32768-token packed row of 11 sequences attends per segment
+    and gives each sequence's own logits and gradients, without a 32k x 32k mask."""
+    masked = build_tiny_model("tiny-32k", seed=0)
+    varlen = copy.deepcopy(masked)
+    varlen.set_attn_implementation(VARLEN)
+    lengths = [4096] * 7 + [2048, 1024, 512, 512]
+    ids = torch.randint(3, 1000, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    weights = torch.randn((1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0] * w).sum()
+
+    targets = ids.roll(-1, 1)[0]
+    with ShapeRecorder() as recorder:
+        logits = packed_model_output(varlen, ids, pos)
+        loss(logits, targets, weights[0]).backward()
+    assert not [s for s in recorder.shapes if sum(d >= 8192 for d in s) >= 2]
+    grads = torch.cat([p.grad.flatten() for p in varlen.parameters()])
+    start, ref_logits = 0, []
+    for n in lengths:  # each sequence alone: plain causal attention, no packing, no mask
+        piece = slice(start, start + n)
+        out = masked(input_ids=ids[:, piece], use_cache=False).logits[0]
+        loss(out, targets[piece], weights[0, piece]).backward()
+        ref_logits.append(out.detach())
+        start += n
+    ref_grads = torch.cat([p.grad.flatten() for p in masked.parameters()])
+    torch.testing.assert_close(logits.detach(), torch.cat(ref_logits), atol=1e-4, rtol=0)
+    torch.testing.assert_close(grads, ref_grads, atol=1e-4, rtol=1e-3)
