@@ -6,11 +6,19 @@ Must not import posttrain.data or anything above models/.
 
 True parameter counts (tied embeddings; checked by tests/models/test_tiny.py):
 
-| preset | hidden | mlp  | layers | heads/kv | vocab | max pos | parameters |
-|--------|--------|------|--------|----------|-------|---------|------------|
-| tiny   | 128    | 448  | 4      | 4/2      | 1024  | 1024    | 1,017,984  |
-| small  | 256    | 768  | 12     | 4/2      | 4096  | 2048    | 10,498,304 |
-| medium | 512    | 1536 | 15     | 8/2      | 8192  | 4096    | 49,441,536 |
+| preset    | hidden | mlp  | layers | heads/kv | vocab | max pos | rope theta | parameters |
+|-----------|--------|------|--------|----------|-------|---------|------------|------------|
+| tiny      | 128    | 448  | 4      | 4/2      | 1024  | 1024    | 10,000     | 1,017,984  |
+| small     | 256    | 768  | 12     | 4/2      | 4096  | 2048    | 10,000     | 10,498,304 |
+| medium    | 512    | 1536 | 15     | 8/2      | 8192  | 4096    | 10,000     | 49,441,536 |
+| tiny-32k  | 128    | 448  | 4      | 4/2      | 1024  | 32768   | 1,000,000  | 1,017,984  |
+| small-32k | 256    | 768  | 12     | 4/2      | 4096  | 32768   | 1,000,000  | 10,498,304 |
+
+The `-32k` presets are the long-context ones: 32k positions and the rotary base Qwen2.5 uses at that
+context, 1e6. With the default 1e4 the slowest rotary frequency of a 32-dim head turns ~5.8 rad (almost a
+full cycle) over 32k positions, so far-apart positions start to look alike; with 1e6 it turns ~0.08 rad.
+The rollout engines take their context limit from `max_position_embeddings`, so with these presets a
+request beyond 32768 tokens is an error naming that limit. `posttrain make-model --preset small-32k`.
 """
 
 import dataclasses
@@ -36,6 +44,7 @@ class TinyPreset:
     num_key_value_heads: int
     vocab_size: int
     max_position_embeddings: int
+    rope_theta: float = 10000.0  # the rotary base; long contexts want a larger one
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -67,6 +76,9 @@ PRESETS: dict[str, TinyPreset] = {
         max_position_embeddings=4096,
     ),
 }
+# long context: the same sizes, 32k positions and a larger rotary base (Qwen2.5's 1e6 for 32k)
+PRESETS["tiny-32k"] = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=32768, rope_theta=1e6)
+PRESETS["small-32k"] = dataclasses.replace(PRESETS["small"], max_position_embeddings=32768, rope_theta=1e6)
 
 
 def get_preset(name: str) -> TinyPreset:
@@ -78,8 +90,11 @@ def get_preset(name: str) -> TinyPreset:
 
 def make_config(preset: TinyPreset, **token_ids: int | None) -> Qwen2Config:
     """Build the Qwen2Config of a preset (tied embeddings, init std 0.02, float32)."""
+    sizes = dataclasses.asdict(preset)
+    rope_theta = sizes.pop("rope_theta")
     return Qwen2Config(
-        **dataclasses.asdict(preset),
+        **sizes,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         tie_word_embeddings=True,
         initializer_range=0.02,
         dtype=torch.float32,

@@ -99,3 +99,13 @@ class RolloutEngine(Protocol):
     def wake(self) -> None:
         """Restore what `sleep` freed."""
         ...
+
+
+def context_error(prompt_tokens: int, max_tokens: int, max_context: int) -> str:
+    """The error of a request longer than the model's context (`max_position_embeddings` of its config)."""
+    return (
+        f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = {prompt_tokens + max_tokens} exceeds the "
+        f"model context of {max_context} positions (max_position_embeddings in the model's config.json): "
+        "shorten the prompt, lower max_tokens, or use a model with a longer context (make-model --preset "
+        "tiny-32k / small-32k)"
+    )

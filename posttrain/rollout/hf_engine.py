@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams, context_error
 
 
 class HFRolloutEngine:
@@ -59,7 +59,7 @@ class HFRolloutEngine:
                 request.sampling.validate()
                 if len(request.prompt_ids) + request.sampling.max_tokens > self.max_context:
                     raise ValueError(
-                        f"prompt of {len(request.prompt_ids)} tokens + max_tokens exceeds the context"
+                        context_error(len(request.prompt_ids), request.sampling.max_tokens, self.max_context)
                     )
                 if not request.prompt_ids:
                     raise ValueError("empty prompt")

@@ -28,7 +28,13 @@ import torch
 
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.rollout.base import AdapterRouter, GenerationRequest, GenerationResult, SamplingParams
+from posttrain.rollout.base import (
+    AdapterRouter,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    context_error,
+)
 from posttrain.rollout.decoder import DecoderRunner, supports
 from posttrain.rollout.sampling import sample_tokens
 
@@ -218,10 +224,7 @@ class NativeRolloutEngine:
             return f"no adapter {request.adapter!r} on this engine"
         total = len(request.prompt_ids) + request.sampling.max_tokens
         if total > self.max_context:
-            return (
-                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.sampling.max_tokens} exceeds "
-                f"the model context of {self.max_context}"
-            )
+            return context_error(len(request.prompt_ids), request.sampling.max_tokens, self.max_context)
         return None
 
     # ---- the scheduler loop --------------------------------------------------------------------
