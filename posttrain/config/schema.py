@@ -225,6 +225,16 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class AsyncRLConfig:
+    """Rollouts ahead of training (posttrain/trainers/async_rollout.py); needs the rollout on its own pool."""
+
+    # k: the rollout pool generates the batches of steps t+1..t+k while step t trains; 0 = synchronous
+    staleness: int = 0
+    sync_every: int = 1  # updates between weight publications to the rollout pool (<= staleness)
+    on_stale: Literal["drop", "regenerate"] = "drop"  # a batch older than k versions: skip it, or resample
+
+
+@dataclass(frozen=True)
 class RayConfig:
     address: str = ""  # empty = start a local, loopback-only Ray instance
     num_cpus: int = 0  # local instance only; 0 = all cores
@@ -291,6 +301,7 @@ class RLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -29,6 +29,7 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.agent_generation import AgentStage
+from posttrain.trainers.async_rollout import RolloutProducer, TrainedLoaderState
 from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
@@ -86,6 +87,7 @@ class RLTrainer:
         self.rewards = RewardStage(cfg)
         # agent.enable: rows run as multi-turn agent episodes (tools) instead of one response per prompt
         self.agents = AgentStage(cfg, self.tokenizer, self.rewards) if cfg.agent.enable else None
+        self.producer: RolloutProducer | None = None  # async_rl.staleness >= 1: rollouts sampled ahead
         self.sampling = SamplingParams(
             max_tokens=cfg.data.max_response_length,
             temperature=cfg.rollout.temperature,
@@ -242,6 +244,9 @@ class RLTrainer:
         self.perf = PerfMeter.from_config(cfg, threads=threads)
 
     def _stop_workers(self) -> None:
+        if self.producer is not None:  # before its pool goes; the loader returns to the last trained batch
+            self.producer.stop()
+            self.producer = None
         if self.groups is not None:
             self.groups.shutdown()
         self.groups = None
@@ -253,7 +258,9 @@ class RLTrainer:
         actor, rollout = self._running()
         with timed(timings, "step"):
             with self.progress.stage("generate+score"), timed(timings, "gen"):
-                if self.agents is not None:
+                if cfg.async_rl.staleness:
+                    batch, gen_metrics = self._async_step_batch(rollout)
+                elif self.agents is not None:
                     batch, gen_metrics = self.agents.step_batch(
                         rollout, self.loader.next_batch(), self.train_set, self.sampling, self.rewards
                     )
@@ -286,9 +293,51 @@ class RLTrainer:
                 with self.progress.stage("update_actor"), timed(timings, "update_actor"):
                     update_metrics.update(self.update(batch))
                 with self.progress.stage("sync"), timed(timings, "sync"):
-                    self.sync_sampler()
+                    self._publish_weights()
+        if "async/trainer_wait_s" in gen_metrics:
+            gen_metrics["async/trainer_idle_share"] = (
+                gen_metrics["async/trainer_wait_s"] / timings["timing/step"]
+            )
         perf = self.perf.metrics(batch, timings, gen_metrics) if self.perf is not None else {}
         return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings, **perf}
+
+    def _publish_weights(self) -> None:
+        """After an update: weights to the sampler (asynchronous: every `sync_every` updates, then the
+        producer may generate with the new version)."""
+        version = self.step_count + 1  # updates applied, this step's included
+        if not self.cfg.async_rl.staleness:
+            self.sync_sampler()
+        elif version % self.cfg.async_rl.sync_every == 0:
+            self.sync_sampler()
+            if self.producer is not None:
+                self.producer.publish(version)
+
+    def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
+        """The next batch the producer sampled ahead (trainers/async_rollout.py), scored here."""
+        async_rl, version = self.cfg.async_rl, self.step_count
+        if self.producer is None:
+            start = version - version % async_rl.sync_every  # the version the pool holds after a (re)start
+            self.producer = RolloutProducer(self.cfg, rollout, self.loader, self.sampling, start)
+        metrics = {"async/dropped_samples": 0.0, "async/regenerated_samples": 0.0}
+        while True:
+            item, taken = self.producer.take(version)
+            if version - item.version <= async_rl.staleness:
+                batch = item.batch
+                break
+            rows = float(len(item.batch))
+            if async_rl.on_stale == "regenerate":  # the same prompts, sampled with the current weights
+                prompts = item.prompts.repeat(self.cfg.rollout.n, interleave=True)
+                batch = rollout.sample(prompts, self.sampling).union(prompts.select(tensor_keys=[]))
+                metrics["async/regenerated_samples"] += rows
+                taken["async/staleness"] = 0.0
+                break
+            metrics["async/dropped_samples"] += rows
+            log.warning("async: dropped a batch sampled at version %d at version %d", item.version, version)
+        metrics.update(taken)
+        batch = batch.union(self.rewards.score(batch))
+        metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
+        metrics.update(self.rewards.end_step())
+        return batch, metrics
 
     def sync_sampler(self) -> None:
         """New weights to the sampler: in-process when colocated, else from actor rank 0 via the object store."""
@@ -385,7 +434,7 @@ class RLTrainer:
             workers.append(self.groups.rollout_pool)
         states: dict[str, DriverState] = {
             "rewards": self.rewards,
-            "dataloader": self.loader,
+            "dataloader": TrainedLoaderState(self.loader, self.producer),
             "rng": ProcessRNG(),
         }
         return workers, states

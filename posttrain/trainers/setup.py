@@ -31,6 +31,8 @@ from posttrain.models import check_model_dir, empty_model
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.tracking import check_backends
+from posttrain.trainers.agent_generation import check_agent_config
+from posttrain.trainers.async_rollout import check_async_config
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
 
@@ -110,9 +112,8 @@ def check_rl_config(cfg: RLConfig) -> None:
         },
     )
     check_files(cfg.data.train_files, "data.train_files")
-    from posttrain.trainers.agent_generation import check_agent_config  # agents only when asked for
-
     check_agent_config(cfg)
+    check_async_config(cfg)
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         check_files(cfg.data.val_files, "data.val_files")
     estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -356,7 +357,9 @@ def reuses_update_log_probs(cfg: RLConfig) -> bool:
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, samples)
     bypass = cfg.algorithm.rollout_correction.bypass_mode
-    skip = bypass or (cfg.actor.reuse_log_probs_on_policy and one_step)
+    # asynchronous: the sampling weights are older than the update's, so the old log-probs are recomputed
+    on_policy = cfg.async_rl.staleness == 0
+    skip = bypass or (cfg.actor.reuse_log_probs_on_policy and one_step and on_policy)
     return skip and not cfg.algorithm.use_kl_in_reward
 
 

@@ -1,0 +1,71 @@
+"""Asynchronous RL on Ray: a rollout pool of its own samples ahead of the trainer, within the staleness bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.trainers.rl import RLTrainer
+from tests.trainers.test_rl_e2e import reward_file, rl_config
+
+SPLIT = [
+    "trainer.backend=ray",
+    "resources.rollout=gen",
+    "+resources.pools.gen.n_workers_per_node=1",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+]
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rollouts_run_one_step_ahead_within_the_bound(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    run = tmp_path / "run"
+    cfg = rl_config(
+        tiny_model_dir, arithmetic_data, run, *SPLIT, "async_rl.staleness=1", "trainer.total_steps=4",
+        "trainer.save_every=2", "algorithm.rollout_correction.rollout_is=token", reward_file(tmp_path),
+    )  # fmt: skip
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    train = [r for r in rows(run) if "async/staleness" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    staleness = [r["async/staleness"] for r in train]
+    assert all(0 <= s <= 1 for s in staleness), staleness
+    assert staleness[0] == 0, "the first batch is sampled with the initial weights"
+    assert max(staleness) == 1, "later batches were sampled while the previous step trained"
+    for r in train:
+        assert r["async/dropped_samples"] == 0.0
+        assert 0.0 <= r["async/trainer_idle_share"] <= 1.0 and 0.0 <= r["async/rollout_idle_share"] <= 1.0
+        assert "rollout/logprob_diff_mean" in r, (
+            "old log-probs are recomputed: the off-policy gap is measured"
+        )
+        assert r["actor/grad_norm"] > 0  # the reward file's scores vary within groups
+    # the producer drew prompts ahead; the checkpoint and the loader stand after the last trained batch
+    assert trainer.loader.state_dict() == {"epoch": 0, "position": 4}
+    state = torch.load(run / "step_4" / "trainer_state.pt", weights_only=False)
+    assert state["dataloader"] == {"epoch": 0, "position": 4}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["async_rl.staleness=1", "trainer.backend=ray"], "pool of its own"),
+        (["async_rl.staleness=-1"], "staleness must be >= 0"),
+        (["async_rl.sync_every=2"], "needs async_rl.staleness >= 1"),
+        ([*SPLIT, "async_rl.staleness=1", "async_rl.sync_every=2"], "batches would always be too old"),
+        ([*SPLIT, "async_rl.staleness=1", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, extra: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "run", *extra))
