@@ -232,6 +232,9 @@ class AsyncRLConfig:
     staleness: int = 0
     sync_every: int = 1  # updates between weight publications to the rollout pool (<= staleness)
     on_stale: Literal["drop", "regenerate"] = "drop"  # a batch older than k versions: skip it, or resample
+    # a fixed schedule: batch i is sampled with exactly version max(0, i - k), so a run repeats exactly (the
+    # trainer may wait for the producer); off: batches take the newest weights in the pool when they start
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,12 @@ Correct by construction (the one-step-off-policy scheme of verl, generalised to 
 - the off-policy gap is corrected by the rollout-correction modes (`algorithm.rollout_correction`): the
   behaviour log-probs are the rollout's, the old ones are recomputed by the actor before each update.
 
+Runs with k >= 1 are not bit-reproducible by default: which version a batch is sampled with depends on
+timing (a slow producer samples later, with newer weights). `async_rl.deterministic` fixes the schedule:
+the trainer publishes version v only after batch v + k - 1 (the last one due to be sampled with version
+v - 1) was generated, so batch i is sampled with exactly version max(0, i - k) (the trainer may wait for the producer; validation's sampling,
+which shares the pool's random stream, must be greedy or off for a run to repeat exactly).
+
 Checkpoints record the dataloader position after the last trained batch, so prompts drawn for batches not
 trained yet are drawn again after a resume.
 """
@@ -100,6 +106,7 @@ class RolloutProducer:
         start_version: int,
     ) -> None:
         self.k = cfg.async_rl.staleness
+        self.deterministic = cfg.async_rl.deterministic
         self.n = cfg.rollout.n
         self.rollout, self.loader, self.sampling = rollout, loader, sampling
         self.published = start_version  # version of the weights in the pool
@@ -108,6 +115,7 @@ class RolloutProducer:
         self._ready: collections.deque[Rollouts] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._produced = start_version  # batches generated so far (the last one's index + 1)
         self._error: BaseException | None = None
         self._idle = 0.0  # producer seconds waiting for the version gate (since the last take)
         self._busy = 0.0
@@ -137,6 +145,7 @@ class RolloutProducer:
                 with self._cond:
                     self._busy += seconds
                     self._ready.append(Rollouts(prompts, batch, index, version, loader_after, seconds))
+                    self._produced = index + 1
                     self._cond.notify_all()
                 index += 1
         except BaseException as exc:  # handed to the trainer at its next take
@@ -150,6 +159,15 @@ class RolloutProducer:
         with self._cond:
             self.published = version
             self._cond.notify_all()
+
+    def wait_before_publish(self, version: int) -> None:
+        """Deterministic mode: block until every batch due to be sampled with the previous version (up to
+        index version + k - 1) has been generated; a no-op otherwise."""
+        if not self.deterministic:
+            return
+        with self._cond:
+            while self._produced < version + self.k and self._error is None and not self._stop:
+                self._cond.wait(timeout=1.0)
 
     def take(self, version: int) -> tuple[Rollouts, dict[str, float]]:
         """The next batch for the trainer at `version`; waits for it. Metrics: staleness, idle shares."""

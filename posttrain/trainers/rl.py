@@ -308,6 +308,8 @@ class RLTrainer:
         if not self.cfg.async_rl.staleness:
             self.sync_sampler()
         elif version % self.cfg.async_rl.sync_every == 0:
+            if self.producer is not None:
+                self.producer.wait_before_publish(version)
             self.sync_sampler()
             if self.producer is not None:
                 self.producer.publish(version)

@@ -53,6 +53,35 @@ def test_rollouts_run_one_step_ahead_within_the_bound(
     state = torch.load(run / "step_4" / "trainer_state.pt", weights_only=False)
     assert state["dataloader"] == {"epoch": 0, "position": 4}
 
+    # resumed: the producer restarts from the trained state and the run continues at step 5
+    resumed = RLTrainer(rl_config(tiny_model_dir, arithmetic_data, run, *SPLIT, "async_rl.staleness=1",
+                                  "trainer.total_steps=5", reward_file(tmp_path)))  # fmt: skip
+    resumed.fit()
+    steps = [r["step"] for r in rows(run) if "async/staleness" in r]
+    assert steps == [1, 2, 3, 4, 5] and resumed.loader.state_dict() == {"epoch": 0, "position": 5}
+
+
+@pytest.mark.slow
+def test_the_deterministic_schedule_repeats_exactly(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    runs = []
+    for attempt in range(2):
+        run = tmp_path / f"run{attempt}"
+        cfg = rl_config(
+            tiny_model_dir, arithmetic_data, run, *SPLIT, "async_rl.staleness=2", "async_rl.deterministic=true",
+            "trainer.total_steps=5", "trainer.save_every=0", reward_file(tmp_path),
+        )  # fmt: skip
+        RLTrainer(cfg).fit()
+        runs.append([r for r in rows(run) if "async/staleness" in r])
+    first, second = runs
+    assert [r["async/staleness"] for r in first] == [0, 1, 2, 2, 2], (
+        "batch i sampled with version max(0, i-2)"
+    )
+    for a, b in zip(first, second, strict=True):
+        for key in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "rollout/logprob_diff_mean"):
+            assert a[key] == b[key], (key, a["step"])
+
 
 @pytest.mark.parametrize(
     "extra, message",
