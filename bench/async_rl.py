@@ -1,0 +1,186 @@
+"""Asynchronous RL against the best synchronous configuration on the same 2 cores: samples trained per second.
+
+The long-response task (long_addition: every column and carry written out, 50-150 tokens; `--tail` adds a long
+tail of responses several times longer), from a short SFT warm start on its worked solutions. Configurations:
+
+    sync-colocated   one worker holding trainer + rollout, using both cores (the best synchronous setting)
+    sync-split k=0   one rollout worker + one training worker, synchronous (each waits for the other)
+    async k=1, k=2   the same two workers, rollouts sampled 1 or 2 versions ahead (async_rl.staleness)
+
+Each runs `--steps` GRPO steps; samples/s counts the steps after the first (start-up excluded), alternating
+configurations across repeats. The speedup bound with two workers is (generation + training) / max(generation,
+training), from the split k=0 run's own timings; two cores sharing memory bandwidth lower it further.
+
+    python bench/async_rl.py                 # tiny preset, mixed lengths and the long tail, 2 repeats
+    python bench/async_rl.py --preset small --repeats 3
+
+Writes bench/results/async_rl.json (BENCHMARKS.md format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import machine_info, write_result
+
+from posttrain.config.load import load_config
+from posttrain.config.schema import RLConfig, SFTConfig
+from posttrain.controller.ray_env import start_ray, stop_ray
+from posttrain.data.tasks import long_addition
+from posttrain.models import make_tiny_model
+from posttrain.trainers.rl import RLTrainer
+from posttrain.trainers.sft import SFTTrainer
+from posttrain.workers.process import quiet_transformers
+
+CONFIGS = {
+    "sync-colocated": ["trainer.n_workers_per_node=1", "trainer.threads_per_worker=2"],
+    "sync-split": ["resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1", "trainer.threads_per_worker=1"],
+    "async-k1": ["resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1", "trainer.threads_per_worker=1",
+                 "async_rl.staleness=1", "algorithm.rollout_correction.rollout_is=token"],
+    "async-k2": ["resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1", "trainer.threads_per_worker=1",
+                 "async_rl.staleness=2", "algorithm.rollout_correction.rollout_is=token"],
+}  # fmt: skip
+
+
+def prepare(work: Path, preset: str, tail: bool) -> tuple[Path, dict[str, Path]]:
+    model, data, sft = (
+        work / f"model-{preset}",
+        work / ("data-tail" if tail else "data"),
+        work / f"sft-{preset}",
+    )
+    if not (model / "config.json").exists():
+        make_tiny_model(preset, model, long_addition.corpus(10000, seed=0))
+    if not (data / "test.parquet").exists():
+        extra = {"tail_prob": 0.1, "tail_digits": 30} if tail else {}
+        long_addition.write_long_addition_dataset(
+            data, n_train=2000, n_test=64, min_digits=5, max_digits=9, **extra
+        )
+    files = {"train": data / "train.parquet", "test": data / "test.parquet"}
+    if not (sft / "hf" / "config.json").exists():
+        overrides = [
+            f"model.path={model}", f"data.train_files=[{files['train']}]", f"trainer.run_dir={sft}",
+            "data.response_key=extra_info.solution", "data.max_response_length=400", "trainer.total_steps=150",
+            "optim.lr=3e-3", "optim.batch_size=32", "trainer.val_every=0", "trainer.loggers=[jsonl]",
+            "trainer.plots=false",
+        ]  # fmt: skip
+        SFTTrainer(load_config(SFTConfig, "sft", overrides)).fit()
+    return sft / "hf", files
+
+
+def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: int, seed: int) -> dict:
+    cfg = load_config(
+        RLConfig,
+        "rl",
+        [
+            f"model.path={model}",
+            f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['test']}]",
+            f"trainer.run_dir={run_dir}",
+            f"trainer.total_steps={steps}",
+            f"trainer.seed={seed}",
+            "trainer.backend=ray",
+            "data.train_batch_prompts=8",
+            "rollout.n=4",
+            "data.max_response_length=400",
+            "actor.optim.lr=1e-4",
+            "trainer.val_every=0",
+            "trainer.val_before_train=false",
+            "trainer.save_every=0",
+            "trainer.loggers=[jsonl]",
+            "trainer.plots=false",
+            "trainer.resume=false",
+            *CONFIGS[name],
+        ],
+    )
+    RLTrainer(cfg).fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in rows if "timing/step" in r][1:]
+    samples = sum(8 * 4 for _ in steady)
+    seconds = sum(r["timing/step"] for r in steady)
+    out = {
+        "samples_per_s": samples / seconds,
+        "gen_s": statistics.fmean(r.get("timing/gen", 0.0) for r in steady),
+        "update_s": statistics.fmean(
+            r.get("timing/update_actor", 0.0) + r.get("timing/old_log_prob", 0.0) for r in steady
+        ),
+        "reward": statistics.fmean(r["reward/mean"] for r in steady),
+        "response_length": statistics.fmean(r["response_length/mean"] for r in steady),
+    }
+    for key in ("async/trainer_idle_share", "async/rollout_idle_share", "async/staleness"):
+        if key in steady[0]:
+            out[key] = statistics.fmean(r[key] for r in steady)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cases", default="mixed,tail")
+    parser.add_argument("--work", default="/tmp/posttrain-bench-async")
+    args = parser.parse_args()
+    quiet_transformers()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    start_ray()
+    started = time.perf_counter()
+    rows = []
+    for case in args.cases.split(","):
+        model, files = prepare(work, args.preset, tail=case == "tail")
+        results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+        for repeat in range(args.repeats):
+            for name in CONFIGS:  # alternating, as BENCHMARKS.md asks
+                results[name].append(
+                    run(name, model, files, work / f"{case}-{name}-{repeat}", args.steps, repeat)
+                )
+                print(f"{case} {name} repeat {repeat}: {results[name][-1]}", flush=True)
+        base = statistics.median(r["samples_per_s"] for r in results["sync-colocated"])
+        split = results["sync-split"]
+        gen, upd = (
+            statistics.median(r["gen_s"] for r in split),
+            statistics.median(r["update_s"] for r in split),
+        )
+        bound = (gen + upd) / max(gen, upd) if max(gen, upd) > 0 else 1.0
+        for name, runs in results.items():
+            values = [r["samples_per_s"] for r in runs]
+            value = statistics.median(values)
+            rows.append(
+                {
+                    "case": f"{args.preset} long_addition {case}, {name}",
+                    "metric": "samples_trained_per_s",
+                    "value": round(value, 3),
+                    "baseline_name": "sync-colocated",
+                    "baseline_value": round(base, 3),
+                    "ratio": round(value / base, 3),
+                    "higher_is_better": True,
+                    "repeats": len(values),
+                    "spread": [round(min(values), 3), round(max(values), 3)],
+                    "two_worker_speedup_bound": round(bound, 3),
+                    "details": runs,
+                }
+            )
+    stop_ray()
+    result = {
+        "bench": "async_rl",
+        "machine": machine_info(torch.get_num_threads()),
+        "command": "python " + " ".join(sys.argv),
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": rows,
+    }
+    write_result("async_rl.json", result)
+    print(f"\n{'case':<48}{'samples/s':>10}{'ratio':>8}{'bound':>8}")
+    for row in rows:
+        print(
+            f"{row['case']:<48}{row['value']:>10.3f}{row['ratio']:>8.3f}{row['two_worker_speedup_bound']:>8.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
