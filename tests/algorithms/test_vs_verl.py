@@ -208,9 +208,9 @@ class Batch:
     def empty(self) -> bool:
         return not bool(self.mask.any())
 
-    def has_extreme(self, old_log_prob: torch.Tensor | None = None) -> bool:
-        old = self.old_log_prob if old_log_prob is None else old_log_prob
-        return bool((((self.log_prob - old).abs() > 20) & (self.mask > 0)).any())
+    def has_extreme(self) -> bool:
+        """Whether a valid token's log(pi / pi_old) is beyond posttrain's (and part of verl's) +-20 clamp."""
+        return bool((((self.log_prob - self.old_log_prob).abs() > 20) & (self.mask > 0)).any())
 
 
 def make_batch(kind: str, seed: int) -> Batch:
@@ -256,7 +256,7 @@ def make_batch(kind: str, seed: int) -> Batch:
     p_rollout = (p_old * torch.exp(0.2 * randn(batch, R))).clamp(max=0.995)
     log_prob, old_log_prob = p.log(), p_old.log()
     ref_log_prob, rollout_log_prob = p_ref.log(), p_rollout.log()
-    if kind == "extreme":  # |log r| > 20 on some valid tokens, in both directions; IS weights of e^+-25
+    if kind == "extreme":  # |log r| > 20 on valid tokens, both ways; rollout and reference log-ratios too
         valid = mask.flatten().nonzero().squeeze(-1)
         picked = valid[torch.randperm(valid.numel(), generator=g)[:6]]
         lp, old, ref, roll = (t.view(-1) for t in (log_prob, old_log_prob, ref_log_prob, rollout_log_prob))
