@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,3 +44,21 @@ def test_the_sl_recipe_lowers_the_held_out_loss(
     curve = json.loads((tmp_path / "curves.json").read_text())["runs"][0]["curve"]
     assert [c["step"] for c in curve] == [0, 3, 6]
     assert curve[-1]["nll"] < curve[0]["nll"], "cross-entropy steps lower the held-out loss"
+
+
+@pytest.mark.slow
+def test_the_agent_recipe_sfts_then_trains_on_tool_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from posttrain.agents.tools import build_tools
+    from posttrain.data.tasks import write_tool_multiplication_dataset
+
+    tools = [t.schema() for t in build_tools(["calculator"], None)]
+    data = tmp_path / "data"
+    write_tool_multiplication_dataset(data, tools, n_train=32, n_test=8, n_sft=8)
+    run_recipe(
+        "agent_loop.py", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path),
+        "--sft-steps", "2", "--steps", "2", "--prompts", "2", "--group", "4", "--val-every", "2",
+        "--val-prompts", "4", "--lora-rank", "4",
+    )  # fmt: skip
+    curve = json.loads((tmp_path / "curve.json").read_text())
+    assert [c["step"] for c in curve] == [0, 2]
+    assert all(0.0 <= c["val_acc"] <= 1.0 and 0.0 <= c["tool_success"] <= 1.0 for c in curve)
