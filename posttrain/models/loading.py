@@ -7,11 +7,14 @@ Must not import posttrain.data or anything above models/.
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -82,6 +85,12 @@ def load_config(path: str | Path) -> PretrainedConfig:
         raise ModelError(f"cannot load config from {p}: {e}") from e
 
 
+def is_vision_language(path_or_config: str | Path | PretrainedConfig) -> bool:
+    """Whether a directory (or its config) holds a vision-language model: a config with a vision tower."""
+    config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_config(path_or_config)
+    return getattr(config, "vision_config", None) is not None
+
+
 def load_causal_lm(
     path: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -90,12 +99,14 @@ def load_causal_lm(
     """Load a causal LM from a local directory in `dtype` (float32 by default, never the hub's "auto").
 
     The model is returned in eval mode on CPU; the engine moves, shards and switches it to train mode.
+    A vision-language directory (e.g. Qwen2-VL) loads as its image-text-to-text model (vision tower included).
     """
     p = _require_dir(path)
     _require_config(p)
     _require_weights(p)
+    auto = AutoModelForImageTextToText if is_vision_language(p) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             p, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
     except (OSError, ValueError, KeyError, ImportError) as e:
@@ -106,8 +117,9 @@ def load_causal_lm(
 def empty_model(path: str | Path) -> PreTrainedModel:
     """The causal LM of a directory's config on the meta device: module names and shapes, no memory."""
     config = load_config(path)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
 
 
 def load_value_model(
@@ -157,3 +169,21 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
         logger.info("tokenizer in %s has no pad token; using eos token %r", p, tokenizer.eos_token)
     return tokenizer
+
+
+def load_processor(path: str | Path) -> Any:
+    """The image + text processor of a vision-language directory (tokenizer and PIL image processor).
+
+    Returns `posttrain.models.vl.VLProcessor`, which needs no torchvision (transformers 5's `Qwen2VLProcessor`
+    does); a directory without preprocessor_config.json is a ModelError.
+    """
+    from posttrain.models.vl import VLProcessor
+
+    p = _require_dir(path)
+    if not (p / "preprocessor_config.json").is_file():
+        raise ModelError(f"no preprocessor_config.json in {p}: not a vision-language model directory")
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"cannot load the image processor from {p}: {e}") from e
+    return VLProcessor(image_processor, load_tokenizer(p))

@@ -31,6 +31,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.errors import ConfigError
 from posttrain.models.tokenizer import IM_END, PAD_TOKEN, train_tokenizer
+from posttrain.models.vl import VL_PRESETS, make_tiny_vl_model
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ PRESETS["small-32k"] = dataclasses.replace(PRESETS["small"], max_position_embedd
 def get_preset(name: str) -> TinyPreset:
     """Look up a preset by name; an unknown name raises ConfigError with the valid names."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown tiny-model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        names = ", ".join([*PRESETS, *VL_PRESETS])
+        raise ConfigError(f"unknown tiny-model preset {name!r}; valid presets: {names}")
     return PRESETS[name]
 
 
@@ -116,7 +118,10 @@ def make_tiny_model(preset: str, out_dir: str | Path, corpus: Iterable[str], see
 
     Token ids follow Qwen2.5-Instruct: bos = pad = <|endoftext|>, eos = <|im_end|> (generation also stops
     on <|endoftext|>). Returns the directory, loadable with `load_causal_lm` / `load_tokenizer`.
+    A vision-language preset (`tiny-vl`) writes a Qwen2-VL directory instead (`models/vl.py`).
     """
+    if preset in VL_PRESETS:
+        return make_tiny_vl_model(preset, out_dir, corpus, seed=seed)
     spec = get_preset(preset)
     tokenizer = train_tokenizer(corpus, spec.vocab_size)
     tokenizer.model_max_length = spec.max_position_embeddings

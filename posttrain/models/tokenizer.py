@@ -5,7 +5,7 @@ No normalizer is applied, so decode(encode(text)) == text for any string.
 Must not import anything from posttrain except errors.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -16,6 +16,12 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+# Qwen2-VL's vision tokens: an image is `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"  # unused by posttrain, but Qwen2-VL's config and processor expect its id
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # Qwen2.5's chat format without its default system prompt: a system message is used only when given.
 # With `tools`, a system block lists their JSON schemas inside <tools></tools>; an assistant's tool calls are
@@ -57,13 +63,37 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+# The same format for vision-language models: a message's content may also be a list of parts, {"type": "text",
+# "text": ...} or {"type": "image"} (rendered as Qwen2-VL renders it, one <|image_pad|> the processor expands).
+_VL_CONTENT_MACRO = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+_GENERIC_TURN = "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+assert _GENERIC_TURN in CHAT_TEMPLATE
+VL_CHAT_TEMPLATE = _VL_CONTENT_MACRO + CHAT_TEMPLATE.replace(
+    _GENERIC_TURN,
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}{{- render_content(message['content']) }}"
+    "{{- '<|im_end|>' + '\\n' }}",
+)
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, extra_special_tokens: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts` with at most `vocab_size` tokens (specials included).
 
     The 256 byte symbols are always in the vocabulary, so any text encodes; a small corpus may yield
     fewer than `vocab_size` tokens, which is fine because the model's embedding can be larger.
+    `extra_special_tokens` (e.g. VISION_TOKENS) get ids right after the three chat tokens.
     """
-    min_size = 256 + len(SPECIAL_TOKENS)
+    specials = (*SPECIAL_TOKENS, *extra_special_tokens)
+    min_size = 256 + len(specials)
     if vocab_size < min_size:
         raise ConfigError(
             f"vocab_size must be at least {min_size} (256 bytes + special tokens), got {vocab_size}"
@@ -80,7 +110,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -90,7 +120,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=IM_END,
-        additional_special_tokens=[IM_START],
+        additional_special_tokens=[IM_START, *extra_special_tokens],
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
