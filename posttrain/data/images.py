@@ -1,0 +1,135 @@
+"""Images of multimodal rows (verl's format): references, lazy opening, decoding and resizing with Pillow.
+
+A row's `images` column holds one entry per `<image>` placeholder in its prompt, in order: a path (str), raw
+bytes, or a dict `{"bytes": ...}` / `{"path": ...}` (the form Hugging Face `datasets` writes to parquet).
+A relative path is taken relative to the dataset file's folder. Nothing is decoded until `load_image`; only
+the header is read to size an image (`image_size`). Every failure is a DataError naming the row and image.
+This module must not import engine, rollout, worker, Ray or model code.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from posttrain.errors import DataError
+
+IMAGE_PLACEHOLDER = "<image>"  # verl's placeholder for an image inside a prompt message's text
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image's bytes are: a file, or the bytes themselves (exactly one is set)."""
+
+    path: Path | None = None
+    data: bytes | None = None
+
+    def describe(self) -> str:
+        return str(self.path) if self.path is not None else f"<{len(self.data or b'')} bytes>"
+
+
+def parse_image_refs(row: dict, key: str, base_dir: Path, where: str) -> list[ImageRef]:
+    """The row's images as references (an absent or null column: no images); a malformed entry is a DataError."""
+    value = row.get(key)
+    if value is None:
+        return []
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, list | tuple):
+        raise DataError(f"{where}: field {key!r} must be a list of images, got {type(value).__name__}")
+    refs = []
+    for j, entry in enumerate(value):
+        if isinstance(entry, dict):
+            if entry.get("bytes") is not None:
+                entry = entry["bytes"]
+            elif entry.get("path") is not None:
+                entry = entry["path"]
+            else:
+                raise DataError(f"{where}: image {j}: a dict entry needs 'bytes' or 'path'")
+        if isinstance(entry, bytes | bytearray):
+            refs.append(ImageRef(data=bytes(entry)))
+        elif isinstance(entry, str | Path):
+            path = Path(entry).expanduser()
+            refs.append(ImageRef(path=path if path.is_absolute() else base_dir / path))
+        else:
+            raise DataError(
+                f"{where}: image {j}: expected a path, bytes or a dict with 'bytes'/'path', got {type(entry).__name__}"
+            )
+    return refs
+
+
+def open_image(ref: ImageRef, where: str) -> Image.Image:
+    """Open an image lazily (Pillow reads the header; pixels are decoded on first use)."""
+    try:
+        if ref.path is not None:
+            return Image.open(ref.path)
+        return Image.open(io.BytesIO(ref.data or b""))
+    except FileNotFoundError as e:
+        raise DataError(f"{where}: image file not found: {ref.describe()}") from e
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{where}: cannot read image {ref.describe()}: {e}") from e
+
+
+def fit_pixels(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(width, height) scaled, aspect kept, so that width * height lies within [min_pixels, max_pixels]
+    (verl's `process_image`); the processor then rounds each side to its patch grid."""
+    if min_pixels > max_pixels:
+        raise DataError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels})")
+    area = width * height
+    if area > max_pixels:
+        scale = math.sqrt(max_pixels / area)
+        width, height = int(width * scale), int(height * scale)
+    elif area < min_pixels:
+        scale = math.sqrt(min_pixels / area)
+        width, height = math.ceil(width * scale), math.ceil(height * scale)
+    return max(width, 1), max(height, 1)
+
+
+def image_size(ref: ImageRef, min_pixels: int, max_pixels: int, where: str) -> tuple[int, int]:
+    """The (width, height) `load_image` will return, from the header alone."""
+    with open_image(ref, where) as img:
+        return fit_pixels(img.width, img.height, min_pixels, max_pixels)
+
+
+def load_image(ref: ImageRef, min_pixels: int, max_pixels: int, where: str) -> Image.Image:
+    """Decode an image as RGB, resized into the pixel bounds (bicubic)."""
+    with open_image(ref, where) as img:
+        try:
+            rgb = img.convert("RGB")  # decodes; a truncated file fails here
+        except (OSError, ValueError) as e:
+            raise DataError(f"{where}: cannot decode image {ref.describe()}: {e}") from e
+    size = fit_pixels(rgb.width, rgb.height, min_pixels, max_pixels)
+    return rgb if size == rgb.size else rgb.resize(size, Image.Resampling.BICUBIC)
+
+
+def split_image_placeholders(
+    messages: list[dict[str, Any]], n_images: int, where: str
+) -> list[dict[str, Any]]:
+    """Messages whose text holds `<image>` placeholders as content parts ({"type": "text"} / {"type": "image"}),
+    the form a vision-language chat template renders; the placeholder count must equal the row's images."""
+    out: list[dict[str, Any]] = []
+    found = 0
+    for msg in messages:
+        content = msg["content"]
+        if IMAGE_PLACEHOLDER not in content:
+            out.append(msg)
+            continue
+        parts: list[dict[str, str]] = []
+        for k, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
+            if k:
+                parts.append({"type": "image"})
+                found += 1
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**msg, "content": parts})
+    if found != n_images:
+        raise DataError(
+            f"{where}: the prompt has {found} {IMAGE_PLACEHOLDER} placeholders but {n_images} images"
+        )
+    return out
