@@ -1,0 +1,61 @@
+"""Tests for posttrain/data/tasks/shapes.py: the built-in visual task loads as multimodal prompts and its
+images show what the answer says."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset
+from posttrain.data.tasks.shapes import COLORS, corpus, write_shapes_dataset
+from posttrain.errors import DataError
+from posttrain.models.tokenizer import VISION_TOKENS, VL_CHAT_TEMPLATE, train_tokenizer
+from posttrain.models.vl import VLProcessor, make_image_processor
+
+
+def squares_in(img: Image.Image, side: int = 11) -> list[tuple[int, int, int]]:
+    """Colours at the centres of the grid cells that are not white."""
+    a = np.asarray(img.convert("RGB"))
+    cells = a.shape[0] // side
+    centres = [
+        tuple(a[r * side + side // 2, c * side + side // 2]) for r in range(cells) for c in range(cells)
+    ]
+    return [tuple(int(v) for v in px) for px in centres if px != (255, 255, 255)]
+
+
+@pytest.mark.parametrize("kind", ["count", "color"])
+def test_images_match_the_answers_and_load_as_prompts(tmp_path, kind):
+    paths = write_shapes_dataset(tmp_path, n_train=30, n_test=5, kind=kind, seed=1)
+    rows = pq.read_table(paths["train"]).to_pylist()
+    assert len(rows) == 30 and len(pq.read_table(paths["test"]).to_pylist()) == 5
+    for row in rows:
+        img = Image.open(io.BytesIO(row["images"][0]["bytes"]))
+        assert img.size == (56, 56)
+        found = squares_in(img)
+        answer = row["reward_model"]["ground_truth"]
+        if kind == "count":
+            assert len(found) == int(answer) and 1 <= int(answer) <= 4
+        else:
+            assert found == [COLORS[answer]]
+    answers = {r["reward_model"]["ground_truth"] for r in rows}
+    assert len(answers) >= 3  # the answers vary
+
+    tok = train_tokenizer(corpus(200), 400, extra_special_tokens=VISION_TOKENS)
+    tok.chat_template = VL_CHAT_TEMPLATE
+    processor = VLProcessor(make_image_processor(14, 2, 56 * 56, 112 * 112), tok)
+    ds = MultimodalPromptDataset(paths["train"], processor, 64)
+    assert len(ds) == 30
+    assert ds[0][MULTI_MODAL_INPUTS]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert ds[0]["input_ids"].count(processor.image_token_id) == 4
+
+
+def test_same_seed_same_data_and_unknown_kind(tmp_path):
+    a = write_shapes_dataset(tmp_path / "a", n_train=5, n_test=2, seed=3)
+    b = write_shapes_dataset(tmp_path / "b", n_train=5, n_test=2, seed=3)
+    assert pq.read_table(a["train"]).to_pylist() == pq.read_table(b["train"]).to_pylist()
+    with pytest.raises(DataError, match="valid kinds: count, color"):
+        write_shapes_dataset(tmp_path / "c", kind="triangles")
