@@ -1,4 +1,4 @@
-"""`posttrain <command>`: train, sft, dpo, make-model, data, export, serve, demo, eval, config, plot.
+"""`posttrain <command>`: train, sft, dpo, rm, make-model, data, export, serve, demo, eval, config, plot.
 
 Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers_per_node=2`).
 Every project error is printed as one line naming the problem (a reward function that keeps failing adds its
@@ -60,6 +60,23 @@ def _dpo(args: argparse.Namespace) -> None:
     print(f"wrote {trainer.hf_dir}")
 
 
+def _rm(args: argparse.Namespace) -> None:
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import RMConfig
+    from posttrain.trainers.rm import RMTrainer
+
+    cfg = load_config(RMConfig, args.config_name, args.overrides)
+    preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
+    trainer = RMTrainer(cfg)
+    trainer.fit()
+    if trainer.final_eval:
+        e = trainer.final_eval
+        print(f"held-out pairwise accuracy {e['val/accuracy']:.4f} over {int(e['val/pairs'])} pairs")
+    else:
+        print("no held-out pairs (data.val_files): no pairwise accuracy")
+    print(f"wrote {trainer.hf_dir}")
+
+
 def _make_model(args: argparse.Namespace) -> None:
     from posttrain.agents.tools import build_tools
     from posttrain.data.tasks import arithmetic, long_addition, tool_multiplication
@@ -112,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, func, config in (("train", _train, "rl"), ("sft", _sft, "sft"), ("dpo", _dpo, "dpo")):
+    for name, func, config in (
+        ("train", _train, "rl"),
+        ("sft", _sft, "sft"),
+        ("dpo", _dpo, "dpo"),
+        ("rm", _rm, "rm"),
+    ):
         p = sub.add_parser(name, help=f"{name} with Hydra overrides (key=value ...)")
         p.add_argument("--config-name", default=config, help="a YAML under posttrain/config/yaml")
         p.add_argument("overrides", nargs="*")

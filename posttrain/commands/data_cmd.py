@@ -1,4 +1,5 @@
-"""`posttrain data`: write a built-in task, prepare GSM8K, or validate a dataset file row by row.
+"""`posttrain data`: write a built-in task (or the arithmetic task's preference pairs), prepare GSM8K, or validate
+a dataset file row by row.
 
 `data validate FILE` reports every bad row by index with its reason. It runs the dataset class the trainer
 would use (`PromptDataset`, `SFTDataset`, `PreferenceDataset`) on one row at a time, so the checks are the
@@ -31,11 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "data", help="write a built-in task, prepare GSM8K (verl-format parquet), validate a file"
     )
     tasks = data.add_subparsers(
-        dest="task", required=True, metavar="{arithmetic,long_addition,tool_multiplication,gsm8k,validate}"
+        dest="task",
+        required=True,
+        metavar="{arithmetic,arithmetic_pairs,long_addition,tool_multiplication,shapes,gsm8k,validate}",
     )
-    for name in ("arithmetic", "long_addition"):
+    for name in ("arithmetic", "arithmetic_pairs", "long_addition"):
         _add_task_parser(tasks, name)
     _add_tool_task_parser(tasks)
+    _add_shapes_parser(tasks)
 
     p = tasks.add_parser("gsm8k", help="GSM8K as verl-format parquet (from --src, else the Hugging Face hub)")
     p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
@@ -71,13 +75,18 @@ def _add_task_parser(tasks: argparse._SubParsersAction, name: str) -> None:
         for k, v in inspect.signature(TASK_WRITERS[name]).parameters.items()
         if v.default is not inspect.Parameter.empty
     }
-    p = tasks.add_parser(name, help=f"the built-in {name} task as verl-format parquet")
+    what = (
+        "preference pairs of the arithmetic task (right vs wrong answer; posttrain dpo / rm)"
+        if name == "arithmetic_pairs"
+        else f"the built-in {name} task as verl-format parquet"
+    )
+    p = tasks.add_parser(name, help=what)
     p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    p.add_argument("--n-train", type=int, default=10000)
-    p.add_argument("--n-test", type=int, default=500)
+    p.add_argument("--n-train", type=int, default=defaults["n_train"])
+    p.add_argument("--n-test", type=int, default=defaults["n_test"])
     p.add_argument("--min-digits", type=int, default=defaults["min_digits"], help="operand digits")
     p.add_argument("--max-digits", type=int, default=defaults["max_digits"], help="operand digits")
-    if name == "arithmetic":
+    if name in ("arithmetic", "arithmetic_pairs"):
         p.add_argument("--ops", default=",".join(defaults["ops"]), help="operators, comma-separated")
     else:
         p.add_argument(
@@ -109,6 +118,35 @@ def _add_tool_task_parser(tasks: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_write_tool_task)
 
 
+def _add_shapes_parser(tasks: argparse._SubParsersAction) -> None:
+    from posttrain.data.tasks.shapes import KINDS, write_shapes_dataset
+
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(write_shapes_dataset).parameters.items()
+        if v.default is not inspect.Parameter.empty
+    }
+    p = tasks.add_parser(
+        "shapes", help="the built-in visual task (coloured squares, Pillow) as verl multimodal parquet"
+    )
+    p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    p.add_argument("--kind", choices=KINDS, default=defaults["kind"], help="count squares or name the colour")
+    for key in ("n_train", "n_test", "max_squares", "size", "seed"):
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=defaults[key])
+    p.set_defaults(func=_write_shapes)
+
+
+def _write_shapes(args: argparse.Namespace) -> None:
+    from posttrain.data.tasks.shapes import write_shapes_dataset
+
+    paths = write_shapes_dataset(
+        args.out, n_train=args.n_train, n_test=args.n_test, kind=args.kind, max_squares=args.max_squares,
+        size=args.size, seed=args.seed,
+    )  # fmt: skip
+    for split, path in paths.items():
+        print(f"wrote {split}: {path}")
+
+
 def _write_tool_task(args: argparse.Namespace) -> None:
     from posttrain.agents.tools import build_tools
     from posttrain.data.tasks import write_tool_multiplication_dataset
@@ -130,7 +168,7 @@ def _write_task(args: argparse.Namespace) -> None:
         "max_digits": args.max_digits,
         "seed": args.seed,
     }
-    if args.task == "arithmetic":
+    if args.task in ("arithmetic", "arithmetic_pairs"):
         options["ops"] = tuple(args.ops.split(","))
     else:
         options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}

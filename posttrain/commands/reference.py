@@ -21,13 +21,14 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from posttrain.config.schema import DPOConfig, RLConfig, SFTConfig
+from posttrain.config.schema import DPOConfig, RLConfig, RMConfig, SFTConfig
 
 # command -> (schema, the YAML its config composes from)
 COMMANDS: dict[str, tuple[type, str]] = {
     "train": (RLConfig, "rl"),
     "sft": (SFTConfig, "sft"),
     "dpo": (DPOConfig, "dpo"),
+    "rm": (RMConfig, "rm"),
 }
 
 

@@ -185,6 +185,20 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """A reward model scoring each response (a directory `posttrain rm` wrote): a worker group that sees the
+    prompt's messages and the response re-rendered with its own tokenizer's chat template."""
+
+    path: str = ""  # a sequence classifier directory (posttrain rm's output); empty = no reward model
+    weight: float = 1.0  # the reward is weight * the model's score (+ the rule reward with with_rule_rewards)
+    # also score with the rule scorers (or reward.custom_function_path) and add that; false = the model alone
+    # (validation's val/acc is the rule scorer's either way: the run never trains on it)
+    with_rule_rewards: bool = False
+    pool: str = "trainer"  # trainer = colocated with the actor (sharing its workers); another = its own pool
+    micro_batch_size: int = 64  # rows per forward pass on one worker
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     custom_function_path: str = ""  # a Python file; empty = the built-in scorers by data_source
     custom_function_name: str = "compute_score"
@@ -197,6 +211,7 @@ class RewardConfig:
     # (and at once when every score of a step, or of a validation, fails); 1 = only that
     max_error_rate: float = 0.5
     max_error_steps: int = 3
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass(frozen=True)
@@ -408,5 +423,40 @@ class DPOConfig:
     )
     trainer: SFTTrainerConfig = field(
         default_factory=lambda: SFTTrainerConfig(run_dir="runs/dpo", total_steps=100)
+    )
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass(frozen=True)
+class RMDataConfig(DPODataConfig):
+    """Preference pairs as for dpo (posttrain/data/preference_dataset.py), with an optional margin per pair."""
+
+    # per-pair margins (TRL's column): the loss asks r_chosen - r_rejected to exceed it; read when the data
+    # has the column (every row or none); empty = never read
+    margin_column: str = "margin"
+
+
+@dataclass(frozen=True)
+class RMLossConfig:
+    """The Bradley-Terry loss (posttrain/algorithms/reward_model_loss.py)."""
+
+    # Eisenstein et al.'s centering: + coef * (r_chosen + r_rejected)^2 per pair (TRL's name); 0 = off
+    center_rewards_coefficient: float = 0.0
+
+
+@dataclass(frozen=True)
+class RMConfig:
+    """Reward-model training (`posttrain rm`): the policy family's sequence classifier (one score) trained with
+    the Bradley-Terry loss on preference pairs; `optim.batch_size` and `optim.micro_batch_size` count pairs."""
+
+    # rows run right-padded (no packing); the score is the head's output at a row's last token
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(remove_padding=False, share_prompt=False))
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    rm: RMLossConfig = field(default_factory=RMLossConfig)
+    optim: SFTOptimConfig = field(
+        default_factory=lambda: SFTOptimConfig(lr=1e-5, batch_size=32, micro_batch_size=8)
+    )
+    trainer: SFTTrainerConfig = field(
+        default_factory=lambda: SFTTrainerConfig(run_dir="runs/rm", total_steps=100)
     )
     ray: RayConfig = field(default_factory=RayConfig)

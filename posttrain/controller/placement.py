@@ -6,8 +6,9 @@ both honour the same settings (`trainer.cpus_per_worker`, `gpus_per_worker`, `co
 `backend=ray` on the pool it names: pool `trainer` is `trainer.nnodes x trainer.n_workers_per_node`; more
 pools are named in `resources.pools`. Roles on one pool share its slots (each asks for a fraction).
 
-RL's layout (colocated: one worker per rank holds actor, rollout and reference, the critic sharing the slot;
-split: the rollout, or the critic, on a pool of its own) is `start_rl_groups`, checked by `check_placement`.
+RL's layout (colocated: one worker per rank holds actor, rollout and reference, the critic and the reward model
+sharing the slot; split: the rollout, the critic or the reward model on a pool of its own) is `start_rl_groups`,
+checked by `check_placement`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ from posttrain.config.schema import PoolConfig, RayConfig, RLConfig
 from posttrain.controller.pause_points import PAUSE_ENV
 from posttrain.controller.ray_env import cluster_has_gpus, start_ray
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool, make_pools
-from posttrain.controller.roles import ActorGroup, CriticGroup, Dispatcher, Rollout, RolloutGroup
+from posttrain.controller.roles import (
+    ActorGroup,
+    CriticGroup,
+    Dispatcher,
+    RewardModelGroup,
+    Rollout,
+    RolloutGroup,
+)
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.critic import CriticSpec, CriticWorker
+from posttrain.workers.reward_model import RewardModelSpec, RewardModelWorker
 from posttrain.workers.rollout_worker import RolloutSpec, RolloutWorker
 
 TRAINER_POOL = "trainer"
@@ -143,6 +152,7 @@ class RLGroups:
     rollout: Rollout  # the group that generates: the actor's own (colocated) or the rollout pool
     rollout_pool: RolloutGroup | None = None  # the rollout role on a pool of its own (split placement)
     critic: CriticGroup | None = None
+    reward_model: RewardModelGroup | None = None  # reward.model.path: scores responses
     pools: dict[str, ResourcePool] = field(default_factory=dict)
 
     @property
@@ -151,11 +161,16 @@ class RLGroups:
 
     def placement(self) -> dict[str, list[dict[str, Any]]]:
         """Which node each rank of each role runs on."""
-        groups = {"actor_rollout_ref": self.actor, "rollout": self.rollout_pool, "critic": self.critic}
+        groups = {
+            "actor_rollout_ref": self.actor,
+            "rollout": self.rollout_pool,
+            "critic": self.critic,
+            "reward_model": self.reward_model,
+        }
         return {role: group.placement() for role, group in groups.items() if group is not None}
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.rollout_pool, self.critic):
+        for group in (self.actor, self.rollout_pool, self.critic, self.reward_model):
             if group is not None:
                 group.shutdown()
         for pool in self.pools.values():
@@ -180,20 +195,37 @@ def rollout_spec(cfg: RLConfig, threads: int) -> RolloutSpec:
 
 
 def start_rl_groups(
-    cfg: RLConfig, actor_spec: ActorRolloutRefSpec, critic_spec: CriticSpec | None, wait_s: float = 0.0
+    cfg: RLConfig,
+    actor_spec: ActorRolloutRefSpec,
+    critic_spec: CriticSpec | None,
+    wait_s: float = 0.0,
+    reward_model_spec: RewardModelSpec | None = None,
 ) -> RLGroups:
-    """Every role of an RL run, placed as `resources` says (see `start_role_groups` for `wait_s`)."""
+    """Every role of an RL run, placed as `resources` (and `reward.model.pool`) says (see `start_role_groups`
+    for `wait_s`)."""
     requests = [RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, actor_spec)]
     if split_rollout(cfg):
         spec = rollout_spec(cfg, actor_spec.threads)
         requests.append(RoleRequest("rollout", RolloutWorker, spec, cfg.resources.rollout))
     if critic_spec is not None:
         requests.append(RoleRequest("critic", CriticWorker, critic_spec, cfg.resources.critic))
+    if reward_model_spec is not None:
+        requests.append(
+            RoleRequest("reward_model", RewardModelWorker, reward_model_spec, cfg.reward.model.pool)
+        )
     started, pools = start_role_groups(cfg.trainer, cfg.ray, requests, cfg.resources.pools, wait_s)
     actor = ActorGroup(started["actor_rollout_ref"])
     pool = RolloutGroup(started["rollout"]) if "rollout" in started else None
     critic = CriticGroup(started["critic"]) if "critic" in started else None
-    return RLGroups(actor=actor, rollout=pool or actor, rollout_pool=pool, critic=critic, pools=pools)
+    reward_model = RewardModelGroup(started["reward_model"]) if "reward_model" in started else None
+    return RLGroups(
+        actor=actor,
+        rollout=pool or actor,
+        rollout_pool=pool,
+        critic=critic,
+        reward_model=reward_model,
+        pools=pools,
+    )
 
 
 def pool_sizes(cfg: RLConfig) -> dict[str, int]:
@@ -238,9 +270,11 @@ def check_placement(cfg: RLConfig) -> None:
                 f"resources.pools.{name}: nnodes and n_workers_per_node must be >= 1, got {pool.nnodes} and "
                 f"{pool.n_workers_per_node}"
             )
-    if t.backend == "local" and (split_rollout(cfg) or r.critic != TRAINER_POOL):
+    rm_pool = cfg.reward.model.pool
+    if t.backend == "local" and (split_rollout(cfg) or r.critic != TRAINER_POOL or rm_pool != TRAINER_POOL):
         raise ConfigError(
-            "split placement (resources.rollout/critic on their own pool) needs trainer.backend=ray"
+            "split placement (resources.rollout/critic or reward.model.pool on their own pool) needs "
+            "trainer.backend=ray"
         )
     check_worker_settings(t)
     roles = {"resources.rollout": r.rollout}
@@ -248,6 +282,10 @@ def check_placement(cfg: RLConfig) -> None:
         roles["resources.critic"] = r.critic
     elif r.critic != TRAINER_POOL:
         raise ConfigError(f"resources.critic={r.critic} but critic.enable=false")
+    if cfg.reward.model.path:
+        roles["reward.model.pool"] = rm_pool
+    elif rm_pool != TRAINER_POOL:
+        raise ConfigError(f"reward.model.pool={rm_pool} but reward.model.path is empty (no reward model)")
     sizes = pool_sizes(cfg)
     for key, name in roles.items():
         if name not in sizes:
@@ -255,7 +293,8 @@ def check_placement(cfg: RLConfig) -> None:
     unused = set(r.pools) - set(roles.values())
     if unused:
         raise ConfigError(
-            f"resources.pools {sorted(unused)} are not used by any role (resources.rollout/critic)"
+            f"resources.pools {sorted(unused)} are not used by any role (resources.rollout/critic, "
+            "reward.model.pool)"
         )
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     if samples % sizes[r.rollout]:

@@ -2,7 +2,8 @@
 
 A trainer never names a verb by a string: it holds an `ActorGroup`, a `RolloutGroup` or a `CriticGroup`
 and calls methods that a reader, an IDE and a type checker can follow into the worker class of the same
-name (`workers/actor_rollout_ref.py`, `workers/rollout_worker.py`, `workers/critic.py`). Each role group
+name (`workers/actor_rollout_ref.py`, `workers/rollout_worker.py`, `workers/critic.py`,
+`workers/reward_model.py`). Each role group
 wraps a `Dispatcher` (the Ray group, one actor per rank, or the in-process group of world size 1), which
 splits Batch arguments across ranks and gathers the results; that generic dispatch stays in this package.
 
@@ -177,6 +178,29 @@ class CriticGroup(RoleGroup):
 
     def load_state(self, path: Path) -> None:
         self.dispatcher.call("load_state", str(path))
+
+
+class RewardModelGroup(RoleGroup):
+    """A reward model (`RewardModelWorker`): trained by `posttrain rm`, scoring responses in RL."""
+
+    def score(self, batch: Batch) -> Batch:
+        """`rm_score` (B,) of right-padded rows."""
+        return self._batch("score", batch)
+
+    def forward_backward(self, batch: Batch, loss: LossSpec) -> Metrics:
+        return self._metrics("forward_backward", batch, loss)
+
+    def optim_step(self) -> Metrics:
+        return self._metrics("optim_step")
+
+    def save_state(self, path: Path) -> None:
+        self.dispatcher.call("save_state", str(path))
+
+    def load_state(self, path: Path) -> None:
+        self.dispatcher.call("load_state", str(path))
+
+    def export_hf(self, out_dir: Path) -> None:
+        self.dispatcher.call("export_hf", str(out_dir))
 
 
 class ApiGroup(RoleGroup):

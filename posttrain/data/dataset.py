@@ -231,7 +231,7 @@ class PromptDataset:
 
 def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int, uids: Sequence[str]) -> Batch:
     """Left-pad prompts to the longest in `items`: tensors input_ids, attention_mask, position_ids;
-    non-tensors uid, data_source, ground_truth, extra_info, raw_prompt, index."""
+    non-tensors uid, data_source, ground_truth, extra_info, raw_prompt, prompt_messages, index."""
     if len(uids) != len(items):
         raise DataError(f"collate_prompts: {len(items)} items but {len(uids)} uids")
     if not items:
@@ -256,6 +256,7 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int, uids: Se
             K.GROUND_TRUTH: [it["ground_truth"] for it in items],
             K.EXTRA_INFO: [it["extra_info"] for it in items],
             K.RAW_PROMPT: [it["raw_prompt"] for it in items],
+            K.PROMPT_MESSAGES: [it["messages"] for it in items],
             K.INDEX: [it["index"] for it in items],
         },
     )

@@ -38,6 +38,7 @@ DATA_SOURCE = "data_source"  # str: selects the scorer
 GROUND_TRUTH = "ground_truth"  # str
 EXTRA_INFO = "extra_info"  # dict
 RAW_PROMPT = "raw_prompt"  # str: the prompt text after the chat template
+PROMPT_MESSAGES = "prompt_messages"  # list[dict]: the prompt's chat messages (a reward model re-renders them)
 RESPONSE_TEXT = "response_text"  # str: decoded response
 INDEX = "index"  # int: the row's position in its dataset
 STOP_REASON = "stop_reason"  # str: "stop" (eos / stop token / stop string) or "length"

@@ -34,13 +34,16 @@ from posttrain.errors import DataError
 PAIR_INDEX = "pair_index"  # (B,) long: the pair's position in its dataset (both rows of a pair)
 PAIR_CHOSEN = "pair_chosen"  # (B,) long: 1 on a chosen row, 0 on a rejected row
 REF_SEQ_LOG_PROB = "ref_seq_log_prob"  # (B,) float: the reference's summed log-prob of the row's completion
+PAIR_MARGIN = "pair_margin"  # (B,) float: the pair's margin (both rows of a pair), when the data has one
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 class PreferenceDataset:
     """(chosen ids, rejected ids, prompt lengths, reference sums) per pair; pairs with a sequence longer than
     `max_length` are filtered (`n_filtered`) or, with `overlong="error"`, rejected. `with_reference`: read
-    the precomputed reference columns (a row without them is an error naming it)."""
+    the precomputed reference columns (a row without them is an error naming it). `margin_column`: a column of
+    per-pair margins, read when the data has it; every row has it or none does (an error names the first row
+    that breaks the rule)."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class PreferenceDataset:
         max_length: int,
         overlong: str = "filter",
         with_reference: bool = False,
+        margin_column: str = "",
     ) -> None:
         check_overlong_mode(overlong)
         eos = getattr(tokenizer, "eos_token", None)
@@ -57,12 +61,15 @@ class PreferenceDataset:
         self.files = as_paths(files)
         self.with_reference = with_reference
         self.n_filtered = 0
+        self.has_margin: bool | None = None  # decided by the first row (margin_column set)
         self._items: list[dict[str, Any]] = []
         n_total = 0
         for path, i, row in iter_rows(self.files):
             n_total += 1
             where = f"{path}: row {i}"
             item = _pair(tokenizer, row, eos, where)
+            if margin_column:
+                self._read_margin(row, margin_column, item, where)
             longest = max(len(item["chosen"]), len(item["rejected"]))
             if longest > max_length:
                 if overlong == "error":
@@ -84,12 +91,28 @@ class PreferenceDataset:
             self._items.append(item)
         report_filtered(self.files, self.n_filtered, n_total, f"max_length={max_length}")
 
+    def _read_margin(self, row: dict, column: str, item: dict[str, Any], where: str) -> None:
+        present = row.get(column) is not None
+        if self.has_margin is None:
+            self.has_margin = present
+        elif present != self.has_margin:
+            given = "has" if present else "has no"
+            first = "have one" if self.has_margin else "have none"
+            raise DataError(
+                f"{where}: {given} {column!r} but the rows before it {first}: give every pair a margin or none"
+            )
+        if present:
+            value = row[column]
+            if not isinstance(value, int | float) or isinstance(value, bool) or not np.isfinite(value):
+                raise DataError(f"{where}: field {column!r} must be a finite number, got {value!r}")
+            item["margin"] = float(value)
+
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """`chosen`/`rejected` (token ids), `chosen_prompt`/`rejected_prompt` (prompt tokens in each), `index`,
-        and the reference columns when read."""
+        and the reference columns and `margin` when read."""
         return {**self._items[i], "index": range(len(self._items))[i]}
 
 
@@ -124,7 +147,8 @@ def collate_pairs(
     items: Sequence[dict[str, Any]], pad_token_id: int, uids: Sequence[str] | None = None
 ) -> Batch:
     """Rows 2i (chosen) and 2i+1 (rejected) of pair i: collate_sft's tensors (loss_mask on completions) +
-    pair_index, pair_chosen, and ref_seq_log_prob when the items carry the reference columns."""
+    pair_index, pair_chosen, ref_seq_log_prob when the items carry the reference columns, pair_margin when they
+    carry a margin."""
     if not items:
         raise DataError("collate_pairs: no items")
     rows = []
@@ -146,4 +170,7 @@ def collate_pairs(
     if all(REF_COLUMNS[0] in it for it in items):
         ref = [it[name] for it in items for name in REF_COLUMNS]
         batch.set(REF_SEQ_LOG_PROB, torch.tensor(ref, dtype=torch.float64))
+    if all("margin" in it for it in items):
+        margins = [it["margin"] for it in items for _ in (0, 1)]
+        batch.set(PAIR_MARGIN, torch.tensor(margins, dtype=torch.float64))
     return batch

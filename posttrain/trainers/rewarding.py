@@ -1,6 +1,10 @@
-"""Driver-side reward stage: scores from the reward manager, DAPO overlong shaping, KL in the reward.
+"""Driver-side reward stage: scores from the reward manager and/or a reward model, DAPO overlong shaping, KL in
+the reward.
 
-`score` turns decoded responses into `token_level_scores`; `apply_kl` turns scores into
+`score` turns decoded responses into `token_level_scores`: the rule reward (built-in scorer or custom function),
+or with `reward.model.path` the reward model's score times `reward.model.weight`, plus the rule reward when
+`reward.model.with_rule_rewards` (trainers/rm_scoring.py renders the rows for the reward model's worker group,
+attached with `attach_model`). Validation (`score_texts`) always takes the rule reward. `apply_kl` turns scores into
 `token_level_rewards` (minus coef * KL to the reference when `algorithm.use_kl_in_reward`).
 Failed scores are watched: `begin_step`/`end_step` bracket a training step's scoring and apply the stop
 policy of rewards/health.py (`check_validation` for a validation); the first failure's traceback is
@@ -17,6 +21,7 @@ import torch
 from posttrain.algorithms.kl_control import apply_kl_penalty, make_kl_controller
 from posttrain.algorithms.reward_shaping import overlong_penalty
 from posttrain.config.schema import RLConfig
+from posttrain.controller.roles import RewardModelGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.errors import ConfigError
@@ -24,6 +29,7 @@ from posttrain.rewards.health import RewardHealth, StepFailures
 from posttrain.rewards.isolation import IsolatedFunction
 from posttrain.rewards.manager import RewardManager, RewardResult, scores_to_token_level
 from posttrain.rewards.user import load_reward_function
+from posttrain.trainers.rm_scoring import RewardModelScorer, check_reward_model
 
 
 class RewardStage:
@@ -46,6 +52,11 @@ class RewardStage:
                 )
         scorer_kwargs = {"openai/gsm8k": {"method": reward.gsm8k_method}} if custom is None else None
         self.manager = RewardManager(custom, scorer_kwargs)
+        check_reward_model(cfg)
+        self.model = RewardModelScorer(reward.model) if reward.model.path else None
+        self.use_rules = self.model is None or reward.model.with_rule_rewards
+        self._model_scores: list[float] = []  # this step's reward-model scores and rule scores (metrics)
+        self._rule_scores: list[float] = []
         self.step = 0  # the training step being scored (begin_step)
         self._tally = StepFailures(0, 0)  # the rows this step scored so far
         self._traceback_shown = False
@@ -55,6 +66,11 @@ class RewardStage:
             if algo.use_kl_in_reward
             else None
         )
+
+    def attach_model(self, group: RewardModelGroup | None) -> None:
+        """The reward model's running worker group (None when the workers are down); no-op without one."""
+        if self.model is not None:
+            self.model.attach(group)
 
     def score_texts(self, batch: Batch) -> RewardResult:
         return self.manager.score(
@@ -69,6 +85,7 @@ class RewardStage:
         """Training step `step` starts: its scoring is counted from here to `end_step`."""
         self.step = step
         self._tally = StepFailures(0, 0)
+        self._model_scores, self._rule_scores = [], []
 
     def count(self, result: RewardResult) -> None:
         """Count scores made outside `score` (agent episodes score their final answers) in this step."""
@@ -81,7 +98,11 @@ class RewardStage:
         tally, self._tally = self._tally, StepFailures(0, 0)
         self.health.observe_step(self.step, tally)
         self._show_first_traceback(tally.first_traceback)
-        return {"reward/errors": float(tally.errors), "reward/error_rate": tally.rate}
+        metrics = {"reward/errors": float(tally.errors), "reward/error_rate": tally.rate}
+        if self.model is not None:
+            metrics.update(self.model.metrics(self._model_scores, self._rule_scores))
+        self._model_scores, self._rule_scores = [], []
+        return metrics
 
     def check_validation(self, result: RewardResult) -> dict[str, float]:
         """A validation's error rate; RewardError when every one of its scores failed."""
@@ -111,10 +132,21 @@ class RewardStage:
         self.manager.close()
 
     def score(self, batch: Batch) -> Batch:
-        """`token_level_scores` (with overlong shaping), raw `score` per row, and the error count in meta."""
-        result = self.score_texts(batch)
-        self._tally = self._tally.add(result)
-        scores = torch.tensor(result.scores, dtype=torch.float32)
+        """`token_level_scores` (with overlong shaping) and the raw `score` per row: the rule reward, the reward
+        model's weighted score, or their sum (module docstring)."""
+        result = RewardResult(scores=[0.0] * len(batch))
+        if self.use_rules:
+            result = self.score_texts(batch)
+            self._tally = self._tally.add(result)
+        values = list(result.scores)
+        if self.model is not None:
+            model_scores = self.model.score(batch).tolist()
+            self._model_scores += model_scores
+            if self.use_rules:
+                self._rule_scores += values
+            weight = self.cfg.reward.model.weight
+            values = [rule + weight * model for rule, model in zip(values, model_scores, strict=True)]
+        scores = torch.tensor(values, dtype=torch.float32)
         shaped = scores
         if self.cfg.reward.overlong_buffer_len > 0:
             lengths = batch[keys.RESPONSE_MASK].sum(-1)
@@ -127,7 +159,7 @@ class RewardStage:
         return Batch.from_dict(
             {keys.TOKEN_LEVEL_SCORES: scores_to_token_level(shaped, batch[keys.RESPONSE_MASK])},
             {
-                keys.SCORE: list(result.scores),
+                keys.SCORE: values,
                 # GDPO's reward components: values the reward function returned besides "score"
                 **{k: result.extra.get(k, [None] * len(batch)) for k in self.cfg.algorithm.gdpo_reward_keys},
             },

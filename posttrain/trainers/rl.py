@@ -35,6 +35,7 @@ from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
 from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.trainers.setup import (
     actor_spec,
     advantage_kwargs,
@@ -234,8 +235,10 @@ class RLTrainer:
         threads = threads_per_worker(cfg.trainer)
         spec = actor_spec(cfg, threads)
         critic = critic_spec(cfg, threads) if cfg.critic.enable else None
-        self.groups = start_rl_groups(cfg, spec, critic, wait_s=wait_s)
+        scorer = reward_model_spec(cfg, threads) if cfg.reward.model.path else None
+        self.groups = start_rl_groups(cfg, spec, critic, wait_s=wait_s, reward_model_spec=scorer)
         self.actor, self.rollout, self.critic = self.groups.actor, self.groups.rollout, self.groups.critic
+        self.rewards.attach_model(self.groups.reward_model)
         placement = self.groups.placement()
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         log.info(
@@ -251,6 +254,7 @@ class RLTrainer:
             self.groups.shutdown()
         self.groups = None
         self.actor = self.rollout = self.critic = None
+        self.rewards.attach_model(None)
 
     def step(self) -> Metrics:
         """One RL step: the loop of ARCHITECTURE.md."""
@@ -478,4 +482,5 @@ class RLTrainer:
         self.step_count = 0
         self.loader.load_state_dict({"epoch": 0, "position": 0})
         self.rewards = RewardStage(self.cfg)
+        self.rewards.attach_model(self.groups.reward_model if self.groups is not None else None)
         self.history = []

@@ -9,6 +9,7 @@ from posttrain.data import keys as K
 from posttrain.data.preference_dataset import (
     PAIR_CHOSEN,
     PAIR_INDEX,
+    PAIR_MARGIN,
     REF_SEQ_LOG_PROB,
     PreferenceDataset,
     collate_pairs,
@@ -101,3 +102,28 @@ def test_overlong_pairs_filtered_or_error(tmp_path, tok) -> None:
     assert PreferenceDataset(path, tok, 64).n_filtered == 1
     with pytest.raises(DataError, match=r"row 1: a completion has \d+ tokens"):
         PreferenceDataset(path, tok, 64, overlong="error")
+
+
+def test_margin_column_read_when_present(tmp_path, tok) -> None:
+    rows = [dict(TEXT_ROW, margin=1.5), dict(CHAT_ROW, margin=0)]
+    ds = PreferenceDataset(write_rows(tmp_path / "p.jsonl", rows), tok, 128, margin_column="margin")
+    assert ds.has_margin and [ds[0]["margin"], ds[1]["margin"]] == [1.5, 0.0]
+    b = collate_pairs([ds[0], ds[1]], pad_token_id=tok.pad_token_id)
+    assert b[PAIR_MARGIN].tolist() == [1.5, 1.5, 0.0, 0.0]
+    plain = PreferenceDataset(write_rows(tmp_path / "q.jsonl", [TEXT_ROW]), tok, 128, margin_column="margin")
+    assert plain.has_margin is False and PAIR_MARGIN not in collate_pairs([plain[0]], tok.pad_token_id)
+    ignored = PreferenceDataset(write_rows(tmp_path / "r.jsonl", rows), tok, 128)  # no margin_column: dpo
+    assert "margin" not in ignored[0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "reason"),
+    [
+        ([dict(TEXT_ROW, margin=1.0), TEXT_ROW], r"row 1: has no 'margin' but the rows before it have one"),
+        ([TEXT_ROW, dict(TEXT_ROW, margin=1.0)], r"row 1: has 'margin' but the rows before it have none"),
+        ([dict(TEXT_ROW, margin="big")], r"row 0: field 'margin' must be a finite number"),
+    ],
+)
+def test_margin_every_row_or_none(tmp_path, tok, rows: list, reason: str) -> None:
+    with pytest.raises(DataError, match=reason):
+        PreferenceDataset(write_rows(tmp_path / "p.jsonl", rows), tok, 128, margin_column="margin")

@@ -35,10 +35,11 @@ def _batch(**meta: float) -> Batch:
 
 def test_the_losses_are_registry_entries() -> None:
     import posttrain.workers.preference  # noqa: F401 - registers `preference` (as the DPO trainer's workers do)
+    import posttrain.workers.reward_model  # noqa: F401 - registers `bradley_terry` (the reward model's workers)
 
-    assert LOSSES.names() == ["cross_entropy", "ppo", "preference", "value"]
+    assert LOSSES.names() == ["bradley_terry", "cross_entropy", "ppo", "preference", "value"]
     with pytest.raises(
-        ConfigError, match=r"unknown loss 'dpo'; valid: cross_entropy, ppo, preference, value"
+        ConfigError, match=r"unknown loss 'dpo'; valid: bradley_terry, cross_entropy, ppo, preference, value"
     ):
         build_loss(LossSpec("dpo"), 1)
 

@@ -1,4 +1,5 @@
-"""Built-in tasks by name: each writer makes verl-format `train.parquet` / `test.parquet` in a directory."""
+"""Built-in tasks by name: each writer makes `train.parquet` / `test.parquet` in a directory (verl-format prompt
+rows; `arithmetic_pairs`: preference pairs in TRL's columns)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.data.tasks.arithmetic import write_arithmetic_dataset
+from posttrain.data.tasks.arithmetic_pairs import write_arithmetic_pairs
 from posttrain.data.tasks.long_addition import write_long_addition_dataset
 from posttrain.data.tasks.tool_multiplication import write_tool_multiplication_dataset
 from posttrain.errors import DataError
@@ -15,6 +17,7 @@ TaskWriter = Callable[..., dict[str, Path]]
 
 TASK_WRITERS: dict[str, TaskWriter] = {
     "arithmetic": write_arithmetic_dataset,
+    "arithmetic_pairs": write_arithmetic_pairs,
     "long_addition": write_long_addition_dataset,
     "tool_multiplication": write_tool_multiplication_dataset,
 }
@@ -36,6 +39,7 @@ __all__ = [
     "TASK_WRITERS",
     "get_task_writer",
     "write_arithmetic_dataset",
+    "write_arithmetic_pairs",
     "write_long_addition_dataset",
     "write_tool_multiplication_dataset",
     "write_task",

@@ -1,0 +1,59 @@
+"""Preference pairs from the arithmetic task: for one problem, the right answer (chosen) and a wrong one (rejected).
+
+Rows are in TRL's columns as chat messages (`prompt`: the user question as the RL task asks it; `chosen` /
+`rejected`: one assistant message each), so `posttrain dpo` and `posttrain rm` read them, and a reward model
+trained on them sees the same rendering as when it scores a policy's answers in RL. Wrong answers are the
+slips a small model makes: the last digit off (1-9), a carry dropped or added (+-10), or further off
+(+-11..99); never negative. Train and test problems are disjoint (arithmetic.sample_problems). Must not import
+engine, rollout, worker, Ray or model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.data.tasks.arithmetic import DATA_SOURCE, prompt_text, sample_problems, write_splits
+
+# kinds of wrong answers and how often each is drawn
+SLIPS = {"last_digit": 0.5, "carry": 0.3, "far": 0.2}
+
+
+def wrong_answer(rng: np.random.Generator, answer: int) -> int:
+    """A plausible wrong answer to a problem whose answer is `answer` (>= 0, != answer)."""
+    kinds = list(SLIPS)
+    for _ in range(100):
+        kind = kinds[int(rng.choice(len(kinds), p=list(SLIPS.values())))]
+        size = {"last_digit": rng.integers(1, 10), "carry": 10, "far": rng.integers(11, 100)}[kind]
+        wrong = answer + int(size) * (1 if rng.random() < 0.5 else -1)
+        if wrong >= 0 and wrong != answer:
+            return wrong
+    return answer + 1
+
+
+def pair_row(question: str, answer: str, wrong: str, split: str, index: int) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": prompt_text(question)}],
+        "chosen": [{"role": "assistant", "content": answer}],
+        "rejected": [{"role": "assistant", "content": wrong}],
+        "data_source": DATA_SOURCE,
+        "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
+    }
+
+
+def write_arithmetic_pairs(
+    out_dir: str | Path,
+    n_train: int = 2000,
+    n_test: int = 256,
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: Sequence[str] = ("+",),
+    seed: int = 0,
+) -> dict[str, Path]:
+    """`train.parquet` and `test.parquet` of preference pairs (disjoint problems) in `out_dir`; {split: path}."""
+    rng = np.random.default_rng(seed)
+    problems = sample_problems(n_train + n_test, rng, min_digits, max_digits, tuple(ops))
+    triples = [(q, a, str(wrong_answer(rng, int(a)))) for q, a in problems]
+    return write_splits(out_dir, triples, n_train, lambda t, split, i: pair_row(*t, split, i))

@@ -1,0 +1,138 @@
+"""Reward-model scores in RL (`reward.model.*`): each response re-rendered for the reward model, scored by its group.
+
+The reward model may have another tokenizer and chat template than the policy, so it never sees the policy's
+tokens: each row's prompt messages and decoded response are rendered as one conversation with the reward
+model's own template (the user turn(s), then the response as the assistant turn, as `posttrain rm` renders a
+chat pair's completion) and scored at its last token. The rows go to the `reward_model` worker group
+(controller/placement.py places it on the trainer's pool or its own); `RewardStage` adds the scores to the
+reward (trainers/rewarding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from posttrain.config.schema import RewardModelConfig, RLConfig
+from posttrain.controller.roles import RewardModelGroup
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.chat_masks import completion_tokens
+from posttrain.data.sft_dataset import collate_sft
+from posttrain.engine.reward_engine import REWARD_HEAD
+from posttrain.engine.train_engine import EngineConfig
+from posttrain.errors import ConfigError, RewardError
+from posttrain.models import check_model_dir, load_config, load_tokenizer
+from posttrain.workers.reward_model import RM_SCORE, RewardModelSpec
+
+RM_INPUTS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
+
+
+def check_reward_model(cfg: RLConfig) -> None:
+    """`reward.model.*` settings that cannot work, or would be ignored, are refused naming the key."""
+    rm = cfg.reward.model
+    if not rm.path:
+        unused = [
+            f"reward.model.{f.name}={getattr(rm, f.name)!r}"
+            for f in dataclasses.fields(rm)
+            if getattr(rm, f.name) != getattr(RewardModelConfig(), f.name)
+        ]
+        if unused:
+            raise ConfigError(f"{', '.join(unused)} set but reward.model.path is empty (no reward model)")
+        return
+    check_model_dir(rm.path)
+    architectures = getattr(load_config(rm.path), "architectures", None) or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise ConfigError(
+            f"reward.model.path={rm.path} holds {', '.join(architectures) or 'a model'}, not a reward model (a "
+            "...ForSequenceClassification with one score): train one with `posttrain rm`"
+        )
+    if not (math.isfinite(rm.weight) and rm.weight > 0):
+        raise ConfigError(f"reward.model.weight must be a finite number > 0, got {rm.weight}")
+    if rm.micro_batch_size <= 0:
+        raise ConfigError(f"reward.model.micro_batch_size must be > 0, got {rm.micro_batch_size}")
+    if cfg.agent.enable:
+        raise ConfigError(
+            "reward.model with agent.enable: agent episodes are scored by their rule reward only"
+        )
+    if cfg.algorithm.gdpo_reward_keys:
+        raise ConfigError(
+            "algorithm.gdpo_reward_keys are components of the rule reward function's results; a reward model "
+            "has one score: unset reward.model.path or algorithm.gdpo_reward_keys"
+        )
+
+
+def reward_model_spec(cfg: RLConfig, threads: int) -> RewardModelSpec:
+    """The reward model's frozen engine: the model section's precision and attention, right-padded rows."""
+    rm, model = cfg.reward.model, cfg.model
+    engine = EngineConfig(
+        model_path=rm.path,
+        dtype=model.dtype,
+        compute_dtype=model.compute_dtype,
+        attn_implementation=model.attn_implementation,
+        offload=model.offload,
+        head=REWARD_HEAD,
+        trainable=False,
+        remove_padding=False,
+        share_prompt=False,
+        micro_batch_size=rm.micro_batch_size,
+    )
+    return RewardModelSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
+
+
+class RewardModelScorer:
+    """Scores a step's responses with the reward model: renders the rows, calls the group, checks the scores."""
+
+    def __init__(self, config: RewardModelConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.path)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.group: RewardModelGroup | None = None
+
+    def attach(self, group: RewardModelGroup | None) -> None:
+        """The running `reward_model` group (None while the workers are down)."""
+        self.group = group
+
+    def inputs(self, batch: Batch) -> Batch:
+        """Right-padded rows of the reward model's tokens: prompt messages + response as the assistant turn."""
+        items = []
+        for i, (messages, response) in enumerate(
+            zip(batch[keys.PROMPT_MESSAGES], batch[keys.RESPONSE_TEXT], strict=True)
+        ):
+            where = f"reward model input of row {i} (prompt index {batch[keys.INDEX][i]})"
+            completion = [{"role": "assistant", "content": str(response)}]
+            ids, _ = completion_tokens(self.tokenizer, list(messages), completion, where)
+            items.append({"input_ids": ids, keys.LOSS_MASK: [0] * len(ids), "index": i})
+        return collate_sft(items, self.pad_id).select(RM_INPUTS, [])
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        """(B,) float32 scores; a RewardError names the rows of a non-finite score."""
+        if self.group is None:
+            raise RuntimeError("the reward model's workers are not running (RewardStage.attach_model)")
+        inputs = self.inputs(batch)
+        extra = -len(inputs) % self.group.world_size  # every rank gets as many rows
+        if extra:
+            inputs = Batch.concat([inputs, inputs.index([len(inputs) - 1] * extra)])
+        scores: torch.Tensor = self.group.score(inputs)[RM_SCORE][: len(batch)].to(torch.float32)
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            raise RewardError(f"the reward model gave non-finite scores to rows {bad[:10]} of {len(batch)}")
+        return scores
+
+    def metrics(self, scores: list[float], rule_scores: list[float]) -> dict[str, Any]:
+        """A step's `reward/model_score/*` (and the rule reward's mean when it is added)."""
+        if not scores:
+            return {}
+        values = torch.tensor(scores, dtype=torch.float64)
+        out = {
+            "reward/model_score/mean": float(values.mean()),
+            "reward/model_score/std": float(values.std(unbiased=False)),
+            "reward/model_score/max": float(values.max()),
+            "reward/model_score/min": float(values.min()),
+        }
+        if rule_scores:
+            out["reward/rule_score/mean"] = float(torch.tensor(rule_scores, dtype=torch.float64).mean())
+        return out

@@ -1,0 +1,44 @@
+"""Preference pairs of the arithmetic task: right vs plausible wrong answers, disjoint splits, the CLI writer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from posttrain.cli import main
+from posttrain.data.tasks import get_task_writer
+from posttrain.data.tasks.arithmetic import OPS, _problem_key
+from posttrain.data.tasks.arithmetic_pairs import write_arithmetic_pairs, wrong_answer
+
+
+def test_wrong_answers_are_wrong_and_plausible() -> None:
+    rng = np.random.default_rng(0)
+    for answer in [0, 1, 9, 10, 57, 198]:
+        wrongs = [wrong_answer(rng, answer) for _ in range(200)]
+        assert all(w >= 0 and w != answer for w in wrongs)
+        assert all(abs(w - answer) < 100 for w in wrongs)
+    offs = [abs(wrong_answer(rng, 150) - 150) for _ in range(1000)]
+    assert 0.4 < np.mean([o < 10 for o in offs]) < 0.6  # mostly the last digit, often a carry, some far
+
+
+def test_pairs_in_trl_columns_with_disjoint_splits(tmp_path) -> None:
+    paths = write_arithmetic_pairs(tmp_path, n_train=300, n_test=50, seed=1)
+    assert get_task_writer("arithmetic_pairs") is write_arithmetic_pairs
+    splits = {name: pq.read_table(path).to_pylist() for name, path in paths.items()}
+    assert len(splits["train"]) == 300 and len(splits["test"]) == 50
+    for row in splits["train"] + splits["test"]:
+        question = row["extra_info"]["question"]
+        left, right = question.split("+")
+        assert row["prompt"] == [{"role": "user", "content": f"What is {question}?"}]
+        assert row["chosen"] == [{"role": "assistant", "content": str(OPS["+"](int(left), int(right)))}]
+        (rejected,) = row["rejected"]
+        assert rejected["role"] == "assistant" and rejected["content"] != row["chosen"][0]["content"]
+    keys = {name: {_problem_key(r["extra_info"]["question"]) for r in rows} for name, rows in splits.items()}
+    assert not keys["train"] & keys["test"]
+
+
+def test_data_command_writes_pairs(tmp_path, capsys) -> None:
+    out = tmp_path / "pairs"
+    assert main(["data", "arithmetic_pairs", "--out", str(out), "--n-train", "40", "--n-test", "10"]) == 0
+    assert "train:" in capsys.readouterr().out
+    assert pq.read_table(out / "test.parquet").num_rows == 10

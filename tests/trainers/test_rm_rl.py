@@ -1,0 +1,206 @@
+"""A reward model in RL (`reward.model.*`): the reward stage re-renders each response with the reward model's own
+tokenizer and chat template and scores it with the `reward_model` worker group, alone or added to the rule
+reward; settings that cannot work are refused; GRPO on 2 Ray workers with the reward-model group logs its
+scores."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.load import load_config
+from posttrain.config.schema import RLConfig
+from posttrain.controller.roles import RewardModelGroup
+from posttrain.controller.worker_group import LocalWorkerGroup
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.tasks.long_addition import corpus as long_addition_corpus
+from posttrain.engine.reward_engine import load_reward_model
+from posttrain.errors import ConfigError
+from posttrain.models import load_tokenizer, make_tiny_model
+from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.rl import RLTrainer
+from posttrain.trainers.rm_scoring import reward_model_spec
+from posttrain.workers.reward_model import RewardModelWorker
+from tests.trainers.test_rl_e2e import rl_overrides, rows
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reward model with a tokenizer of its own (trained on another task's texts than the policy's): the
+    tiny preset's sequence classifier with a fresh score head."""
+    base = make_tiny_model(
+        "tiny", tmp_path_factory.mktemp("rm_base") / "m", long_addition_corpus(2000, seed=1)
+    )
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    load_reward_model(base).save_pretrained(out)
+    load_tokenizer(base).save_pretrained(out)
+    return out
+
+
+def rl_cfg(model: Path, *extra: str) -> RLConfig:
+    return load_config(RLConfig, "rl", [f"model.path={model}", "trainer.backend=local", *extra])
+
+
+def scored_batch() -> Batch:
+    questions = [("3+4", "7", "7"), ("12+30", "42", "41"), ("5+5", "10", "The answer is 10")]
+    width = 3
+    return Batch.from_dict(
+        {keys.RESPONSE_MASK: torch.ones(len(questions), width)},
+        {
+            keys.PROMPT_MESSAGES: [[{"role": "user", "content": f"What is {q}?"}] for q, _, _ in questions],
+            keys.RESPONSE_TEXT: [r for _, _, r in questions],
+            keys.GROUND_TRUTH: [a for _, a, _ in questions],
+            keys.DATA_SOURCE: ["arithmetic"] * len(questions),
+            keys.EXTRA_INFO: [{} for _ in questions],
+            keys.INDEX: list(range(len(questions))),
+        },
+    )
+
+
+def hf_scores(rm: Path, batch: Batch) -> list[float]:
+    """The reward model's scores through Hugging Face alone: its chat template, one row at a time."""
+    from transformers import AutoModelForSequenceClassification
+
+    tok = load_tokenizer(rm)
+    model = AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    out = []
+    for messages, response in zip(batch[keys.PROMPT_MESSAGES], batch[keys.RESPONSE_TEXT], strict=True):
+        conversation = [*messages, {"role": "assistant", "content": response}]
+        text = tok.apply_chat_template(conversation, tokenize=False).removesuffix("\n")  # ends at <|im_end|>
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+        with torch.no_grad():
+            out.append(float(model(input_ids=ids).logits[0, 0]))
+    return out
+
+
+@pytest.mark.parametrize("with_rules", [False, True])
+def test_reward_stage_scores_with_the_reward_models_own_template(
+    tiny_model_dir: Path, rm_dir: Path, with_rules: bool
+) -> None:
+    policy_tok, rm_tok = load_tokenizer(tiny_model_dir), load_tokenizer(rm_dir)
+    assert policy_tok.encode("What is 12+30? 42") != rm_tok.encode("What is 12+30? 42"), "two tokenizers"
+    cfg = rl_cfg(
+        tiny_model_dir,
+        f"reward.model.path={rm_dir}",
+        "reward.model.weight=0.5",
+        f"reward.model.with_rule_rewards={str(with_rules).lower()}",
+        "reward.model.micro_batch_size=2",
+    )
+    stage = RewardStage(cfg)
+    group = LocalWorkerGroup(RewardModelWorker, reward_model_spec(cfg, threads=1), role="reward_model")
+    stage.attach_model(RewardModelGroup(group))
+    batch = scored_batch()
+    stage.begin_step(1)
+    out = stage.score(batch)
+    expected_model = hf_scores(rm_dir, batch)
+    rules = [1.0, 0.0, 1.0] if with_rules else [0.0, 0.0, 0.0]
+    expected = [r + 0.5 * m for r, m in zip(rules, expected_model, strict=True)]
+    assert list(out[keys.SCORE]) == pytest.approx(expected, abs=1e-5)
+    assert out[keys.TOKEN_LEVEL_SCORES][:, -1].tolist() == pytest.approx(expected, abs=1e-5)
+    metrics = stage.end_step()
+    assert metrics["reward/model_score/mean"] == pytest.approx(sum(expected_model) / 3, abs=1e-5)
+    assert metrics["reward/model_score/max"] == pytest.approx(max(expected_model), abs=1e-5)
+    assert ("reward/rule_score/mean" in metrics) == with_rules
+    assert metrics["reward/errors"] == 0.0
+    # validation keeps the rule reward (the accuracy a run with the model alone never trains on)
+    assert stage.score_texts(batch).scores == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["reward.model.weight=2.0"], r"reward.model.weight=2.0 set but reward.model.path is empty"),
+        (
+            ["reward.model.with_rule_rewards=true"],
+            r"with_rule_rewards=True set but reward.model.path is empty",
+        ),
+        (["reward.model.path={policy}"], r"holds Qwen2ForCausalLM, not a reward model .*`posttrain rm`"),
+        (
+            ["reward.model.path={rm}", "reward.model.weight=0"],
+            r"reward.model.weight must be a finite number > 0",
+        ),
+        (["reward.model.path={rm}", "agent.enable=true"], r"reward.model with agent.enable"),
+        (
+            ["reward.model.path={rm}", "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a]"],
+            r"gdpo_reward_keys are components of the rule reward",
+        ),
+    ],
+)
+def test_reward_model_settings_that_cannot_work(
+    tiny_model_dir: Path, rm_dir: Path, extra: list[str], message: str
+) -> None:
+    cfg = rl_cfg(tiny_model_dir, *(e.format(policy=tiny_model_dir, rm=rm_dir) for e in extra))
+    with pytest.raises(ConfigError, match=message):
+        RewardStage(cfg)
+
+
+def test_reward_model_pool_is_placed_or_refused(tiny_model_dir: Path, rm_dir: Path) -> None:
+    from posttrain.controller.placement import check_placement
+
+    with pytest.raises(ConfigError, match="reward.model.pool=gen but reward.model.path is empty"):
+        check_placement(rl_cfg(tiny_model_dir, "trainer.backend=ray", "reward.model.pool=gen"))
+    with pytest.raises(ConfigError, match="needs trainer.backend=ray"):
+        check_placement(rl_cfg(tiny_model_dir, f"reward.model.path={rm_dir}", "reward.model.pool=gen"))
+    with pytest.raises(ConfigError, match="reward.model.pool=gen: no such pool"):
+        check_placement(
+            rl_cfg(
+                tiny_model_dir, "trainer.backend=ray", f"reward.model.path={rm_dir}", "reward.model.pool=gen"
+            )
+        )
+
+
+def rm_rl_run(model: Path, data: dict, run: Path, *extra: str) -> list[dict]:
+    overrides = rl_overrides(model, data, run, "trainer.total_steps=2", "trainer.backend=ray", *extra)
+    RLTrainer(load_config(RLConfig, "rl", overrides)).fit()
+    return rows(run)
+
+
+@pytest.mark.slow
+def test_grpo_with_the_reward_model_group_on_two_ray_workers(
+    tiny_model_dir: Path, rm_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    run = tmp_path / "run"
+    metrics = rm_rl_run(
+        tiny_model_dir,
+        arithmetic_data,
+        run,
+        "trainer.n_workers_per_node=2",
+        f"reward.model.path={rm_dir}",
+        "reward.model.weight=3.0",
+        "trainer.val_before_train=false",
+    )
+    placement = json.loads((run / "placement.json").read_text())
+    assert len(placement["reward_model"]) == 2, "colocated: one reward-model rank per trainer worker"
+    train = [r for r in metrics if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        # the model alone: every reward is weight x its score
+        assert r["reward/mean"] == pytest.approx(3.0 * r["reward/model_score/mean"], abs=1e-5)
+        assert r["reward/model_score/std"] > 0 and r["reward/errors"] == 0.0
+        assert "reward/rule_score/mean" not in r
+        assert r["actor/grad_norm"] > 0
+    assert "val/acc" in metrics[-1], "validation still reports the rule scorer's accuracy"
+
+    # the reward model on a pool of its own (one worker) beside 2 trainer workers, added to the rule reward
+    run = tmp_path / "own_pool"
+    metrics = rm_rl_run(
+        tiny_model_dir,
+        arithmetic_data,
+        run,
+        "trainer.n_workers_per_node=2",
+        f"reward.model.path={rm_dir}",
+        "reward.model.with_rule_rewards=true",
+        "reward.model.pool=rm",
+        "+resources.pools.rm.n_workers_per_node=1",
+        "trainer.val_before_train=false",
+        "trainer.val_every=0",
+    )
+    placement = json.loads((run / "placement.json").read_text())
+    assert len(placement["reward_model"]) == 1 and len(placement["actor_rollout_ref"]) == 2
+    for r in (r for r in metrics if "reward/mean" in r):
+        expected = r["reward/rule_score/mean"] + r["reward/model_score/mean"]
+        assert r["reward/mean"] == pytest.approx(expected, abs=1e-5)
