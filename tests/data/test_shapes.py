@@ -59,3 +59,14 @@ def test_same_seed_same_data_and_unknown_kind(tmp_path):
     assert pq.read_table(a["train"]).to_pylist() == pq.read_table(b["train"]).to_pylist()
     with pytest.raises(DataError, match="valid kinds: count, color"):
         write_shapes_dataset(tmp_path / "c", kind="triangles")
+
+
+def test_data_command_writes_the_task(tmp_path):
+    from posttrain.cli import main
+
+    assert (
+        main(["data", "shapes", "--out", str(tmp_path), "--n-train", "8", "--n-test", "2", "--kind", "color"])
+        == 0
+    )
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert len(rows) == 8 and rows[0]["extra_info"]["kind"] == "color"
