@@ -1,4 +1,5 @@
-"""`posttrain data`: write a built-in task, prepare GSM8K, or validate a dataset file row by row.
+"""`posttrain data`: write a built-in task (or the arithmetic task's preference pairs), prepare GSM8K, or validate
+a dataset file row by row.
 
 `data validate FILE` reports every bad row by index with its reason. It runs the dataset class the trainer
 would use (`PromptDataset`, `SFTDataset`, `PreferenceDataset`) on one row at a time, so the checks are the
@@ -33,9 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tasks = data.add_subparsers(
         dest="task",
         required=True,
-        metavar="{arithmetic,long_addition,tool_multiplication,shapes,gsm8k,validate}",
+        metavar="{arithmetic,arithmetic_pairs,long_addition,tool_multiplication,shapes,gsm8k,validate}",
     )
-    for name in ("arithmetic", "long_addition"):
+    for name in ("arithmetic", "arithmetic_pairs", "long_addition"):
         _add_task_parser(tasks, name)
     _add_tool_task_parser(tasks)
     _add_shapes_parser(tasks)
@@ -74,13 +75,18 @@ def _add_task_parser(tasks: argparse._SubParsersAction, name: str) -> None:
         for k, v in inspect.signature(TASK_WRITERS[name]).parameters.items()
         if v.default is not inspect.Parameter.empty
     }
-    p = tasks.add_parser(name, help=f"the built-in {name} task as verl-format parquet")
+    what = (
+        "preference pairs of the arithmetic task (right vs wrong answer; posttrain dpo / rm)"
+        if name == "arithmetic_pairs"
+        else f"the built-in {name} task as verl-format parquet"
+    )
+    p = tasks.add_parser(name, help=what)
     p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    p.add_argument("--n-train", type=int, default=10000)
-    p.add_argument("--n-test", type=int, default=500)
+    p.add_argument("--n-train", type=int, default=defaults["n_train"])
+    p.add_argument("--n-test", type=int, default=defaults["n_test"])
     p.add_argument("--min-digits", type=int, default=defaults["min_digits"], help="operand digits")
     p.add_argument("--max-digits", type=int, default=defaults["max_digits"], help="operand digits")
-    if name == "arithmetic":
+    if name in ("arithmetic", "arithmetic_pairs"):
         p.add_argument("--ops", default=",".join(defaults["ops"]), help="operators, comma-separated")
     else:
         p.add_argument(
@@ -162,7 +168,7 @@ def _write_task(args: argparse.Namespace) -> None:
         "max_digits": args.max_digits,
         "seed": args.seed,
     }
-    if args.task == "arithmetic":
+    if args.task in ("arithmetic", "arithmetic_pairs"):
         options["ops"] = tuple(args.ops.split(","))
     else:
         options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}
