@@ -20,6 +20,7 @@ from torch import nn
 
 from posttrain.data.partition import first_fit_decreasing
 from posttrain.engine.log_probs import at_least_float32, chunked_log_probs_and_entropy, token_log_probs
+from posttrain.engine.sequence_parallel import SequenceParallel, gather_rows, kept_on_ranks, slice_rows
 from posttrain.engine.shared_prompt import (
     PrefixGroup,
     additive_mask,
@@ -32,10 +33,13 @@ from posttrain.engine.shared_prompt import (
 )
 from posttrain.engine.varlen_attention import (
     SEGMENTS_KWARG,
+    SP_KWARG,
+    Run,
     Segments,
     segments_from_position_ids,
     uses_varlen,
 )
+from posttrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ def packed_model_output(
     attention_mask: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
     segments: Segments | None = None,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim).
 
@@ -104,12 +109,28 @@ def packed_model_output(
     A `posttrain_varlen` model attends per run of `segments` (default: the sequences that `position_ids`
     restart at) and takes no mask; other models take `attention_mask` (None: transformers derives the
     block-diagonal mask from the position ids) and ignore `segments`.
+
+    `sp` (a sequence-parallel group of more than one rank): every rank of the group passes the same rows;
+    each runs the model on its slice of the columns (engine.sequence_parallel) and gets the same result.
     """
+    if sp is not None and sp.size > 1:
+        return _sequence_parallel_output(model, input_ids, position_ids, attention_mask, keep, segments, sp)
     extra = {}
     if uses_varlen(model):
         if attention_mask is not None:
             raise ValueError("a posttrain_varlen model takes its packed layout as segments, not as a mask")
         extra[SEGMENTS_KWARG] = segments if segments is not None else segments_from_position_ids(position_ids)
+    return _model_output(model, input_ids, position_ids, attention_mask, keep, extra)
+
+
+def _model_output(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    extra: dict,
+) -> torch.Tensor:
     head = model.get_output_embeddings() if keep is not None else None
     handle = None
     if head is not None:
@@ -134,6 +155,42 @@ def packed_model_output(
     return out if keep is None or head is not None else out[keep]
 
 
+def _sequence_parallel_output(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    segments: Segments | None,
+    sp: SequenceParallel,
+) -> torch.Tensor:
+    """`packed_model_output` with the columns of every row split across the ranks of `sp`."""
+    if not uses_varlen(model):
+        raise ConfigError(
+            "sequence parallelism wraps the posttrain_varlen attention; this model does not use it"
+        )
+    if attention_mask is not None:
+        raise ValueError("a posttrain_varlen model takes its packed layout as segments, not as a mask")
+    sliced = slice_rows(input_ids, position_ids, sp)
+    if segments is None:
+        segments = segments_from_position_ids(sliced.full_position_ids)
+    elif sliced.padded_width > sliced.width:  # the filler columns are one more causal run per row
+        filler = Run(sliced.width, sliced.padded_width)
+        segments = Segments(tuple((*runs, filler) for runs in segments.rows))
+    extra = {SEGMENTS_KWARG: segments, SP_KWARG: sp}
+    head = model.get_output_embeddings()
+    if keep is not None and head is not None:  # the head on this rank's kept positions, gathered
+        local_keep, counts, order = kept_on_ranks(keep, sliced, sp)
+        out = _model_output(model, sliced.input_ids, sliced.position_ids, None, local_keep, extra)
+        return gather_rows(out, sp, counts)[order]
+    out = _model_output(model, sliced.input_ids, sliced.position_ids, None, None, extra)
+    rows = input_ids.shape[0]
+    local = out.view(rows, -1, out.shape[-1])  # (rows, W'/sp, dim) -> rows of every rank's columns
+    parts = gather_rows(local.transpose(0, 1), sp, [local.shape[1]] * sp.size).transpose(0, 1)
+    full = parts[:, : sliced.width].reshape(-1, out.shape[-1])
+    return full if keep is None else full[keep]
+
+
 def unpack_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Scatter per-token `values` (N,) back to the padded grid of `valid` (B, C), zeros elsewhere."""
     out = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
@@ -156,6 +213,7 @@ class PackingOptions:
     row_tokens: int = 256
     share_prompt: bool = False  # one prompt pass per group of rows with the same prompt (shared_prompt)
     eager_mask_dtype: torch.dtype | None = None  # set for attn_implementation=eager: additive float mask
+    sp: SequenceParallel | None = None  # rows split across a sequence-parallel group (sequence_parallel)
 
 
 def layout_attention(
@@ -189,12 +247,17 @@ def response_outputs(
         mask, segments = layout_attention(model, shared.segments, width, input_ids.device, options)
         valid = shared.predict_pos >= 0
         keep = shared.predict_pos[valid]
-        out = packed_model_output(model, shared.input_ids, shared.position_ids, mask, keep, segments)
+        out = packed_model_output(
+            model, shared.input_ids, shared.position_ids, mask, keep, segments, options.sp
+        )
         return out, valid
     layout = pack(input_ids, attention_mask, options.row_tokens)
     total = layout.flat_pos.shape[1]
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
-    return packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1), valid
+    out = packed_model_output(
+        model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=options.sp
+    )
+    return out, valid
 
 
 def packed_response_log_probs(
@@ -233,13 +296,17 @@ def packed_response_values(
 
 
 def packed_next_token_log_probs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row_tokens: int,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """(B, T) log-prob of each real token given the ones before it; 0 for the first token and padding."""
     layout = pack(input_ids, attention_mask, row_tokens)
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
-    logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1)
+    logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=sp)
     targets = layout.input_ids.reshape(-1)[target_pos]
     return unpack_rows(token_log_probs(logits, targets), has_context)
 
@@ -291,7 +358,9 @@ def packed_target_log_probs(
         cell_rows = torch.nonzero(attention_mask.bool())[:, 0]
         slots[cell_pos] = routes.row_slots.to(device)[cell_rows]
         routes.set_routes(slots, slots[keep])
-    logits = at_least_float32(packed_model_output(model, ids, positions, mask, keep=keep, segments=segments))
+    logits = at_least_float32(
+        packed_model_output(model, ids, positions, mask, keep=keep, segments=segments, sp=options.sp)
+    )
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     valid = attention_mask.bool()

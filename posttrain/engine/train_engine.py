@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
@@ -44,10 +45,11 @@ from posttrain.engine.packing import (
     packed_response_values,
     packed_target_log_probs,
 )
+from posttrain.engine.sequence_parallel import SequenceParallel, check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
 from posttrain.errors import ConfigError
-from posttrain.models import load_causal_lm, load_value_model
+from posttrain.models import load_causal_lm, load_config, load_value_model
 
 # loss_fn(log_probs, entropy_or_None, micro_batch) -> (scalar loss, metrics). The loss is already
 # normalised over the global mini-batch (see algorithms.aggregation), so micro-batch losses are summed.
@@ -74,6 +76,7 @@ class EngineConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~1/3 more compute)
     offload: bool = False  # parameters, gradients and optimizer in CPU memory (accelerators only)
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
+    sequence_parallel_size: int = 1  # sp: each packed row split across sp ranks (engine.sequence_parallel)
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -126,6 +129,8 @@ def check_device_support(config: EngineConfig, device: torch.device) -> None:
 class TrainEngine:
     """Model + optimizer under FSDP2. `forward_backward` accumulates, `optim_step` applies."""
 
+    sp: SequenceParallel | None = None  # this rank's sequence-parallel group (sequence_parallel_size > 1)
+
     def __init__(self, config: EngineConfig, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
         if config.dtype not in DTYPES:
@@ -139,8 +144,16 @@ class TrainEngine:
         self.config = config
         self.mesh, self.device = init_distributed(dist_info)
         check_device_support(config, self.device)
-        self.dp_size = self.mesh.size()
+        self.world_size = self.mesh.size()
         self.rank = dist.get_rank()
+        sp = config.sequence_parallel_size
+        heads = int(getattr(load_config(config.model_path), "num_attention_heads", 1)) if sp > 1 else 1
+        check_sequence_parallel(sp, self.world_size, heads, config.attn_implementation, config.remove_padding)
+        # data parallelism over dp = world / sp groups; the sp ranks of a group share its micro-batches
+        self.dp_size = self.world_size // sp
+        if sp > 1:
+            mesh_2d = init_device_mesh(self.device.type, (self.dp_size, sp), mesh_dim_names=("dp", "sp"))
+            self.sp = SequenceParallel(mesh_2d["sp"].get_group(), sp, mesh_2d["sp"].get_local_rank())
         load = load_causal_lm if config.head == "lm" else load_value_model
         model = load(config.model_path, dtype=DTYPES[config.dtype], attn_implementation=self._attention())
         if self._attention() == VARLEN:
@@ -187,6 +200,8 @@ class TrainEngine:
             raise ConfigError(
                 "adapters attach to a frozen lm-head engine without peft LoRA (trainable=False)"
             )
+        if self.sp is not None:
+            raise ConfigError("run-time LoRA adapters do not support model.sequence_parallel_size > 1")
         if self.adapters is None:
             self.adapters = MultiLora(self.model)
         return self.adapters
@@ -261,14 +276,15 @@ class TrainEngine:
     def _packing_options(self) -> PackingOptions:
         eager = self.config.attn_implementation == "eager"
         mask_dtype = DTYPES[self.config.compute_dtype or self.config.dtype] if eager else None
-        return PackingOptions(self.config.pack_row_tokens, self.config.share_prompt, mask_dtype)
+        return PackingOptions(self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp)
 
     def _packed_log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids, mask = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK]
         if keys.RESPONSES not in mb:
-            return packed_next_token_log_probs(self.model, ids, mask, self.config.pack_row_tokens), None
+            rows = self.config.pack_row_tokens
+            return packed_next_token_log_probs(self.model, ids, mask, rows, self.sp), None
         width = mb[keys.RESPONSES].shape[1]
         if self.config.head == "value":
             return packed_response_values(self.model, ids, mask, width, self._packing_options()), None
@@ -330,7 +346,7 @@ class TrainEngine:
         totals: dict[str, float] = {}
         loss_sum = 0.0
         # on one rank, parameters stay gathered from the first forward to the last backward (no copies)
-        keep_gathered = self.dp_size == 1
+        keep_gathered = self.mesh.size() == 1
         try:
             for i, mb in enumerate(micro_batches):
                 mb = mb.to(self.device)
@@ -340,7 +356,9 @@ class TrainEngine:
                 self.model.set_reshard_after_backward(last or not keep_gathered)
                 log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
                 loss, metrics = loss_fn(log_probs, entropy, mb)
-                loss.backward()
+                # sp ranks each hold part of every row: their gradients must add up, while FSDP averages
+                # over all dp x sp ranks (gloo has no pre-multiplied sum to divide by dp alone)
+                (loss * self.sp.size if self.sp is not None else loss).backward()
                 loss_sum += float(loss.detach())
                 for k, v in metrics.items():
                     if k.endswith("_max"):  # a maximum stays a maximum; everything else is averaged

@@ -33,10 +33,12 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from posttrain.engine.sequence_parallel import SequenceParallel, heads_to_seq, seq_to_heads
 from posttrain.errors import ConfigError
 
 VARLEN = "posttrain_varlen"
 SEGMENTS_KWARG = "posttrain_segments"
+SP_KWARG = "posttrain_sequence_parallel"  # a SequenceParallel: Ulysses all-to-all around the runs
 
 
 class Run(NamedTuple):
@@ -106,7 +108,9 @@ def varlen_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Causal SDPA per run of each packed row. query (B, H, L, D), key/value (B, KV, L, D) after rotary
-    embeddings; returns (B, L, H, D) as transformers' attention functions do."""
+    embeddings; returns (B, L, H, D) as transformers' attention functions do. With a sequence-parallel
+    group (`posttrain_sequence_parallel=`), L is this rank's slice of the columns and the segments describe
+    the full rows (engine.sequence_parallel)."""
     segments = kwargs.get(SEGMENTS_KWARG)
     if not isinstance(segments, Segments):
         raise RuntimeError(
@@ -124,10 +128,31 @@ def varlen_attention_forward(
             f"attn_implementation={VARLEN} implements full causal attention only, not sliding windows or "
             "soft-capping; use attn_implementation=sdpa or eager for this model"
         )
-    batch, _, width, _ = query.shape
+    sp = kwargs.get(SP_KWARG)
+    if isinstance(sp, SequenceParallel) and sp.size > 1:
+        # Ulysses: this rank's columns of all heads -> all columns of its heads, and back after attending
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if kv_heads % sp.size:  # too few key/value heads to split: give every query head its own copy
+            key, value = repeat_kv(key, heads // kv_heads), repeat_kv(value, heads // kv_heads)
+        query, key, value = (seq_to_heads(t, sp) for t in (query, key, value))
+        out = _attend_runs(query, key, value, segments, dropout, scaling)
+        return heads_to_seq(out, sp).transpose(1, 2).contiguous(), None
+    return _attend_runs(query, key, value, segments, dropout, scaling).transpose(1, 2).contiguous(), None
+
+
+def _attend_runs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """(B, H, L, D) attention outputs, run by run of `segments` over rows of width L."""
+    batch, heads, width, _ = query.shape
     if len(segments.rows) != batch:
         raise RuntimeError(f"{SEGMENTS_KWARG} describes {len(segments.rows)} rows, the input has {batch}")
-    groups = getattr(module, "num_key_value_groups", 1)
+    groups = heads // key.shape[1]
     rows = []
     for b, runs in enumerate(segments.rows):
         if not runs or runs[0].start != 0 or runs[-1].end != width:
@@ -157,7 +182,7 @@ def varlen_attention_forward(
                 )
             )
         rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+    return torch.cat(rows, dim=0)
 
 
 AttentionInterface.register(VARLEN, varlen_attention_forward)
