@@ -41,6 +41,8 @@ SFT_OVERRIDES = [
     "optim.warmup_steps=20",
     "optim.batch_size=16",
     "data.train_on=all_assistant",
+    "data.max_prompt_length=320",
+    "data.max_response_length=64",
     "trainer.val_every=0",
     "trainer.loggers=[jsonl]",
 ]
