@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set-up on a fresh machine: creates .venv and installs posttrain with its test extras and the optional
-# trackers the tests read back (wandb, mlflow: about 35 s more on a fresh venv).
+# Set-up on a fresh machine: creates .venv and installs posttrain with its test extras, the optional
+# trackers the tests read back (wandb, mlflow: about 35 s more on a fresh venv) and the docs extra whose strict
+# build is a test (mkdocs, mkdocs-material: about 25 s more).
 # PyTorch: where no NVIDIA GPU is visible the CPU build is installed (POSTTRAIN_CPU_TORCH, default 2.13.0;
 # set POSTTRAIN_TORCH_INDEX to PyTorch's CPU wheel index where plain PyPI serves CUDA builds); with a GPU,
 # the default (CUDA) build from PyPI. An existing torch in .venv is kept. Safe to run again.
@@ -20,5 +21,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==${POSTTRAIN_CPU_TORCH:-2.13.0}" ${POSTTRAIN_TORCH_INDEX:+--index-url "$POSTTRAIN_TORCH_INDEX"}
   fi
 fi
-"${pip[@]}" -e ".[test,wandb,mlflow]"
+"${pip[@]}" -e ".[test,wandb,mlflow,docs]"
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
