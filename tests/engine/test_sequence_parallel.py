@@ -123,10 +123,21 @@ def run_case(model_dir: str, overrides: dict, dist_info: DistInfo | None, sp: in
     }
 
 
+def value_case(model_dir: str, dist_info: DistInfo | None, sp: int) -> dict:
+    """The critic: a value head (no LM head: every column's output is gathered, then the kept ones)."""
+    torch.manual_seed(0)  # the freshly initialised value head, the same on every rank and process
+    config = EngineConfig(model_path=model_dir, head="value", pack_row_tokens=27, sequence_parallel_size=sp)
+    engine = TrainEngine(config, dist_info)
+    return {"values": engine.compute_values(grouped_rl_batch(prompts=3, n=4, seed=6))}
+
+
 def _rank_main(rank: int, port: int, model_dir: str, out: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     info = DistInfo(rank=rank, world_size=2, master_port=port, device="cpu")
-    results = {name: run_case(model_dir, CASES[name], info, sp=2) for name in names}
+    results = {
+        name: value_case(model_dir, info, 2) if name == "value" else run_case(model_dir, CASES[name], info, 2)
+        for name in names
+    }
     if rank == 0:
         torch.save(results, out)
 
@@ -140,6 +151,10 @@ def assert_sp2_equals_sp1(model_dir: Path, tmp_path: Path, names: list[str]) -> 
     )
     sliced = torch.load(out)
     for name in names:
+        if name == "value":
+            ref_values = value_case(str(model_dir), None, sp=1)["values"]
+            torch.testing.assert_close(sliced[name]["values"], ref_values, atol=1e-5, rtol=0)
+            continue
         ref = run_case(str(model_dir), CASES[name], None, sp=1)
         got = sliced[name]
         torch.testing.assert_close(got["log_probs"], ref["log_probs"], atol=1e-5, rtol=0, msg=name)
@@ -155,7 +170,109 @@ def test_sp2_on_two_ranks_equals_the_unsliced_run(tiny_model_dir: Path, tmp_path
 
 
 @pytest.mark.slow
-def test_sp2_equals_the_unsliced_run_with_plain_packing_and_shared_prompts(
+def test_sp2_equals_the_unsliced_run_with_plain_packing_shared_prompts_and_a_value_head(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    assert_sp2_equals_sp1(tiny_model_dir, tmp_path, ["packed", "shared_prompts"])
+    assert_sp2_equals_sp1(tiny_model_dir, tmp_path, ["packed", "shared_prompts", "value"])
+
+
+def saved_activation_mib(model_dir: str, dist_info: DistInfo | None, sp: int) -> float:
+    """MiB of tensors autograd saves for backward (distinct storages) in one forward + backward of a
+    4096-token packed row (8 sequences of 512 tokens) on this rank."""
+    rows, prompt, response = 8, 256, 256
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (rows, prompt + response), generator=gen)
+    mask = torch.ones_like(ids)
+    batch = Batch.from_dict(
+        {
+            keys.INPUT_IDS: ids,
+            keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: mask.cumsum(-1) - 1,
+            keys.RESPONSES: ids[:, prompt:],
+            keys.RESPONSE_MASK: torch.ones((rows, response)),
+            keys.ADVANTAGES: torch.randn((rows, response), generator=gen),
+        }
+    )
+    batch.meta[keys.GLOBAL_TOKENS] = float(rows * response)
+    config = EngineConfig(
+        model_path=model_dir, pack_row_tokens=rows * (prompt + response), sequence_parallel_size=sp
+    )
+    engine = TrainEngine(config, dist_info)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        engine.forward_backward(batch, weighted_loss, with_entropy=True)
+    return sum(saved.values()) / 2**20
+
+
+def _memory_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    mib = saved_activation_mib(
+        model_dir, DistInfo(rank=rank, world_size=2, master_port=port, device="cpu"), 2
+    )
+    torch.save(mib, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_activation_memory_per_rank_falls_with_sp(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = str(tmp_path / "mib")
+    mp.start_processes(
+        _memory_rank_main, args=(free_port(), str(tiny_model_dir), out), nprocs=2, start_method="spawn"
+    )
+    alone = saved_activation_mib(str(tiny_model_dir), None, 1)
+    per_rank = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
+    print(f"saved activations: sp=1 {alone:.1f} MiB, sp=2 per rank {per_rank}")
+    assert max(per_rank) <= 0.6 * alone
+
+
+def _attention_rank_main(rank: int, port: int, out: str) -> None:
+    """The attention function alone under sp=2 with a single key/value head (fewer than sp: repeated),
+    shared-prompt runs and a row width that each rank holds half of; forward and input gradients."""
+    import torch.distributed as dist
+
+    from posttrain.engine.varlen_attention import (
+        SEGMENTS_KWARG,
+        SP_KWARG,
+        Run,
+        Segments,
+        varlen_attention_forward,
+    )
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sp = SequenceParallel(dist.group.WORLD, 2, rank)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn((2, h, 12, 8), generator=gen, dtype=torch.float64) for h in (4, 1, 1))
+    segments = Segments(((Run(0, 5), Run(5, 9), Run(9, 12, 0, 5)), (Run(0, 12),)))
+    module = torch.nn.Module()
+    columns = slice(6 * rank, 6 * rank + 6)
+    local = [t[:, :, columns].clone().requires_grad_() for t in (q, k, v)]
+    out_local, _ = varlen_attention_forward(
+        module, *local, None, scaling=0.3, **{SEGMENTS_KWARG: segments, SP_KWARG: sp}
+    )
+    out_local.backward(torch.ones_like(out_local))
+    torch.save({"out": out_local.detach(), "grads": [t.grad for t in local]}, f"{out}.{rank}")
+
+
+def test_attention_with_fewer_kv_heads_than_sp_equals_the_unsliced_attention(tmp_path: Path) -> None:
+    from posttrain.engine.varlen_attention import SEGMENTS_KWARG, Run, Segments, varlen_attention_forward
+
+    out = str(tmp_path / "attn")
+    mp.start_processes(_attention_rank_main, args=(free_port(), out), nprocs=2, start_method="spawn")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn((2, h, 12, 8), generator=gen, dtype=torch.float64).requires_grad_() for h in (4, 1, 1)
+    )
+    segments = Segments(((Run(0, 5), Run(5, 9), Run(9, 12, 0, 5)), (Run(0, 12),)))
+    ref, _ = varlen_attention_forward(
+        torch.nn.Module(), q, k, v, None, scaling=0.3, **{SEGMENTS_KWARG: segments}
+    )
+    ref.backward(torch.ones_like(ref))
+    parts = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
+    torch.testing.assert_close(torch.cat([p["out"] for p in parts], 1), ref.detach(), atol=1e-12, rtol=0)
+    for i, full in enumerate((q, k, v)):
+        got = torch.cat([p["grads"][i] for p in parts], 2)
+        torch.testing.assert_close(got, full.grad, atol=1e-12, rtol=0)
