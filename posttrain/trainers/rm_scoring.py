@@ -50,6 +50,11 @@ def check_reward_model(cfg: RLConfig) -> None:
             f"reward.model.path={rm.path} holds {', '.join(architectures) or 'a model'}, not a reward model (a "
             "...ForSequenceClassification with one score): train one with `posttrain rm`"
         )
+    if not getattr(load_tokenizer(rm.path), "chat_template", None):
+        raise ConfigError(
+            f"reward.model.path={rm.path}: its tokenizer has no chat template, and each response is scored as "
+            "the prompt's messages + the response rendered with it; add one (tokenizer_config.json)"
+        )
     if not (math.isfinite(rm.weight) and rm.weight > 0):
         raise ConfigError(f"reward.model.weight must be a finite number > 0, got {rm.weight}")
     if rm.micro_batch_size <= 0:

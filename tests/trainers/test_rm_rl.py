@@ -138,6 +138,21 @@ def test_reward_model_settings_that_cannot_work(
         RewardStage(cfg)
 
 
+def test_a_reward_model_without_chat_template_is_refused(
+    tiny_model_dir: Path, rm_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(rm_dir, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="its tokenizer has no chat template"):
+        RewardStage(rl_cfg(tiny_model_dir, f"reward.model.path={bare}"))
+
+
 def test_reward_model_pool_is_placed_or_refused(tiny_model_dir: Path, rm_dir: Path) -> None:
     from posttrain.controller.placement import check_placement
 
