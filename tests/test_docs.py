@@ -191,6 +191,10 @@ def test_docs_extra_is_installed_by_setup() -> None:
 
 QUICKSTART_STEPS = [  # tiny step counts for the test; everything else as the page says
     (re.compile(r"trainer\.total_steps=\d+"), "trainer.total_steps=2"),
+    (
+        re.compile(r"optim\.warmup_steps=\d+"),
+        "optim.warmup_steps=1",
+    ),  # a cosine schedule needs steps > warm-up
     (re.compile(r"STEPS, PROMPTS, GROUP = \d+, \d+, \d+"), "STEPS, PROMPTS, GROUP = 2, 8, 4"),
 ]
 
