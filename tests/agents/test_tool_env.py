@@ -162,7 +162,7 @@ def test_a_hung_tool_times_out_without_stalling_the_other_episodes(tokenizer: An
         return "never"
 
     tools = [*build_tools(["calculator"], None), lookup]
-    setup = setup_for(tokenizer, tools=tools, timeout_s=0.5)
+    setup = setup_for(tokenizer, tools=tools, timeout_s=2.0)
     hung = group_builder(row(), setup).make_envs(1)
     fine = group_builder(row(), setup).make_envs(3)
     samplers = [ScriptedSampler(tokenizer, [call("12*34", name="lookup"), "x"])] + [
@@ -184,7 +184,8 @@ def test_a_hung_tool_times_out_without_stalling_the_other_episodes(tokenizer: An
     assert trajectories[0].stop_reason == "tool_timeout"
     assert trajectories[0].transitions[0].metrics["tool_timeouts"] == 1.0
     assert all(t.stop_reason == "completed" and t.total_reward == 1.0 for t in trajectories[1:])
-    assert max(done_at[i] for i in (1, 2, 3)) < 0.4 < done_at[0] < 2.0, done_at
+    # the others finish long before the hung call's 2 s timeout, which ends its episode (not 60 s later)
+    assert max(done_at[i] for i in (1, 2, 3)) < 1.5 and 2.0 <= done_at[0] < 8.0, done_at
 
 
 def test_rows_pass_tools_kwargs_and_bad_ones_are_named(tokenizer: Any) -> None:
