@@ -193,6 +193,9 @@ def test_host_files_cannot_be_read(tool: PythonSandboxTool, canaries: tuple[str,
     home = str(dotfiles[0].parent) if dotfiles else str(Path.home())
     targets = [str(p) for p in [*paths, *dotfiles, REPO / "README.md", python_sandbox.__file__]]
     hidden = ["/proc/self", "/sys", "/tmp", "/var", "/home", "/etc/ssh", "/etc/hostname", f"{REPO}/.git"]
+    # a directory holding the interpreter (a clone in /tmp with its venv) is shown as the path to it, no more
+    prefixes = (sys.prefix, sys.base_prefix)
+    hidden = [h for h in hidden if not any(p.startswith(h + "/") for p in prefixes)]
     code = f"""import json, os
 read = {{}}
 for path in {targets!r}:
