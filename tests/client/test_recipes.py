@@ -13,9 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_recipe(name: str, *args: str) -> None:
+def run_recipe(name: str, *args: str, timeout: float = 600) -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / name), *args], capture_output=True, text=True, timeout=600
+        [sys.executable, str(ROOT / "recipes" / name), *args], capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -56,9 +56,9 @@ def test_the_agent_recipe_sfts_then_trains_on_tool_episodes(tiny_model_dir: Path
     write_tool_multiplication_dataset(data, tools, n_train=32, n_test=8, n_sft=8)
     run_recipe(
         "agent_loop.py", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path),
-        "--sft-steps", "2", "--steps", "2", "--prompts", "2", "--group", "4", "--val-every", "2",
-        "--val-prompts", "4", "--lora-rank", "4",
+        "--sft-steps", "1", "--steps", "1", "--prompts", "2", "--group", "2", "--val-every", "1",
+        "--val-prompts", "2", "--lora-rank", "4", timeout=1800,
     )  # fmt: skip
     curve = json.loads((tmp_path / "curve.json").read_text())
-    assert [c["step"] for c in curve] == [0, 2]
+    assert [c["step"] for c in curve] == [0, 1]
     assert all(0.0 <= c["val_acc"] <= 1.0 and 0.0 <= c["tool_success"] <= 1.0 for c in curve)
