@@ -193,12 +193,6 @@ class RewardModelGroup(RoleGroup):
     def optim_step(self) -> Metrics:
         return self._metrics("optim_step")
 
-    def save_state(self, path: Path) -> None:
-        self.dispatcher.call("save_state", str(path))
-
-    def load_state(self, path: Path) -> None:
-        self.dispatcher.call("load_state", str(path))
-
     def export_hf(self, out_dir: Path) -> None:
         self.dispatcher.call("export_hf", str(out_dir))
 

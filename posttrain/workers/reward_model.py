@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,12 +89,6 @@ class RewardModelWorker:
 
     def optim_step(self) -> dict[str, float]:
         return {f"rm/{k}": v for k, v in self.engine.optim_step().items()}
-
-    def save_state(self, path: str) -> None:
-        self.engine.save(Path(path) / "reward_model")
-
-    def load_state(self, path: str) -> None:
-        self.engine.load(Path(path) / "reward_model")
 
     def export_hf(self, out_dir: str) -> None:
         """The reward model as a HF directory that `AutoModelForSequenceClassification` loads."""

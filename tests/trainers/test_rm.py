@@ -118,3 +118,37 @@ def test_bad_rows_name_the_row(
         assert main(["rm", *overrides(tiny_model_dir, files, tmp_path / "run", "trainer.total_steps=1")]) == 2
         err = capsys.readouterr().err
         assert f"{path}: {reason}" in err, err
+
+
+@pytest.mark.slow
+def test_rm_on_two_ray_workers(
+    tiny_model_dir: Path, pair_files: dict[str, Path], tmp_path: Path, ray_cluster: None
+) -> None:
+    """Pairs split over 2 FSDP ranks: the same held-out pairs scored by the exported classifier."""
+    from transformers import AutoModelForSequenceClassification
+
+    run = tmp_path / "run"
+    args = overrides(
+        tiny_model_dir,
+        pair_files,
+        run,
+        f"data.val_files=[{pair_files['test']}]",
+        "trainer.total_steps=2",
+        "trainer.backend=ray",
+        "trainer.n_workers_per_node=2",
+        "optim.lr=1e-3",
+    )
+    trainer = RMTrainer(load_config(RMConfig, "rm", args))
+    metrics = trainer.fit()
+    assert metrics["rm/grad_norm"] > 0 and metrics["val/pairs"] == 24
+    model = AutoModelForSequenceClassification.from_pretrained(run / "hf").eval()
+    tok = load_tokenizer(run / "hf")
+    val = PreferenceDataset(pair_files["test"], tok, 256)
+    batch = collate_pairs([val[i] for i in range(len(val))], tok.pad_token_id)
+    with torch.no_grad():
+        scores = model(input_ids=batch[keys.INPUT_IDS], attention_mask=batch[keys.ATTENTION_MASK]).logits[
+            :, 0
+        ]
+    assert float((scores[0::2] - scores[1::2]).double().mean()) == pytest.approx(
+        metrics["val/margin"], abs=1e-5
+    )
