@@ -21,7 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
-from posttrain.agents.registry import AgentSetup, group_builder
+from posttrain.agents.registry import AgentSetup, dataset_row, group_builder
 from posttrain.agents.rollout import EpisodeLimits, run_groups
 from posttrain.agents.samplers import ClientSampler
 from posttrain.agents.tool_env import ToolEnvSettings
@@ -32,7 +32,6 @@ from posttrain.data.chat_masks import conversation_tokens, parse_conversation
 from posttrain.data.dataset import PromptDataset, iter_rows
 from posttrain.data.tasks import arithmetic, tool_multiplication
 from posttrain.models import load_tokenizer, make_tiny_model
-from posttrain.trainers.agent_generation import answer_score, dataset_row, made_successful_call
 
 
 def prepare(out: Path, model: Path | None, data: Path | None, tools: list[dict]) -> tuple[Path, Path]:
@@ -96,8 +95,8 @@ def main() -> None:
     def validate(sampler, step: int) -> None:  # noqa: ANN001
         groups, _ = episodes(sampler, [test[i] for i in range(min(args.val_prompts, len(test)))], 1, 0.0)
         flat = [t for g in groups for t in g]
-        acc = statistics.fmean(answer_score(t) >= 1 for t in flat)
-        tool = statistics.fmean(made_successful_call(t) for t in flat)
+        acc = statistics.fmean(t.answer_score >= 1 for t in flat)
+        tool = statistics.fmean(t.made_successful_call for t in flat)
         curve.append({"step": step, "val_acc": acc, "tool_success": tool})
         print(f"step {step}: held-out accuracy {acc:.1%}, tool-use success {tool:.1%}", flush=True)
 

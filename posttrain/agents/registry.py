@@ -90,6 +90,17 @@ def chat_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [dict(m) for m in prompt]
 
 
+def dataset_row(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A PromptDataset item (posttrain/data/dataset.py) as verl's row, what the factories read."""
+    return {
+        "prompt": item["messages"],
+        "agent_name": item.get("agent_name"),
+        "data_source": item["data_source"],
+        "reward_model": {"ground_truth": item["ground_truth"]},
+        "extra_info": item["extra_info"],
+    }
+
+
 def group_builder(row: Mapping[str, Any], setup: AgentSetup, index: int = 0) -> EnvGroupBuilder:
     """The group builder of a row, by its `agent_name` (an unknown name is an error listing the known)."""
     name = str(row.get("agent_name") or DEFAULT_AGENT)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from posttrain.agents.chat_render import ChatRenderer, Message
@@ -154,19 +154,8 @@ class ToolChatGroup:
     group_reward: Callable[[Sequence[Trajectory]], list[float]] | None = None
 
     def make_envs(self, n: int) -> list[Env]:
-        return [
-            ToolChatEnv(
-                self.messages,
-                self.renderer,
-                self.runner,
-                self.parser,
-                self.scorer,
-                self.ground_truth,
-                self.tools_kwargs,
-                self.settings,
-            )
-            for _ in range(n)
-        ]
+        shared = {f.name: getattr(self, f.name) for f in fields(ToolChatEnv)}
+        return [ToolChatEnv(**shared) for _ in range(n)]
 
     def group_rewards(self, trajectories: Sequence[Trajectory]) -> list[float]:
         if self.group_reward is not None:

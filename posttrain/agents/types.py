@@ -71,3 +71,17 @@ class Trajectory:
     @property
     def total_reward(self) -> float:
         return sum(t.reward for t in self.transitions) + self.final_reward
+
+    @property
+    def answer_score(self) -> float:
+        """The scorer's value of the final answer (0 when the episode ended without one)."""
+        if self.stop_reason != "completed" or not self.transitions:
+            return 0.0
+        return float(self.transitions[-1].metrics.get("answer_score", self.total_reward))
+
+    @property
+    def made_successful_call(self) -> bool:
+        """At least one tool call of the episode ran without an error."""
+        return any(
+            t.metrics.get("tool_calls", 0.0) > t.metrics.get("tool_errors", 0.0) for t in self.transitions
+        )

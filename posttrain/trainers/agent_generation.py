@@ -23,7 +23,7 @@ import torch
 from tinker import types
 
 from posttrain.agents.batching import BatchedSamplingClient, WaveSampler
-from posttrain.agents.registry import AgentSetup, group_builder
+from posttrain.agents.registry import AgentSetup, dataset_row, group_builder
 from posttrain.agents.rollout import EpisodeLimits, run_groups
 from posttrain.agents.samplers import ClientSampler
 from posttrain.agents.tool_env import ToolEnvSettings
@@ -61,17 +61,6 @@ def check_agent_config(cfg: RLConfig) -> None:
             raise ConfigError(f"agent.enable=true does not support {name} yet")
     get_parser(agent.tool_parser)
     ToolEnvSettings(agent.max_tool_calls, agent.max_parallel_calls, agent.max_invalid_turns)
-
-
-def dataset_row(item: Mapping[str, Any]) -> dict[str, Any]:
-    """A PromptDataset item as verl's row (what the agent registry reads)."""
-    return {
-        "prompt": item["messages"],
-        "agent_name": item.get("agent_name"),
-        "data_source": item["data_source"],
-        "reward_model": {"ground_truth": item["ground_truth"]},
-        "extra_info": item["extra_info"],
-    }
 
 
 class AgentStage:
@@ -229,7 +218,7 @@ class AgentStage:
         groups, metrics = self.run(rollout, items, 1, sampling)
         errors = self.rewards.check_validation(self._scored())
         episodes = [t for g in groups for t in g]
-        answers = torch.tensor([answer_score(t) for t in episodes])
+        answers = torch.tensor([t.answer_score for t in episodes])
         out = {
             "val/acc": float((answers >= 1.0).float().mean()),
             "val/reward": float(torch.tensor([t.total_reward for t in episodes]).mean()),
@@ -240,23 +229,9 @@ class AgentStage:
             ),
             **errors,
         }
-        out["val/agent/tool_success"] = sum(map(made_successful_call, episodes)) / max(len(episodes), 1)
+        out["val/agent/tool_success"] = sum(t.made_successful_call for t in episodes) / max(len(episodes), 1)
         out.update({f"val/{k}": v for k, v in metrics.items() if k.startswith("agent/")})
         return out
-
-
-def made_successful_call(trajectory: Trajectory) -> bool:
-    """At least one tool call of the episode ran without an error."""
-    return any(
-        t.metrics.get("tool_calls", 0.0) > t.metrics.get("tool_errors", 0.0) for t in trajectory.transitions
-    )
-
-
-def answer_score(trajectory: Trajectory) -> float:
-    """The scorer's value of the final answer (0 when the episode ended without one)."""
-    if trajectory.stop_reason != "completed" or not trajectory.transitions:
-        return 0.0
-    return float(trajectory.transitions[-1].metrics.get("answer_score", trajectory.total_reward))
 
 
 def trajectories_batch(
@@ -279,7 +254,7 @@ def trajectories_batch(
             for sequence in trajectory_sequences(trajectory):
                 sequences.append(sequence)
                 rewards.append(trajectory.total_reward)
-                scores.append(answer_score(trajectory))
+                scores.append(trajectory.answer_score)
                 # batch_metrics counts "length" as a clipped response
                 stop_reasons.append(
                     "length" if trajectory.stop_reason == "max_tokens" else trajectory.stop_reason
