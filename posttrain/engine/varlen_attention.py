@@ -6,7 +6,9 @@ layout as a (rows, 1, L, L) mask: at 32k tokens a gigabyte of booleans per row, 
 inside SDPA on CPU. Here the row is cut into *runs* instead: each run's queries attend causally to the
 run's own keys and, for a shared-prompt suffix, to all of its prefix's keys. Memory then grows with the
 runs (the flash kernel's blocks, or one run's (n, prefix + n) mask), not with the row squared, and no
-compute is spent across sequences.
+compute is spent across sequences. Runs of the same shape are gathered into one batch and attended by one
+SDPA call, so a step of hundreds of short sequences costs a call per distinct length, not per sequence
+(one call per run made RL steps of 8-token responses 40% slower than the masked path).
 
 The function is registered with transformers' attention registry (`AttentionInterface.register`) as
 `posttrain_varlen`; a model loaded with `attn_implementation="posttrain_varlen"` calls it from its own
@@ -24,7 +26,8 @@ soft-capping) is an error, never a silent fallback to another path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -56,6 +59,17 @@ class Segments:
     """The attention layout of packed rows: per row, the runs that tile it from column 0 to its width."""
 
     rows: tuple[tuple[Run, ...], ...]
+    _plans: dict[tuple[int, str], RunPlan] = field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )
+
+    def plan(self, width: int, device: torch.device) -> RunPlan:
+        """The runs grouped by shape (length, context length), each group as flat column indices into the
+        (rows * width) tokens, computed once per layout and device and reused by every layer."""
+        plan_key = (width, str(device))
+        if plan_key not in self._plans:
+            self._plans[plan_key] = _group_runs(self.rows, width, device)
+        return self._plans[plan_key]
 
     @property
     def lengths(self) -> list[int]:
@@ -78,6 +92,45 @@ class Segments:
                 ).tril()
                 mask[b, 0, run.start : run.end, run.context_start : run.context_end] = True
         return mask
+
+
+class RunGroup(NamedTuple):
+    """Runs of one shape: `columns` (count, n) and `context` (count, c) index the flattened rows * width
+    tokens; one SDPA call attends all of them at once."""
+
+    columns: torch.Tensor
+    context: torch.Tensor | None
+
+
+class RunPlan(NamedTuple):
+    """The groups, and the permutation that puts their concatenated columns back in row order (the runs
+    tile every column, so the gathered columns are a permutation of all of them)."""
+
+    groups: list[RunGroup]
+    order: torch.Tensor
+
+
+def _group_runs(rows: tuple[tuple[Run, ...], ...], width: int, device: torch.device) -> RunPlan:
+    shapes: dict[tuple[int, int], list[Run]] = defaultdict(list)
+    starts: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for b, runs in enumerate(rows):
+        for run in runs:
+            shape = (run.end - run.start, run.context_end - run.context_start)
+            shapes[shape].append(run)
+            starts[shape].append(b * width)
+    groups = []
+    for (n, c), runs in shapes.items():
+        offsets = torch.tensor(starts[(n, c)], dtype=torch.long)
+        run_starts = torch.tensor([r.start for r in runs], dtype=torch.long)
+        columns = (offsets + run_starts)[:, None] + torch.arange(n)
+        context = None
+        if c:
+            context_starts = torch.tensor([r.context_start for r in runs], dtype=torch.long)
+            context = (offsets + context_starts)[:, None] + torch.arange(c)
+            context = context.to(device)
+        groups.append(RunGroup(columns.to(device), context))
+    order = torch.argsort(torch.cat([g.columns.reshape(-1) for g in groups]))
+    return RunPlan(groups, order)
 
 
 def segments_from_position_ids(position_ids: torch.Tensor) -> Segments:
@@ -148,41 +201,48 @@ def _attend_runs(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """(B, H, L, D) attention outputs, run by run of `segments` over rows of width L."""
-    batch, heads, width, _ = query.shape
+    """(B, H, L, D) attention outputs over rows of width L, one SDPA call per run shape: runs of equal
+    length (and equal prefix length) are gathered into a batch, attended together and scattered back, so
+    a step of many short sequences costs a few calls per layer rather than one per sequence, and memory
+    stays that of the runs (a group's largest tensor is count x n x (c + n) for its mask)."""
+    batch, heads, width, dim = query.shape
     if len(segments.rows) != batch:
         raise RuntimeError(f"{SEGMENTS_KWARG} describes {len(segments.rows)} rows, the input has {batch}")
-    groups = heads // key.shape[1]
-    rows = []
     for b, runs in enumerate(segments.rows):
         if not runs or runs[0].start != 0 or runs[-1].end != width:
             raise RuntimeError(f"{SEGMENTS_KWARG}: the runs of row {b} do not tile its {width} columns")
-        outputs = []
-        for run in runs:
-            q = query[b : b + 1, :, run.start : run.end]
-            k = key[b : b + 1, :, run.start : run.end]
-            v = value[b : b + 1, :, run.start : run.end]
-            mask = None
-            if run.context_end > run.context_start:
-                k = torch.cat([key[b : b + 1, :, run.context_start : run.context_end], k], dim=2)
-                v = torch.cat([value[b : b + 1, :, run.context_start : run.context_end], v], dim=2)
-                mask = _causal_with_context(
-                    run.end - run.start, run.context_end - run.context_start, q.device
-                )
-            gqa = {}
-            if groups > 1:
-                # CPU kernels take grouped heads with or without a mask; CUDA's fast kernels only without one
-                if mask is None or q.device.type == "cpu":
-                    gqa = {"enable_gqa": True}
-                else:
-                    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, **gqa
-                )
-            )
-        rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows, dim=0)
+    groups = heads // key.shape[1]
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # (B, h, L, D) -> (B * L, h, D)
+        return t.transpose(1, 2).reshape(batch * width, t.shape[1], dim)
+
+    def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # (count, len) -> (count, h, len, D)
+        return t[index.reshape(-1)].view(*index.shape, t.shape[1], dim).transpose(1, 2)
+
+    q_flat, k_flat, v_flat = flat(query), flat(key), flat(value)
+    plan = segments.plan(width, query.device)
+    outputs = []
+    for group in plan.groups:
+        count, n = group.columns.shape
+
+        q, k, v = gather(q_flat, group.columns), gather(k_flat, group.columns), gather(v_flat, group.columns)
+        mask = None
+        if group.context is not None:
+            k = torch.cat([gather(k_flat, group.context), k], dim=2)
+            v = torch.cat([gather(v_flat, group.context), v], dim=2)
+            mask = _causal_with_context(n, group.context.shape[1], q.device)
+        gqa = {}
+        if groups > 1:
+            # CPU kernels take grouped heads with or without a mask; CUDA's fast kernels only without one
+            if mask is None or q.device.type == "cpu":
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, **gqa
+        )
+        outputs.append(out.transpose(1, 2).reshape(count * n, heads, dim))
+    return torch.cat(outputs)[plan.order].view(batch, width, heads, dim).transpose(1, 2)
 
 
 AttentionInterface.register(VARLEN, varlen_attention_forward)
