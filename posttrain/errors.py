@@ -36,3 +36,8 @@ class WorkerError(PosttrainError):
         self.role = role
         self.rank = rank
         self.died = died
+
+
+class OutOfMemoryError(PosttrainError):
+    """An allocation failed (accelerator or CPU memory); the message names the settings that lower memory
+    (engine/memory.py)."""

@@ -36,6 +36,7 @@ from posttrain.engine.log_probs import (
     target_log_probs,
 )
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
+from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.packing import (
     PackingOptions,
@@ -77,6 +78,7 @@ class EngineConfig:
     offload: bool = False  # parameters, gradients and optimizer in CPU memory (accelerators only)
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
     sequence_parallel_size: int = 1  # sp: each packed row split across sp ranks (engine.sequence_parallel)
+    config_section: str = ""  # the config section of micro_batch_size (actor, critic, optim), for OOM errors
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -230,6 +232,16 @@ class TrainEngine:
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         return [batch.index(rows) for rows in self._micro_batch_rows(batch)]
 
+    def _out_of_memory_hint(self, what: str, mb: Batch) -> contextlib.AbstractContextManager[None]:
+        """A failed allocation on `mb` becomes an OutOfMemoryError naming the settings that lower memory."""
+        c = self.config
+        levers = MemoryLevers(
+            c.config_section, c.micro_batch_size, c.max_token_len, c.gradient_checkpointing, c.compute_dtype,
+            c.lora.rank, c.offload, accelerator=self.device.type != "cpu",
+        )  # fmt: skip
+        tokens = int(mb[keys.ATTENTION_MASK].sum()) if keys.ATTENTION_MASK in mb else 0
+        return explain_out_of_memory(levers, what, len(mb), tokens)
+
     def _log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -320,12 +332,14 @@ class TrainEngine:
         """The head's per-token outputs over every micro-batch, in eval mode, in the batch's row order."""
         was_training = self.model.training
         self.model.eval()
+        what = "compute_log_prob" if self.config.head == "lm" else "compute_values"
         outs, order = [], []
         with self.model.disable_adapter() if disable_adapter else contextlib.nullcontext():
             try:
                 for rows in self._micro_batch_rows(batch):
                     mb = batch.index(rows).to(self.device)
-                    outs.append(self._log_probs(mb, temperature, False)[0].cpu())
+                    with self._out_of_memory_hint(what, mb):
+                        outs.append(self._log_probs(mb, temperature, False)[0].cpu())
                     order += rows
             finally:
                 reshard_all(self.model)  # one rank keeps parameters gathered between passes (apply_fsdp)
@@ -354,11 +368,12 @@ class TrainEngine:
                 # reduce-scatter gradients only once, after the last micro-batch
                 self.model.set_requires_gradient_sync(last)
                 self.model.set_reshard_after_backward(last or not keep_gathered)
-                log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
-                loss, metrics = loss_fn(log_probs, entropy, mb)
-                # sp ranks each hold part of every row: their gradients must add up, while FSDP averages
-                # over all dp x sp ranks (gloo has no pre-multiplied sum to divide by dp alone)
-                (loss * self.sp.size if self.sp is not None else loss).backward()
+                with self._out_of_memory_hint("forward_backward", mb):
+                    log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
+                    loss, metrics = loss_fn(log_probs, entropy, mb)
+                    # sp ranks each hold part of every row: their gradients must add up, while FSDP averages
+                    # over all dp x sp ranks (gloo has no pre-multiplied sum to divide by dp alone)
+                    (loss * self.sp.size if self.sp is not None else loss).backward()
                 loss_sum += float(loss.detach())
                 for k, v in metrics.items():
                     if k.endswith("_max"):  # a maximum stays a maximum; everything else is averaged

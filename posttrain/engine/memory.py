@@ -1,0 +1,82 @@
+"""Out-of-memory errors that name the settings that lower memory, instead of an allocator's message.
+
+A failed allocation surfaces as `torch.OutOfMemoryError` (CUDA), a RuntimeError from the CPU allocator
+("DefaultCPUAllocator: can't allocate memory", e.g. under an address-space limit) or a MemoryError; the
+engine turns any of them into `posttrain.errors.OutOfMemoryError` listing the levers this engine does not use
+yet, by their config keys. (When the kernel's OOM killer takes the process instead, nothing in it can
+speak: the driver reports the worker as killed, see controller/failures.py.)
+Imports nothing of the engine: the settings arrive as plain values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.errors import OutOfMemoryError
+
+_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a failed allocation (CUDA, CPU allocator, Python), not some other error."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _MARKERS)
+
+
+@dataclass(frozen=True)
+class MemoryLevers:
+    """An engine's memory-relevant settings; `section` is the config section holding its micro-batching
+    (`actor`, `critic`, `optim`; "" = name the keys bare)."""
+
+    section: str
+    micro_batch_size: int
+    max_token_len: int
+    gradient_checkpointing: bool
+    compute_dtype: str
+    lora_rank: int
+    offload: bool
+    accelerator: bool
+
+    def advice(self, backward: bool) -> list[str]:
+        """What to change, most effective first; only levers not already in use."""
+        prefix = f"{self.section}." if self.section else ""
+        if self.max_token_len > 0:
+            steps = [
+                f"lower {prefix}max_token_len_per_worker (now {self.max_token_len} tokens per micro-batch)"
+            ]
+        else:
+            steps = [
+                f"lower {prefix}micro_batch_size (now {self.micro_batch_size} rows per forward pass) or set a "
+                f"token budget per micro-batch with {prefix}max_token_len_per_worker"
+            ]
+        if backward and not self.gradient_checkpointing:
+            steps.append("set model.gradient_checkpointing=true (recomputes activations in backward)")
+        if self.accelerator and not self.compute_dtype:
+            steps.append("set model.compute_dtype=bfloat16")
+        if backward and self.lora_rank == 0:
+            steps.append("train a LoRA adapter (model.lora.rank=16): no optimizer state for the base weights")
+        if self.accelerator and not self.offload:
+            steps.append("set model.offload=true (parameters and optimizer state in CPU memory)")
+        return steps
+
+
+@contextlib.contextmanager
+def explain_out_of_memory(levers: MemoryLevers, what: str, rows: int, tokens: int) -> Iterator[None]:
+    """Re-raise a failed allocation inside the block as OutOfMemoryError naming `what` ran on how much
+    (`rows` sequences, `tokens` real tokens) and the settings that lower it."""
+    try:
+        yield
+    except BaseException as exc:
+        if not is_out_of_memory(exc):
+            raise
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        advice = "; ".join(levers.advice(backward=what == "forward_backward"))
+        raise OutOfMemoryError(
+            f"out of memory in {what} on a micro-batch of {rows} sequences ({tokens} tokens): {advice} "
+            f"[{detail}]"
+        ) from exc
