@@ -373,6 +373,7 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
             total_steps=cfg.trainer.total_steps * optimizer_steps_per_step(cfg),
             micro_batch_size=cfg.actor.micro_batch_size,
             max_token_len=cfg.actor.max_token_len_per_worker,
+            config_section="actor",
         ),
         with_rollout=cfg.resources.rollout == "trainer",
         with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
@@ -395,5 +396,6 @@ def critic_spec(cfg: RLConfig, threads: int) -> CriticSpec:
         total_steps=cfg.trainer.total_steps * critic_optimizer_steps_per_step(cfg),
         micro_batch_size=c.micro_batch_size,
         max_token_len=c.max_token_len_per_worker,
+        config_section="critic",
     )
     return CriticSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)

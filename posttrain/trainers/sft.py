@@ -93,6 +93,7 @@ class SFTTrainer:
                 total_steps=cfg.trainer.total_steps,
                 micro_batch_size=cfg.optim.micro_batch_size,
                 max_token_len=cfg.optim.max_token_len_per_worker,
+                config_section="optim",
             ),
             with_rollout=False,
             seed=cfg.trainer.seed,
