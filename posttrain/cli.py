@@ -88,7 +88,13 @@ def _make_model(args: argparse.Namespace) -> None:
         "long_addition": long_addition.corpus,
         "tool_multiplication": partial(tool_multiplication.corpus, tools=calculator),
     }
-    texts = []
+    texts: list[str] = []
+    if args.tokenizer_from:  # the tokenizer is reused: no corpus to train one on
+        out = make_tiny_model(
+            args.preset, args.out, texts, seed=args.seed, tokenizer_from=args.tokenizer_from
+        )
+        print(f"wrote {out} (tokenizer of {args.tokenizer_from})")
+        return
     for task in args.corpus_tasks.split(","):
         if task not in corpora:
             raise SystemExit(f"--corpus-tasks: unknown task {task!r}; known: {', '.join(corpora)}")
@@ -154,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tool_multiplication)",
     )
     p.add_argument("--corpus-file", action="append", help="extra text files (one sample per line)")
+    p.add_argument(
+        "--tokenizer-from",
+        default="",
+        metavar="DIR",
+        help="reuse the tokenizer of this model directory instead of training one (presets of different "
+        "sizes then share it, as distillation needs); the corpus options are then unused",
+    )
     p.set_defaults(func=_make_model)
 
     data_cmd.add_parser(sub)

@@ -22,14 +22,16 @@ request beyond 32768 tokens is an error naming that limit. `posttrain make-model
 """
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.errors import ConfigError
+from posttrain.models.loading import load_tokenizer
 from posttrain.models.tokenizer import IM_END, PAD_TOKEN, train_tokenizer
 from posttrain.models.vl import VL_PRESETS, make_tiny_vl_model
 
@@ -113,8 +115,14 @@ def build_tiny_model(preset: str, seed: int = 0, **token_ids: int | None) -> Qwe
     return model.eval()
 
 
-def make_tiny_model(preset: str, out_dir: str | Path, corpus: Iterable[str], seed: int = 0) -> Path:
+def make_tiny_model(
+    preset: str, out_dir: str | Path, corpus: Iterable[str], seed: int = 0, tokenizer_from: str | Path = ""
+) -> Path:
     """Train a tokenizer on `corpus`, build a seeded Qwen2 model and save both as an HF directory.
+
+    `tokenizer_from`: a model directory whose tokenizer is reused instead (`corpus` is then unused), so presets
+    of different sizes share one (a distillation teacher and its student); the model's vocabulary width is
+    that directory's (its config's `vocab_size`, else the tokenizer's length), not the preset's.
 
     Token ids follow Qwen2.5-Instruct: bos = pad = <|endoftext|>, eos = <|im_end|> (generation also stops
     on <|endoftext|>). Returns the directory, loadable with `load_causal_lm` / `load_tokenizer`.
@@ -123,12 +131,19 @@ def make_tiny_model(preset: str, out_dir: str | Path, corpus: Iterable[str], see
     if preset in VL_PRESETS:
         return make_tiny_vl_model(preset, out_dir, corpus, seed=seed)
     spec = get_preset(preset)
-    tokenizer = train_tokenizer(corpus, spec.vocab_size)
+    if tokenizer_from:
+        tokenizer, vocab_size = _reused_tokenizer(tokenizer_from)
+        spec = dataclasses.replace(spec, vocab_size=vocab_size)
+    else:
+        tokenizer = train_tokenizer(corpus, spec.vocab_size)
     tokenizer.model_max_length = spec.max_position_embeddings
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
 
-    model = build_tiny_model(preset, seed, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    config = make_config(spec, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).eval()
     model.generation_config.bos_token_id = pad_id
     model.generation_config.pad_token_id = pad_id
     model.generation_config.eos_token_id = [eos_id, pad_id]
@@ -138,3 +153,19 @@ def make_tiny_model(preset: str, out_dir: str | Path, corpus: Iterable[str], see
     model.save_pretrained(out)  # safetensors: the only format transformers 5 writes
     tokenizer.save_pretrained(out)
     return out
+
+
+def _reused_tokenizer(source: str | Path) -> tuple[PreTrainedTokenizerBase, int]:
+    """The tokenizer of a model directory, and the vocabulary width a model on it needs."""
+    path = Path(source)
+    tokenizer = load_tokenizer(path)
+    for token in (PAD_TOKEN, IM_END):
+        if token not in tokenizer.get_vocab():
+            raise ConfigError(
+                f"--tokenizer-from {path}: its tokenizer has no {token} token (a tiny model's pad/eos)"
+            )
+    vocab_size = len(tokenizer)
+    if (path / "config.json").is_file():
+        configured = json.loads((path / "config.json").read_text()).get("vocab_size")
+        vocab_size = max(vocab_size, int(configured or 0))
+    return tokenizer, vocab_size
