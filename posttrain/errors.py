@@ -40,4 +40,15 @@ class WorkerError(PosttrainError):
 
 class OutOfMemoryError(PosttrainError):
     """An allocation failed (accelerator or CPU memory); the message names the settings that lower memory
-    (engine/memory.py)."""
+    (engine/memory.py, rollout/native.py)."""
+
+
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a failed allocation: MemoryError, torch.OutOfMemoryError (CUDA: "... out of memory")
+    or the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory"), not another error."""
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)

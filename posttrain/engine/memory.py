@@ -14,18 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
-from posttrain.errors import OutOfMemoryError
-
-_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is a failed allocation (CUDA, CPU allocator, Python), not some other error."""
-    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _MARKERS)
+from posttrain.errors import OutOfMemoryError, is_out_of_memory
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.errors import ConfigError, PosttrainError
+from posttrain.errors import ConfigError, OutOfMemoryError, PosttrainError, is_out_of_memory
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout.base import (
     AdapterRouter,
@@ -260,13 +260,25 @@ class NativeRolloutEngine:
                     if running:
                         self._decode_step(running, free)
             except Exception as exc:  # a crash must reach every caller, not hang them
+                error = (
+                    self._out_of_memory(exc, len(running) + len(waiting)) if is_out_of_memory(exc) else None
+                )
                 for seq in [*running, *waiting]:
                     if not seq.future.done():
                         seq.future.set_exception(
-                            PosttrainError(f"rollout engine failed: {type(exc).__name__}: {exc}")
+                            error or PosttrainError(f"rollout engine failed: {type(exc).__name__}: {exc}")
                         )
                 running.clear()
                 waiting.clear()
+
+    def _out_of_memory(self, exc: BaseException, sequences: int) -> OutOfMemoryError:
+        """What lowers generation memory: the KV cache holds prompt + response positions per sequence."""
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return OutOfMemoryError(
+            f"rollout engine out of memory with {sequences} sequences to decode: lower rollout.max_batch_size "
+            f"(now {self.max_batch_size} sequences decoded together) or data.max_response_length (the KV cache "
+            f"holds prompt + response positions for each of them) [{detail}]"
+        )
 
     def _prepare_cache(self, waiting: deque[_Sequence]) -> list[int]:
         """Size the cache for what is waiting (reusing it when big enough) and mark every slot free."""

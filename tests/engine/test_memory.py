@@ -4,20 +4,17 @@ process, so the child runs under an address-space limit (RLIMIT_AS): torch's all
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from posttrain.engine.memory import MemoryLevers, explain_out_of_memory, is_out_of_memory
-from posttrain.errors import OutOfMemoryError
+from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
+from posttrain.errors import OutOfMemoryError, is_out_of_memory
+from tests.address_space import linux_only, run_limited
 
 CHILD = r"""
-import resource, sys
-from dataclasses import replace
+import sys
 import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.data.batch import Batch
@@ -35,9 +32,7 @@ small = small.union(Batch.from_dict({keys.OLD_LOG_PROBS: torch.zeros(2, 4)}))
 engine.forward_backward(with_global_totals(small), loss)  # warm: lazy allocations done before the limit
 big = synthetic_rl_batch(rows=64, prompt_width=512, response_width=512, vocab=1000, seed=1)
 big = big.union(Batch.from_dict({keys.OLD_LOG_PROBS: torch.zeros(64, 512)}))
-with open("/proc/self/status") as f:
-    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-resource.setrlimit(resource.RLIMIT_AS, (vm + 256 * 2**20, resource.RLIM_INFINITY))  # 256 MiB of room
+limit_address_space(256)
 try:
     engine.forward_backward(with_global_totals(big), loss)  # logits alone: 64 x 1024 x 1024 x 4 B = 256 MiB
 except OutOfMemoryError as exc:
@@ -45,19 +40,11 @@ except OutOfMemoryError as exc:
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+@linux_only
 def test_cpu_allocation_failure_names_the_settings_to_lower(tiny_model_dir: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tiny_model_dir)], cwd=root, env=env, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("OOM:")), None)
-    assert line is not None, (
-        f"no OutOfMemoryError; stdout: {proc.stdout[-2000:]} stderr: {proc.stderr[-2000:]}"
-    )
+    out = run_limited(CHILD, str(tiny_model_dir))
+    line = next((x for x in out.splitlines() if x.startswith("OOM:")), None)
+    assert line is not None, f"no OutOfMemoryError; stdout: {out[-2000:]}"
     assert "out of memory in forward_backward on a micro-batch of 64 sequences" in line
     assert "lower actor.micro_batch_size (now 64 rows" in line and "actor.max_token_len_per_worker" in line
     assert "model.gradient_checkpointing=true" in line

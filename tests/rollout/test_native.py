@@ -11,6 +11,7 @@ from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine
+from tests.address_space import linux_only, run_limited
 
 
 def prompts(model_dir: Path, n: int = 6) -> list[list[int]]:
@@ -183,3 +184,29 @@ def test_no_scheduler_thread_outlives_its_work(engine: NativeRolloutEngine, tiny
     while scheduler_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler_threads() == []
+
+
+NATIVE_OOM_CHILD = r"""
+import sys
+from posttrain.errors import OutOfMemoryError
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.native import NativeRolloutEngine
+
+engine = NativeRolloutEngine(sys.argv[1], max_batch_size=256)
+engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm: lazy allocations done before the limit
+limit_address_space(128)
+try:  # a KV cache of 256 slots x ~1000 positions: 4 layers x 2 heads x 32 dims x 4 B x 2 (K, V) = 0.5 GiB
+    engine.generate([[5, 6, 7]] * 256, SamplingParams(max_tokens=1000))
+except OutOfMemoryError as exc:
+    print("OOM:", exc)
+"""
+
+
+@linux_only
+def test_out_of_memory_names_the_rollout_settings(tiny_model_dir: Path) -> None:
+    out = run_limited(NATIVE_OOM_CHILD, str(tiny_model_dir))
+    line = next((x for x in out.splitlines() if x.startswith("OOM:")), None)
+    assert line is not None, f"no OutOfMemoryError; stdout: {out[-2000:]}"
+    assert "rollout engine out of memory with 256 sequences" in line
+    assert "lower rollout.max_batch_size (now 256 sequences decoded together)" in line
+    assert "data.max_response_length" in line and "can't allocate memory" in line
