@@ -215,6 +215,19 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class OnPolicyDistillConfig:
+    """On-policy distillation (posttrain/trainers/on_policy_distill.py): a frozen teacher sharing the student's
+    tokenizer scores the student's own samples; per token, -kl_coef * (log p_student - log p_teacher) is added
+    to the advantage (the sampled-token reverse KL, as MiniLLM and tinker-cookbook)."""
+
+    teacher_path: str = ""  # a causal LM directory with the model's tokenizer; empty = no distillation
+    kl_coef: float = 1.0  # weight of the per-token reverse-KL advantage
+    # the task advantage (algorithm.adv_estimator on the rewards) is scaled by this and added; 0 = distil only
+    task_reward_coef: float = 0.0
+    micro_batch_size: int = 64  # rows per teacher forward pass on one worker
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Agent episodes (posttrain/agents): multi-turn chats with tools, trained on exactly the sampled tokens."""
 
@@ -319,6 +332,7 @@ class RLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    distill: OnPolicyDistillConfig = field(default_factory=OnPolicyDistillConfig)
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)

@@ -26,7 +26,7 @@ from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
 from posttrain.workers.losses import LossSpec
 
 Metrics = dict[str, float]
-ReferenceModel = Literal["actor", "ref"]
+ReferenceModel = Literal["actor", "ref", "teacher"]
 
 
 class Dispatcher(Protocol):
@@ -116,7 +116,8 @@ class ActorGroup(RoleGroup):
         return self._batch("sample", batch, sampling)
 
     def forward(self, batch: Batch, *, model: ReferenceModel = "actor", temperature: float = 1.0) -> Batch:
-        """Response log-probs under the policy (`old_log_probs`) or the reference (`ref_log_prob`)."""
+        """Response log-probs under the policy (`old_log_probs`), the reference (`ref_log_prob`) or the
+        distillation teacher (`teacher_log_prob`)."""
         return self._batch("forward", batch, model=model, temperature=temperature)
 
     def forward_backward(self, batch: Batch, loss: LossSpec, *, temperature: float = 1.0) -> Metrics:

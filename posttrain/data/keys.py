@@ -14,6 +14,7 @@ RESPONSE_MASK = "response_mask"  # (B, R) float: 1 on tokens the model generated
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float: log-probs the rollout engine sampled with
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float: log-probs of the policy before the update
 REF_LOG_PROB = "ref_log_prob"  # (B, R) float: log-probs of the frozen reference policy
+TEACHER_LOG_PROB = "teacher_log_prob"  # (B, R) float: log-probs of the distillation teacher (distill.*)
 VALUES = "values"  # (B, R) float: critic values
 TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) float: score on the last response token
 TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float: scores minus in-reward KL

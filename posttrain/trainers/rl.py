@@ -34,6 +34,7 @@ from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
+from posttrain.trainers.on_policy_distill import distill_advantages
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.trainers.setup import (
@@ -282,13 +283,20 @@ class RLTrainer:
             if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 with self.progress.stage("ref"), timed(timings, "ref"):
                     batch = batch.union(actor.forward(forward_batch, model="ref", temperature=self._temp))
+            if cfg.distill.teacher_path:
+                with self.progress.stage("teacher"), timed(timings, "teacher"):
+                    batch = batch.union(actor.forward(forward_batch, model="teacher", temperature=self._temp))
             if self.critic is not None:
                 with self.progress.stage("values"), timed(timings, "values"):
                     batch = batch.union(self.critic.forward(forward_batch))
             with self.progress.stage("advantages"), timed(timings, "adv"):
                 rewards, kl_metrics = self.rewards.apply_kl(batch)
                 batch = batch.union(rewards)
-                batch = batch.union(self.advantages(batch))
+                advantages = self.advantages(batch)
+                if cfg.distill.teacher_path:  # the teacher's per-token reverse KL joins the advantage
+                    advantages, distill_metrics = distill_advantages(batch, advantages, cfg.distill)
+                    kl_metrics.update(distill_metrics)
+                batch = batch.union(advantages)
             update_metrics: dict[str, float] = {}
             if self.critic is not None:
                 with self.progress.stage("update_critic"), timed(timings, "update_critic"):

@@ -27,7 +27,7 @@ from posttrain.engine.lora import check_target_modules
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
-from posttrain.models import check_model_dir, empty_model
+from posttrain.models import check_model_dir, empty_model, load_config
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.tracking import check_backends
@@ -97,9 +97,27 @@ def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int
         check_target_modules(empty_model(model.path), model.lora)
 
 
+def check_context(cfg: RLConfig) -> None:
+    """The longest sequence a rollout can ask for against the model's context (max_position_embeddings), so
+    that it fails here, naming the keys, instead of in the first generation after the model loads."""
+    context = getattr(load_config(cfg.model.path), "max_position_embeddings", None)
+    if cfg.agent.enable:
+        keys, longest = "agent.max_total_tokens", cfg.agent.max_total_tokens
+    else:
+        keys = "data.max_prompt_length + data.max_response_length"
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if isinstance(context, int) and longest > context:
+        raise ConfigError(
+            f"{keys} = {longest} tokens exceeds the model's context of {context} positions "
+            f"(max_position_embeddings in {cfg.model.path}/config.json): lower it, or use a model with a longer "
+            "context (make-model --preset tiny-32k / small-32k for the built-in ones)"
+        )
+
+
 def check_rl_config(cfg: RLConfig) -> None:
     """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
     check_model_dir(cfg.model.path)
+    check_context(cfg)
     check_model_options(
         cfg.model,
         max(

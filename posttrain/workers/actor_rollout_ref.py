@@ -32,6 +32,8 @@ class ActorRolloutRefSpec:
     engine: EngineConfig
     with_rollout: bool = True
     with_ref: bool = False
+    # a frozen distillation teacher with the actor's tokenizer: forward(model="teacher")
+    teacher: EngineConfig | None = None
     rollout_name: str = "native"
     rollout_max_batch_size: int = 256
     seed: int = 0
@@ -57,6 +59,7 @@ class ActorRolloutRefWorker:
             if spec.with_ref and not self.lora
             else None
         )
+        self.teacher = TrainEngine(spec.teacher, dist_info) if spec.teacher is not None else None
         self.rollout = (
             make_rollout_engine(
                 spec.rollout_name,
@@ -84,7 +87,8 @@ class ActorRolloutRefWorker:
 
     # ---- forward / backward --------------------------------------------------------------------
     def forward(self, batch: Batch, model: str = "actor", temperature: float = 1.0) -> Batch:
-        """Log-probs of the responses under the actor (`old_log_probs`) or the reference (`ref_log_prob`)."""
+        """Log-probs of the responses under the actor (`old_log_probs`), the reference (`ref_log_prob`) or the
+        distillation teacher (`teacher_log_prob`)."""
         if model == "actor":
             return Batch.from_dict({keys.OLD_LOG_PROBS: self.actor.compute_log_prob(batch, temperature)})
         if model == "ref":
@@ -95,7 +99,11 @@ class ActorRolloutRefWorker:
             else:
                 ref = self.ref.compute_log_prob(batch, temperature)
             return Batch.from_dict({keys.REF_LOG_PROB: ref})
-        raise ValueError(f"forward: unknown model '{model}'; valid: actor, ref")
+        if model == "teacher":
+            if self.teacher is None:
+                raise RuntimeError("this worker was built without a teacher model (teacher=None)")
+            return Batch.from_dict({keys.TEACHER_LOG_PROB: self.teacher.compute_log_prob(batch, temperature)})
+        raise ValueError(f"forward: unknown model '{model}'; valid: actor, ref, teacher")
 
     def forward_backward(self, batch: Batch, loss: LossSpec, temperature: float = 1.0) -> dict[str, float]:
         if self.rollout is not None:
