@@ -107,6 +107,11 @@ def test_remax_with_dynamic_sampling_is_rejected(tiny_model_dir: Path, arithmeti
         ("actor.mini_batch_size=100", "must divide the samples per step"),
         ("trainer.loggers=[console,wandbb]", "unknown trainer.loggers entry 'wandbb'"),
         ("trainer.n_workers_per_node=2", "backend=local runs one in-process worker"),
+        (
+            "data.max_response_length=2000",  # the tiny model's context is 1024 positions
+            r"data.max_prompt_length \+ data.max_response_length = 2064 tokens exceeds the model's context of "
+            r"1024 positions \(max_position_embeddings in .*config.json\): lower it, or use a model with a",
+        ),
     ],
 )
 def test_inconsistent_settings(
