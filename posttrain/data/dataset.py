@@ -199,7 +199,9 @@ class PromptDataset:
             if len(ids) > max_prompt_length:
                 if overlong == "error":
                     raise DataError(
-                        f"{where}: prompt has {len(ids)} tokens, max_prompt_length is {max_prompt_length}"
+                        f"{where}: prompt has {len(ids)} tokens, max_prompt_length is {max_prompt_length}: "
+                        "raise max_prompt_length (data.max_prompt_length) or drop such rows "
+                        "(overlong_prompts=filter)"
                     )
                 self.n_filtered += 1
                 continue

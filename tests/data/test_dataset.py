@@ -110,7 +110,9 @@ def test_overlong_error_mode_names_row(tmp_path, tokenizer):
     rows = [make_row(0), make_row(1, content="y" * 300)]
     path = write_rows(tmp_path / "train.jsonl", rows)
     with pytest.raises(
-        DataError, match=r"train\.jsonl: row 1: prompt has \d+ tokens, max_prompt_length is 64"
+        DataError,
+        match=r"train\.jsonl: row 1: prompt has \d+ tokens, max_prompt_length is 64: raise max_prompt_length "
+        r"\(data\.max_prompt_length\) or drop such rows \(overlong_prompts=filter\)",
     ):
         PromptDataset(path, tokenizer, max_prompt_length=64, overlong="error")
     with pytest.raises(DataError, match="overlong='drop'"):
