@@ -15,6 +15,10 @@ from posttrain.errors import WorkerError
 
 # How long a rank's error waits for news of a dead peer before it is reported as the cause.
 PEER_DEATH_GRACE_S = 3.0
+MEMORY_HINT = (
+    "if memory ran out (dmesg shows the OOM killer), lower actor.micro_batch_size (or set "
+    "actor.max_token_len_per_worker) and rollout.max_batch_size, or set model.gradient_checkpointing=true"
+)
 
 
 def death_reason(exc: Exception) -> str:
@@ -34,6 +38,8 @@ def death_reason(exc: Exception) -> str:
             "NODE_OUT_OF_MEMORY": "killed by Ray's memory monitor (node out of memory)",
             "USER_ERROR": "exited with an error",
         }[exit_type.group(1)]
+        if exit_type.group(1) != "USER_ERROR":  # a process killed for memory cannot say so itself
+            cause += f"; {MEMORY_HINT}"
         return f"{where} exited unexpectedly: {cause}"
     because = re.search(r"The actor is dead because ([^.]+)", text)
     if because:
