@@ -1,4 +1,4 @@
-"""`posttrain <command>`: train, sft, dpo, rm, make-model, data, export, serve, demo, eval, config, plot.
+"""`posttrain <command>`: train, sft, dpo, rm, distill, make-model, data, export, serve, demo, eval, config, plot.
 
 Config-driven commands take Hydra overrides (`posttrain train model.path=DIR trainer.n_workers_per_node=2`).
 Every project error is printed as one line naming the problem (a reward function that keeps failing adds its
@@ -57,6 +57,20 @@ def _dpo(args: argparse.Namespace) -> None:
     cfg = load_config(DPOConfig, args.config_name, args.overrides)
     trainer = DPOTrainer(cfg)
     trainer.fit()
+    print(f"wrote {trainer.hf_dir}")
+
+
+def _distill(args: argparse.Namespace) -> None:
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import DistillConfig
+    from posttrain.trainers.distill import DistillTrainer
+
+    cfg = load_config(DistillConfig, args.config_name, args.overrides)
+    preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
+    trainer = DistillTrainer(cfg)
+    metrics = trainer.fit()
+    if "val/kl_to_teacher" in metrics:
+        print(f"held-out KL(student || teacher) per token {metrics['val/kl_to_teacher']:.4f}")
     print(f"wrote {trainer.hf_dir}")
 
 
@@ -140,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", _sft, "sft"),
         ("dpo", _dpo, "dpo"),
         ("rm", _rm, "rm"),
+        ("distill", _distill, "distill"),
     ):
         p = sub.add_parser(name, help=f"{name} with Hydra overrides (key=value ...)")
         p.add_argument("--config-name", default=config, help="a YAML under posttrain/config/yaml")

@@ -474,3 +474,33 @@ class RMConfig:
         default_factory=lambda: SFTTrainerConfig(run_dir="runs/rm", total_steps=100)
     )
     ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass(frozen=True)
+class GKDConfig:
+    """GKD (Agarwal et al. 2024; posttrain/algorithms/distillation.py): the generalised Jensen-Shannon divergence
+    between a frozen teacher's and the student's next-token distributions over the whole vocabulary."""
+
+    teacher_path: str = ""  # a causal LM directory with the student's tokenizer (required)
+    beta: float = 0.5  # TRL's: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher)
+    # share of steps whose batch is the student's own samples of the batch's prompts (else the data's responses)
+    lmbda: float = 0.0
+    temperature: float = 1.0  # of both distributions in the divergence, and of the student's sampling
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Distillation (`posttrain distill`): SFT's data, engine and worker with GKD's loss against a teacher;
+    `optim.batch_size` and `optim.micro_batch_size` count sequences."""
+
+    # rows run right-padded (no packing): the loss needs each position's full-vocabulary logits
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(remove_padding=False, share_prompt=False))
+    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(max_response_length=32))
+    distill: GKDConfig = field(default_factory=GKDConfig)
+    optim: SFTOptimConfig = field(
+        default_factory=lambda: SFTOptimConfig(lr=1e-4, batch_size=32, micro_batch_size=16)
+    )
+    trainer: SFTTrainerConfig = field(
+        default_factory=lambda: SFTTrainerConfig(run_dir="runs/distill", total_steps=100)
+    )
+    ray: RayConfig = field(default_factory=RayConfig)

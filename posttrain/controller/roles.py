@@ -247,3 +247,11 @@ class ApiGroup(RoleGroup):
 
     def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float) -> Batch:
         return self._batch("prompt_log_probs", sampler_id, batch, temperature)
+
+
+class DistillGroup(ActorGroup):
+    """The actor role with a frozen teacher (`DistillWorker`): GKD's divergence over whole vocabularies."""
+
+    def gkd(self, batch: Batch, *, beta: float, temperature: float, backward: bool = True) -> Metrics:
+        """Generalised JSD between teacher and student on the `loss_mask` tokens (gradients when `backward`)."""
+        return self._metrics("gkd", batch, beta, temperature, backward)
