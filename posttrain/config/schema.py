@@ -63,6 +63,10 @@ class ModelConfig:
     share_prompt: bool = True  # packed: the n samples of a prompt share one pass over it (sdpa/eager)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     offload: bool = False  # parameters, gradients and optimizer step in CPU memory (GPU machines only)
+    # Ulysses sequence parallelism (sp): each packed row split across sp ranks, attention's heads exchanged
+    # with all-to-all; world = dp x sp, batches split over the dp = world / sp groups. Training and log-prob
+    # passes only (generation runs per rank without it); needs remove_padding and sdpa; sp divides the heads
+    sequence_parallel_size: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -64,12 +64,14 @@ class WorkerSettings(Protocol):
 
 @dataclass(frozen=True)
 class RoleRequest:
-    """One role to start: its worker class and spec, on the pool named `pool`."""
+    """One role to start: its worker class and spec, on the pool named `pool`; `sequence_parallel_size` is
+    its engines' sp (its training verbs then split batches over world / sp data-parallel groups)."""
 
     role: str
     worker_cls: type
     spec: Any
     pool: str = TRAINER_POOL
+    sequence_parallel_size: int = 1
 
 
 def threads_per_worker(settings: WorkerSettings) -> int:
@@ -104,6 +106,11 @@ def start_role_groups(
     restart waits for the failed groups' resources to come back); 0 fails at once when there is none.
     """
     if settings.backend == "local":
+        if any(r.sequence_parallel_size > 1 for r in requests):
+            raise ConfigError(
+                "model.sequence_parallel_size > 1 splits rows across workers: it needs trainer.backend=ray "
+                "(trainer.backend=local runs one in-process worker)"
+            )
         return {
             r.role: LocalWorkerGroup(r.worker_cls, r.spec, role=r.role, device=settings.device)
             for r in requests
@@ -133,6 +140,7 @@ def start_role_groups(
                 timeout_s=settings.collective_timeout_s,
                 pool=reserved[r.pool],
                 share=1.0 / tenants[r.pool],
+                sequence_parallel_size=r.sequence_parallel_size,
             )
     except Exception:
         for group in started.values():
@@ -203,12 +211,16 @@ def start_rl_groups(
 ) -> RLGroups:
     """Every role of an RL run, placed as `resources` (and `reward.model.pool`) says (see `start_role_groups`
     for `wait_s`)."""
-    requests = [RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, actor_spec)]
+    sp = actor_spec.engine.sequence_parallel_size
+    requests = [
+        RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, actor_spec, sequence_parallel_size=sp)
+    ]
     if split_rollout(cfg):
         spec = rollout_spec(cfg, actor_spec.threads)
         requests.append(RoleRequest("rollout", RolloutWorker, spec, cfg.resources.rollout))
     if critic_spec is not None:
-        requests.append(RoleRequest("critic", CriticWorker, critic_spec, cfg.resources.critic))
+        critic_sp = critic_spec.engine.sequence_parallel_size
+        requests.append(RoleRequest("critic", CriticWorker, critic_spec, cfg.resources.critic, critic_sp))
     if reward_model_spec is not None:
         requests.append(
             RoleRequest("reward_model", RewardModelWorker, reward_model_spec, cfg.reward.model.pool)
@@ -302,10 +314,20 @@ def check_placement(cfg: RLConfig) -> None:
             f"the {samples} samples per step (data.train_batch_prompts * rollout.n) do not split evenly over "
             f"the {sizes[r.rollout]} workers of pool '{r.rollout}' (resources.rollout)"
         )
+    sp = cfg.model.sequence_parallel_size
+    trained = {"the actor": TRAINER_POOL, **({"resources.critic": r.critic} if cfg.critic.enable else {})}
+    for key, name in trained.items():  # generation and the reward model do not use sequence parallelism
+        if sizes[name] % sp:
+            raise ConfigError(
+                f"model.sequence_parallel_size={sp} must divide the {sizes[name]} workers of pool '{name}' "
+                f"({key}): world = dp x sp"
+            )
     if cfg.critic.enable:
         mini = cfg.critic.mini_batch_size or samples
-        if mini % sizes[r.critic]:
+        critic_dp = sizes[r.critic] // sp
+        if mini % critic_dp:
+            groups = f"{critic_dp} data-parallel groups (workers / model.sequence_parallel_size)"
             raise ConfigError(
-                f"critic.mini_batch_size={mini} does not split evenly over the {sizes[r.critic]} workers of "
-                f"pool '{r.critic}' (resources.critic)"
+                f"critic.mini_batch_size={mini} does not split evenly over the "
+                f"{groups if sp > 1 else f'{critic_dp} workers'} of pool '{r.critic}' (resources.critic)"
             )

@@ -6,6 +6,9 @@ name (`workers/actor_rollout_ref.py`, `workers/rollout_worker.py`, `workers/crit
 `workers/reward_model.py`). Each role group
 wraps a `Dispatcher` (the Ray group, one actor per rank, or the in-process group of world size 1), which
 splits Batch arguments across ranks and gathers the results; that generic dispatch stays in this package.
+The training verbs (`forward`, `forward_backward`) split over the data-parallel groups, which are the ranks
+themselves unless the engines use sequence parallelism (`model.sequence_parallel_size`); generation always
+splits over every rank (it does not use sequence parallelism).
 
 `Rollout` is what generation and validation need from whichever group generates (the actor's own
 colocated rollout engine, or the rollout role on a pool of its own); `ActorGroup` and `CriticGroup` train.
@@ -34,8 +37,13 @@ class Dispatcher(Protocol):
 
     role: str
     world_size: int
+    data_parallel_size: int  # world_size / the engines' sequence_parallel_size
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def call_data_parallel(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """As `call`, with Batch arguments split over the data-parallel groups, one result per group."""
+        ...
 
     def placement(self) -> list[dict[str, Any]]: ...
 
@@ -79,9 +87,20 @@ class RoleGroup:
     def world_size(self) -> int:
         return self.dispatcher.world_size
 
+    @property
+    def data_parallel_size(self) -> int:
+        """How many parts a training verb's Batch is split into (world size / sequence-parallel size)."""
+        return self.dispatcher.data_parallel_size
+
     def _batch(self, method: str, *args: Any, **kwargs: Any) -> Batch:
         """`method` on every rank, its per-rank Batches concatenated in rank order."""
-        out = self.dispatcher.call(method, *args, **kwargs)
+        return self._as_batch(method, self.dispatcher.call(method, *args, **kwargs))
+
+    def _batch_dp(self, method: str, *args: Any, **kwargs: Any) -> Batch:
+        """`method` on every rank, Batches split over data-parallel groups, one result per group, in order."""
+        return self._as_batch(method, self.dispatcher.call_data_parallel(method, *args, **kwargs))
+
+    def _as_batch(self, method: str, out: Any) -> Batch:
         if not isinstance(out, Batch):
             raise WorkerError(
                 f"{self.role}.{method} returned {type(out).__name__}, not a Batch", role=self.role
@@ -90,7 +109,13 @@ class RoleGroup:
 
     def _metrics(self, method: str, *args: Any, **kwargs: Any) -> Metrics:
         """`method` on every rank, its metric dicts averaged over ranks (`*_max`: the maximum)."""
-        out = self.dispatcher.call(method, *args, **kwargs)
+        return self._as_metrics(method, self.dispatcher.call(method, *args, **kwargs))
+
+    def _metrics_dp(self, method: str, *args: Any, **kwargs: Any) -> Metrics:
+        """`method` on every rank, Batches split over data-parallel groups, metrics averaged over groups."""
+        return self._as_metrics(method, self.dispatcher.call_data_parallel(method, *args, **kwargs))
+
+    def _as_metrics(self, method: str, out: Any) -> Metrics:
         if not isinstance(out, dict):
             raise WorkerError(
                 f"{self.role}.{method} returned {type(out).__name__}, not metrics", role=self.role
@@ -118,10 +143,10 @@ class ActorGroup(RoleGroup):
     def forward(self, batch: Batch, *, model: ReferenceModel = "actor", temperature: float = 1.0) -> Batch:
         """Response log-probs under the policy (`old_log_probs`), the reference (`ref_log_prob`) or the
         distillation teacher (`teacher_log_prob`)."""
-        return self._batch("forward", batch, model=model, temperature=temperature)
+        return self._batch_dp("forward", batch, model=model, temperature=temperature)
 
     def forward_backward(self, batch: Batch, loss: LossSpec, *, temperature: float = 1.0) -> Metrics:
-        return self._metrics("forward_backward", batch, loss, temperature=temperature)
+        return self._metrics_dp("forward_backward", batch, loss, temperature=temperature)
 
     def optim_step(self) -> Metrics:
         return self._metrics("optim_step")
@@ -166,10 +191,10 @@ class CriticGroup(RoleGroup):
 
     def forward(self, batch: Batch) -> Batch:
         """V(s_t) for every response token (`values`)."""
-        return self._batch("forward", batch)
+        return self._batch_dp("forward", batch)
 
     def forward_backward(self, batch: Batch, loss: LossSpec) -> Metrics:
-        return self._metrics("forward_backward", batch, loss)
+        return self._metrics_dp("forward_backward", batch, loss)
 
     def optim_step(self) -> Metrics:
         return self._metrics("optim_step")

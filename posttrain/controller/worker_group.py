@@ -1,5 +1,9 @@
 """WorkerGroups: N SPMD workers behind one object; a Batch argument is split across ranks, results gathered.
 
+With sequence parallelism (sp > 1) the training verbs split a Batch over the dp = N / sp data-parallel groups
+instead (`call_data_parallel`): the sp consecutive ranks of a group (the engine's (dp, sp) mesh) get the same
+rows, each works on a slice of every row's columns and returns the group's whole result, which is taken once.
+
 `RayWorkerGroup` runs each rank as a Ray actor; `LocalWorkerGroup` runs one rank in this process with the
 same interface, for tests and the degenerate single-process case. A worker error reaches the driver as a
 `WorkerError` naming the role and rank.
@@ -17,7 +21,7 @@ from posttrain.controller.pause_points import pause_if_asked
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port
-from posttrain.errors import WorkerError
+from posttrain.errors import ConfigError, WorkerError
 
 # Worker processes get at least this long to start (spawn, imports, model loading) whatever the
 # collective timeout: a short collective timeout must not fail a start on a loaded machine.
@@ -25,24 +29,28 @@ START_TIMEOUT_S = 300.0
 
 
 def _split_args(
-    args: Sequence[Any], kwargs: dict[str, Any], world_size: int
+    args: Sequence[Any], kwargs: dict[str, Any], world_size: int, replicas: int = 1
 ) -> list[tuple[list[Any], dict[str, Any]]]:
-    """Per-rank (args, kwargs): each Batch is chunked into `world_size` equal parts, everything else copied."""
+    """Per-rank (args, kwargs): each Batch is chunked into `world_size / replicas` equal parts, part i going
+    to the `replicas` consecutive ranks from i * replicas (a sequence-parallel group); everything else copied."""
+    parts_count = world_size // replicas
     for value in [*args, *kwargs.values()]:
-        if isinstance(value, Batch) and len(value) % world_size:
+        if isinstance(value, Batch) and len(value) % parts_count:
+            groups = f"{parts_count} data-parallel groups" if replicas > 1 else f"{parts_count} workers"
             raise WorkerError(
-                f"a batch of {len(value)} rows cannot be split evenly across {world_size} workers; "
-                "make batch sizes divisible by the number of workers"
+                f"a batch of {len(value)} rows cannot be split evenly across {groups}; "
+                "make batch sizes divisible by the number of workers (by the data-parallel size with "
+                "sequence parallelism)"
             )
     per_rank: list[tuple[list[Any], dict[str, Any]]] = [([], {}) for _ in range(world_size)]
     for value in args:
-        parts = value.chunk(world_size) if isinstance(value, Batch) else [value] * world_size
+        parts = value.chunk(parts_count) if isinstance(value, Batch) else [value] * parts_count
         for rank in range(world_size):
-            per_rank[rank][0].append(parts[rank])
+            per_rank[rank][0].append(parts[rank // replicas])
     for key, value in kwargs.items():
-        parts = value.chunk(world_size) if isinstance(value, Batch) else [value] * world_size
+        parts = value.chunk(parts_count) if isinstance(value, Batch) else [value] * parts_count
         for rank in range(world_size):
-            per_rank[rank][1][key] = parts[rank]
+            per_rank[rank][1][key] = parts[rank // replicas]
     return per_rank
 
 
@@ -68,6 +76,9 @@ def gather(results: list[Any]) -> Any:
 class LocalWorkerGroup:
     """One rank, in this process (world size 1): the same verbs as RayWorkerGroup, no Ray."""
 
+    sequence_parallel_size = 1
+    data_parallel_size = 1
+
     def __init__(
         self, worker_cls: Callable[..., Any], spec: Any, role: str = "worker", device: str = "auto"
     ) -> None:
@@ -83,6 +94,9 @@ class LocalWorkerGroup:
             return gather([getattr(self.worker, method)(*args, **kwargs)])
         except Exception as exc:
             raise WorkerError(f"{self.role} rank 0 raised in {method}: {type(exc).__name__}: {exc}") from exc
+
+    def call_data_parallel(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call(method, *args, **kwargs)  # one rank: one data-parallel group of one
 
     def placement(self) -> list[dict[str, Any]]:
         return [{"rank": 0, "node_ip": "127.0.0.1"}]
@@ -135,6 +149,8 @@ class RayWorkerGroup:
 
     Without a `pool`, the group reserves its own (one node, `world_size` workers) and frees it on shutdown.
     `share` is this role's fraction of each bundle when several roles are colocated on one pool.
+    `sequence_parallel_size`: the sp of the workers' engines (it must divide the world size), for
+    `call_data_parallel`.
     """
 
     def __init__(
@@ -150,6 +166,7 @@ class RayWorkerGroup:
         timeout_s: float = 600.0,
         pool: ResourcePool | None = None,
         share: float = 1.0,
+        sequence_parallel_size: int = 1,
     ) -> None:
         import ray
 
@@ -161,6 +178,15 @@ class RayWorkerGroup:
         )
         self.pool: ResourcePool | None = placed
         self.world_size = placed.spec.world_size
+        if sequence_parallel_size < 1 or self.world_size % sequence_parallel_size:
+            if self._own_pool:
+                placed.remove()
+            raise ConfigError(
+                f"model.sequence_parallel_size={sequence_parallel_size} must divide the {self.world_size} "
+                f"workers of {role}: world = dp x sp"
+            )
+        self.sequence_parallel_size = sequence_parallel_size
+        self.data_parallel_size = self.world_size // sequence_parallel_size
         bundle = placed.spec.bundle
         self.workers: list[Any] = []
         try:
@@ -228,6 +254,15 @@ class RayWorkerGroup:
 
         Arguments that every rank gets whole (e.g. weights for samplers) go to the object store once.
         """
+        return self._call(method, args, kwargs, replicas=1)
+
+    def call_data_parallel(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on every rank with Batch arguments split over the data-parallel groups (the ranks
+        of a sequence-parallel group get the same rows) and gather one result per group: its first rank's.
+        Without sequence parallelism, `call`."""
+        return self._call(method, args, kwargs, replicas=self.sequence_parallel_size)
+
+    def _call(self, method: str, args: Sequence[Any], kwargs: dict[str, Any], replicas: int) -> Any:
         import ray
 
         shared: dict[int, Any] = {}
@@ -239,12 +274,12 @@ class RayWorkerGroup:
                 shared[id(value)] = ray.put(value)
             return shared[id(value)]
 
-        per_rank = _split_args(args, kwargs, self.world_size)
+        per_rank = _split_args(args, kwargs, self.world_size, replicas)
         refs = [
             w.call.remote(method, *[once(v) for v in a], **{key: once(v) for key, v in k.items()})
             for w, (a, k) in zip(self.workers, per_rank, strict=True)
         ]
-        return gather(self._get(refs, method))
+        return gather(self._get(refs, method)[::replicas])
 
     def ping(self) -> list[dict[str, Any]]:
         """Each rank's answer (its worker's `ping()`: rank, pid), in rank order; a dead rank raises."""

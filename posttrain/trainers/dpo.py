@@ -82,6 +82,11 @@ def check_dpo_config(cfg: DPOConfig) -> None:
         )
     if cfg.trainer.stop_at_val_nll:
         raise ConfigError("trainer.stop_at_val_nll is an SFT setting; dpo has no NLL to stop at (leave it 0)")
+    if cfg.model.sequence_parallel_size != 1:
+        raise ConfigError(
+            f"model.sequence_parallel_size={cfg.model.sequence_parallel_size}: posttrain dpo does not support "
+            "sequence parallelism yet (posttrain sft and posttrain train do): leave it 1"
+        )
     if cfg.optim.batch_size % cfg.trainer.world_size:
         raise ConfigError(
             f"optim.batch_size={cfg.optim.batch_size} pairs must be divisible by the {cfg.trainer.world_size} workers"

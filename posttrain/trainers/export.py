@@ -34,7 +34,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, adapter_only: boo
     cfg = from_dict(RLConfig, state["config"])
     if adapter_only and cfg.model.lora.rank <= 0:
         raise ConfigError(f"--adapter: the run of {path} trained the full model (model.lora.rank=0)")
-    engine = TrainEngine(engine_config(cfg.model, trainable=False))
+    # one process reads the whole checkpoint: the run's sequence parallelism does not apply here
+    engine = TrainEngine(engine_config(cfg.model, trainable=False, sequence_parallel_size=1))
     engine.load(path / "actor")
     engine.export_hf(out, merged=not adapter_only)
     return Path(out)

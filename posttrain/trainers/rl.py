@@ -273,8 +273,8 @@ class RLTrainer:
                     batch, gen_metrics = generate_step_batch(
                         cfg, rollout, self.loader, self.sampling, self.rewards
                     )
-            if cfg.trainer.balance_batch and cfg.trainer.world_size > 1:
-                batch, balance_metrics = balance_across_workers(batch, cfg.trainer.world_size)
+            if cfg.trainer.balance_batch and actor.data_parallel_size > 1:  # the groups of a step's split
+                batch, balance_metrics = balance_across_workers(batch, actor.data_parallel_size)
                 gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, [])
             if not self.reuse_update_log_probs:

@@ -82,6 +82,11 @@ def check_rm_config(cfg: RMConfig) -> None:
         raise ConfigError("trainer.stop_at_val_nll is an SFT setting; rm has no NLL to stop at (leave it 0)")
     if cfg.optim.micro_batch_size <= 0:
         raise ConfigError(f"optim.micro_batch_size must be > 0 pairs, got {cfg.optim.micro_batch_size}")
+    if cfg.model.sequence_parallel_size != 1:
+        raise ConfigError(
+            f"model.sequence_parallel_size={cfg.model.sequence_parallel_size}: the reward model runs right-padded "
+            "rows, which sequence parallelism (packed rows only) does not split: leave it 1"
+        )
     if cfg.optim.batch_size % cfg.trainer.world_size:
         raise ConfigError(
             f"optim.batch_size={cfg.optim.batch_size} pairs must be divisible by the {cfg.trainer.world_size} workers"

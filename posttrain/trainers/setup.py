@@ -24,6 +24,7 @@ from posttrain.controller.placement import check_placement
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.lora import check_target_modules
+from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
@@ -50,6 +51,7 @@ def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineCo
         "gradient_checkpointing": model.gradient_checkpointing,
         "offload": model.offload,
         "lora": model.lora,
+        "sequence_parallel_size": model.sequence_parallel_size,
     }
     return EngineConfig(**{**model_fields, **fields})
 
@@ -97,6 +99,25 @@ def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int
         check_target_modules(empty_model(model.path), model.lora)
 
 
+def check_sequence_parallel_config(model: ModelConfig, world_size: int, backend: str) -> None:
+    """`model.sequence_parallel_size` against the trainer's workers, the model's attention heads and the other
+    model options (engine.sequence_parallel), before any worker starts."""
+    sp = model.sequence_parallel_size
+    if sp > 1 and backend == "local":
+        raise ConfigError(
+            f"model.sequence_parallel_size={sp} splits rows across workers: it needs trainer.backend=ray with "
+            "trainer.n_workers_per_node (x nnodes) a multiple of it (backend=local runs one worker)"
+        )
+    heads = int(getattr(load_config(model.path), "num_attention_heads", 1)) if sp > 1 else 1
+    check_sequence_parallel(sp, world_size, heads, model.attn_implementation, model.remove_padding)
+
+
+def data_parallel_size(model: ModelConfig, world_size: int) -> int:
+    """Data-parallel groups of the trainer's workers: the workers, or with sequence parallelism the groups of
+    `model.sequence_parallel_size` workers that share rows (world = dp x sp)."""
+    return world_size // max(1, model.sequence_parallel_size)
+
+
 def check_context(cfg: RLConfig) -> None:
     """The longest sequence a rollout can ask for against the model's context (max_position_embeddings), so
     that it fails here, naming the keys, instead of in the first generation after the model loads."""
@@ -129,6 +150,7 @@ def check_rl_config(cfg: RLConfig) -> None:
             "critic.max_token_len_per_worker": cfg.critic.max_token_len_per_worker,
         },
     )
+    check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
     check_files(cfg.data.train_files, "data.train_files")
     check_agent_config(cfg)
     check_async_config(cfg)
@@ -154,20 +176,26 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_placement(cfg)
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     mini = cfg.actor.mini_batch_size or samples
-    workers = cfg.trainer.world_size
+    dp = data_parallel_size(cfg.model, cfg.trainer.world_size)
+    # mini-batches split over the data-parallel groups (the ranks of a sequence-parallel group share rows)
+    workers = (
+        f"{dp} data-parallel groups (workers / model.sequence_parallel_size)"
+        if dp < cfg.trainer.world_size
+        else f"{dp} workers"
+    )
     if samples % mini:
         raise ConfigError(
             f"actor.mini_batch_size={mini} must divide the samples per step "
             f"(data.train_batch_prompts * rollout.n = {samples})"
         )
-    if mini % workers:
-        raise ConfigError(f"actor.mini_batch_size={mini} must be divisible by the {workers} workers")
+    if mini % dp:
+        raise ConfigError(f"actor.mini_batch_size={mini} must be divisible by the {workers}")
     if cfg.critic.enable:
         critic_mini = cfg.critic.mini_batch_size or samples
-        if samples % critic_mini or critic_mini % workers:
+        if samples % critic_mini or critic_mini % dp:
             raise ConfigError(
                 f"critic.mini_batch_size={critic_mini} must divide the samples per step ({samples}) and be "
-                f"divisible by the {workers} workers"
+                f"divisible by the {workers}"
             )
     if cfg.actor.micro_batch_size <= 0:
         raise ConfigError(f"actor.micro_batch_size must be > 0, got {cfg.actor.micro_batch_size}")

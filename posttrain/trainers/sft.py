@@ -27,7 +27,13 @@ from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
-from posttrain.trainers.setup import check_files, check_model_options, engine_config
+from posttrain.trainers.setup import (
+    check_files,
+    check_model_options,
+    check_sequence_parallel_config,
+    data_parallel_size,
+    engine_config,
+)
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.process import seed_everything
@@ -51,11 +57,15 @@ def check_sft_config(cfg: SFTConfig) -> None:
             "model.share_prompt=true is for RL, where n samples share a prompt; SFT has one response per "
             "prompt: set model.share_prompt=false"
         )
-    if cfg.optim.batch_size % cfg.trainer.world_size:
-        raise ConfigError(
-            f"optim.batch_size={cfg.optim.batch_size} must be divisible by the {cfg.trainer.world_size} workers"
-        )
     check_worker_settings(cfg.trainer)
+    check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
+    dp = data_parallel_size(cfg.model, cfg.trainer.world_size)  # the ranks of an sp group share rows
+    if cfg.optim.batch_size % dp:
+        workers = f"{dp} data-parallel groups (workers / model.sequence_parallel_size)"
+        raise ConfigError(
+            f"optim.batch_size={cfg.optim.batch_size} must be divisible by the "
+            f"{workers if dp < cfg.trainer.world_size else f'{dp} workers'}"
+        )
 
 
 class SFTTrainer:
@@ -99,7 +109,12 @@ class SFTTrainer:
             seed=cfg.trainer.seed,
             threads=threads_per_worker(cfg.trainer),
         )
-        request = RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, spec)
+        request = RoleRequest(
+            "actor_rollout_ref",
+            ActorRolloutRefWorker,
+            spec,
+            sequence_parallel_size=cfg.model.sequence_parallel_size,
+        )
         started, pools = start_role_groups(cfg.trainer, cfg.ray, [request])
         group = ActorGroup(started[request.role])
         tracker = Tracker(
@@ -155,7 +170,7 @@ class SFTTrainer:
     def validate(self, group: ActorGroup) -> float:
         """Mean negative log-likelihood per response token on the validation split."""
         assert self.val_set is not None
-        rows = (len(self.val_set) // group.world_size) * group.world_size
+        rows = (len(self.val_set) // group.data_parallel_size) * group.data_parallel_size
         items = [self.val_set[i] for i in range(min(rows, 1024))]
         batch = collate_sft(items, pad_token_id=self.tokenizer.pad_token_id)
         inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], [])
