@@ -112,12 +112,13 @@ def test_sft_rejects_impossible_sequence_parallel_settings(
         SFTTrainer(unpacked)
 
 
-def test_dpo_and_rm_reject_sequence_parallelism(tiny_model_dir: Path) -> None:
-    sp2 = [f"model.path={tiny_model_dir}", "model.sequence_parallel_size=2"]
+def test_dpo_and_rm_reject_sequence_parallelism(tiny_model_dir: Path, arithmetic_data: dict) -> None:
+    sp2 = [f"model.path={tiny_model_dir}", "model.sequence_parallel_size=2", *RAY2]
+    files = f"data.train_files=[{arithmetic_data['train']}]"  # read only after the checks
     with pytest.raises(ConfigError, match="posttrain dpo does not support sequence parallelism"):
-        check_dpo_config(load_config(DPOConfig, "dpo", [*sp2, "data.train_files=[x.jsonl]"]))
+        check_dpo_config(load_config(DPOConfig, "dpo", [*sp2, files]))
     with pytest.raises(ConfigError, match="the reward model runs right-padded rows"):
-        check_rm_config(load_config(RMConfig, "rm", [*sp2, "data.train_files=[x.jsonl]"]))
+        check_rm_config(load_config(RMConfig, "rm", [*sp2, files]))
 
 
 def metrics(run_dir: Path) -> list[dict]:
