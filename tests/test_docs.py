@@ -35,10 +35,11 @@ SECTIONS = (
     "dpo",
     "async_rl",
     "rm",
+    "distill",
 )
 KEY = re.compile(r"^\+?((?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z0-9_<>]+)+)$")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
-CONFIG_COMMANDS = ("train", "sft", "dpo")  # the commands whose arguments are config overrides
+CONFIG_COMMANDS = ("train", "sft", "dpo", "distill")  # the commands whose arguments are config overrides
 
 
 def pages() -> list[Path]:

@@ -21,7 +21,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from posttrain.config.schema import DPOConfig, RLConfig, RMConfig, SFTConfig
+from posttrain.config.schema import DistillConfig, DPOConfig, RLConfig, RMConfig, SFTConfig
 
 # command -> (schema, the YAML its config composes from)
 COMMANDS: dict[str, tuple[type, str]] = {
@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[type, str]] = {
     "sft": (SFTConfig, "sft"),
     "dpo": (DPOConfig, "dpo"),
     "rm": (RMConfig, "rm"),
+    "distill": (DistillConfig, "distill"),
 }
 
 
