@@ -34,6 +34,7 @@ from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.tracking import check_backends
 from posttrain.trainers.agent_generation import check_agent_config
 from posttrain.trainers.async_rollout import check_async_config
+from posttrain.trainers.on_policy_distill import check_distill_rl_config
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
 
@@ -153,6 +154,7 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
     check_files(cfg.data.train_files, "data.train_files")
     check_agent_config(cfg)
+    check_distill_rl_config(cfg)
     check_async_config(cfg)
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         check_files(cfg.data.val_files, "data.val_files")
@@ -423,10 +425,26 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
         ),
         with_rollout=cfg.resources.rollout == "trainer",
         with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        teacher=teacher_engine(cfg),
         rollout_name=cfg.rollout.name,
         rollout_max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.trainer.seed,
         threads=threads,
+    )
+
+
+def teacher_engine(cfg: RLConfig) -> EngineConfig | None:
+    """The distillation teacher's frozen engine on the actor's workers (`distill.teacher_path`): the model
+    section's precision, attention and packing, never LoRA; None without a teacher."""
+    if not cfg.distill.teacher_path:
+        return None
+    return engine_config(
+        cfg.model,
+        path=cfg.distill.teacher_path,
+        lora=LoraConfig(),
+        trainable=False,
+        micro_batch_size=cfg.distill.micro_batch_size,
+        max_token_len=0,
     )
 
 
