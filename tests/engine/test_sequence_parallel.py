@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from posttrain.config.schema import OptimConfig
+from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port
@@ -35,6 +35,8 @@ CASES = {
         "gradient_checkpointing": True,
         "max_token_len": 40,
     },
+    # peft LoRA (the reference of a LoRA run is its base: the adapter off)
+    "lora": {"pack_row_tokens": 25, "share_prompt": True, "lora": LoraConfig(rank=4, alpha=8.0)},
 }
 
 
@@ -101,13 +103,16 @@ def run_case(model_dir: str, overrides: dict, dist_info: DistInfo | None, sp: in
         micro_batch_size=64,
         sequence_parallel_size=sp,
     )
+    torch.manual_seed(0)  # LoRA's initial A, the same on every rank and process
     engine = TrainEngine(replace(config, **overrides), dist_info)
     batch = grouped_rl_batch(prompts=3, n=4, seed=5)
     batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.RESPONSE_MASK].sum())
     batch.meta[keys.GLOBAL_SEQS] = len(batch)
     log_probs = engine.compute_log_prob(batch)
     metrics = engine.forward_backward(batch, weighted_loss, with_entropy=True)
-    grads = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])
+    grads = torch.cat(
+        [p.grad.full_tensor().flatten() for p in engine.model.parameters() if p.grad is not None]
+    )
     engine.optim_step()
     weights = torch.cat([p.full_tensor().detach().flatten() for p in engine.model.parameters()])
     # and the full-sequence pass (the SFT layout)
@@ -276,3 +281,8 @@ def test_attention_with_fewer_kv_heads_than_sp_equals_the_unsliced_attention(tmp
     for i, full in enumerate((q, k, v)):
         got = torch.cat([p["grads"][i] for p in parts], 2)
         torch.testing.assert_close(got, full.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.slow
+def test_sp2_equals_the_unsliced_run_with_lora(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert_sp2_equals_sp1(tiny_model_dir, tmp_path, ["lora"])
