@@ -13,12 +13,13 @@ from posttrain.models.loading import (
     load_tokenizer,
     load_value_model,
 )
-from posttrain.models.tiny import PRESETS, TinyPreset, build_tiny_model, make_tiny_model
+from posttrain.models.tiny import PRESETS, MoePreset, TinyPreset, build_tiny_model, make_tiny_model
 from posttrain.models.tokenizer import CHAT_TEMPLATE, VL_CHAT_TEMPLATE, train_tokenizer
 from posttrain.models.vl import VL_PRESETS, VLProcessor, make_tiny_vl_model
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MoePreset",
     "PRESETS",
     "VL_CHAT_TEMPLATE",
     "VL_PRESETS",

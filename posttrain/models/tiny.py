@@ -13,12 +13,18 @@ True parameter counts (tied embeddings; checked by tests/models/test_tiny.py):
 | medium    | 512    | 1536 | 15     | 8/2      | 8192  | 4096    | 10,000     | 49,441,536 |
 | tiny-32k  | 128    | 448  | 4      | 4/2      | 1024  | 32768   | 1,000,000  | 1,017,984  |
 | small-32k | 256    | 768  | 12     | 4/2      | 4096  | 32768   | 1,000,000  | 10,498,304 |
+| tiny-moe  | 128    | 4x128+64 | 4    | 4/2      | 1024  | 1024    | 10,000     | 1,217,152  |
 
 The `-32k` presets are the long-context ones: 32k positions and the rotary base Qwen2.5 uses at that
 context, 1e6. With the default 1e4 the slowest rotary frequency of a 32-dim head turns ~5.8 rad (almost a
 full cycle) over 32k positions, so far-apart positions start to look alike; with 1e6 it turns ~0.08 rad.
 The rollout engines take their context limit from `max_position_embeddings`, so with these presets a
 request beyond 32768 tokens is an error naming that limit. `posttrain make-model --preset small-32k`.
+
+`tiny-moe` is a Qwen2-MoE (`Qwen2MoeForCausalLM`): every decoder layer's MLP is a sparse block of 4 experts
+(intermediate 128 each, stored as fused 3-D parameters), top-2 routing, plus a shared expert (intermediate 64)
+behind a sigmoid gate; the router's load-balancing coefficient is Qwen's 0.001. Its mlp column reads
+experts x expert width + shared width. Same tokenizer training and token ids as `tiny`.
 """
 
 import dataclasses
@@ -28,7 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 from posttrain.errors import ConfigError
 from posttrain.models.loading import load_tokenizer
@@ -48,6 +61,17 @@ class TinyPreset:
     vocab_size: int
     max_position_embeddings: int
     rope_theta: float = 10000.0  # the rotary base; long contexts want a larger one
+
+
+@dataclass(frozen=True)
+class MoePreset(TinyPreset):
+    """Sizes of a Qwen2-MoE model: `intermediate_size` is unused (every layer is sparse)."""
+
+    num_experts: int = 4
+    num_experts_per_tok: int = 2  # top-k routing
+    moe_intermediate_size: int = 128  # each routed expert's MLP width
+    shared_expert_intermediate_size: int = 64  # the always-on shared expert's MLP width
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss weight the config carries (Qwen's)
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -82,6 +106,16 @@ PRESETS: dict[str, TinyPreset] = {
 # long context: the same sizes, 32k positions and a larger rotary base (Qwen2.5's 1e6 for 32k)
 PRESETS["tiny-32k"] = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=32768, rope_theta=1e6)
 PRESETS["small-32k"] = dataclasses.replace(PRESETS["small"], max_position_embeddings=32768, rope_theta=1e6)
+# mixture of experts: tiny's attention and vocabulary, a sparse MLP block in every layer
+PRESETS["tiny-moe"] = MoePreset(
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=1024,
+)
 
 
 def get_preset(name: str) -> TinyPreset:
@@ -92,11 +126,13 @@ def get_preset(name: str) -> TinyPreset:
     return PRESETS[name]
 
 
-def make_config(preset: TinyPreset, **token_ids: int | None) -> Qwen2Config:
-    """Build the Qwen2Config of a preset (tied embeddings, init std 0.02, float32)."""
+def make_config(preset: TinyPreset, **token_ids: int | None) -> Qwen2Config | Qwen2MoeConfig:
+    """Build the config of a preset (tied embeddings, init std 0.02, float32): Qwen2, or Qwen2-MoE for a
+    `MoePreset`."""
     sizes = dataclasses.asdict(preset)
     rope_theta = sizes.pop("rope_theta")
-    return Qwen2Config(
+    config_class = Qwen2MoeConfig if isinstance(preset, MoePreset) else Qwen2Config
+    return config_class(
         **sizes,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         tie_word_embeddings=True,
@@ -106,19 +142,23 @@ def make_config(preset: TinyPreset, **token_ids: int | None) -> Qwen2Config:
     )
 
 
-def build_tiny_model(preset: str, seed: int = 0, **token_ids: int | None) -> Qwen2ForCausalLM:
+def _model_class(config: Qwen2Config | Qwen2MoeConfig) -> type[PreTrainedModel]:
+    return Qwen2MoeForCausalLM if isinstance(config, Qwen2MoeConfig) else Qwen2ForCausalLM
+
+
+def build_tiny_model(preset: str, seed: int = 0, **token_ids: int | None) -> PreTrainedModel:
     """Build a randomly initialised model of a preset, reproducibly, without touching the global RNG."""
     config = make_config(get_preset(preset), **token_ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = _model_class(config)(config)
     return model.eval()
 
 
 def make_tiny_model(
     preset: str, out_dir: str | Path, corpus: Iterable[str], seed: int = 0, tokenizer_from: str | Path = ""
 ) -> Path:
-    """Train a tokenizer on `corpus`, build a seeded Qwen2 model and save both as an HF directory.
+    """Train a tokenizer on `corpus`, build a seeded Qwen2 (or Qwen2-MoE) model and save both as an HF directory.
 
     `tokenizer_from`: a model directory whose tokenizer is reused instead (`corpus` is then unused), so presets
     of different sizes share one (a distillation teacher and its student); the model's vocabulary width is
@@ -143,7 +183,7 @@ def make_tiny_model(
     config = make_config(spec, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).eval()
+        model = _model_class(config)(config).eval()
     model.generation_config.bos_token_id = pad_id
     model.generation_config.pad_token_id = pad_id
     model.generation_config.eos_token_id = [eos_id, pad_id]
