@@ -24,6 +24,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~1.2M-parameter Qwen2-MoE directory (4 experts, top-2) on the same arithmetic tokenizer."""
+    from posttrain.data.tasks.arithmetic import corpus
+    from posttrain.models import make_tiny_model
+
+    return make_tiny_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe", corpus(3000, seed=0))
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from posttrain.data.tasks.arithmetic import write_arithmetic_dataset
 

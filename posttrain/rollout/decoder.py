@@ -1,10 +1,16 @@
-"""A decode path for Llama-family HF models (Qwen2, Llama, Mistral) over a slotted, preallocated KV cache.
+"""A decode path for Llama-family HF models (Qwen2, Qwen3, Llama, Mistral and the Qwen2-MoE / Qwen3-MoE
+mixtures of experts) over a slotted, preallocated KV cache.
 
 It calls the HF model's own submodules (embeddings, norms, projections, MLPs, rotary embedding), so the
 weights are the model's and `load_weights` into the HF model updates it too. What it replaces is the
 cache and the attention bookkeeping: keys/values are written in place into per-sequence slots, and one
 decode step attends each active sequence to its own slot, so sequences of different lengths (continuous
 batching) share one batched step with no padding recompute and no cache copies.
+
+A layer's MLP is called as a module, so a sparse mixture-of-experts block (router, fused 3-D experts,
+shared expert) runs as transformers wrote it: each token is routed on its own, and padding rows of a
+prefill are routed too but never reach a kept position. Qwen3's per-head q/k RMS norms are applied before
+the rotary embedding, as its attention does.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = ("qwen2", "llama", "mistral")
+SUPPORTED = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,15 +93,19 @@ class DecoderRunner:
         self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.scaling = self.head_dim**-0.5
+        self.qk_norm = hasattr(self.base.layers[0].self_attn, "q_norm")
 
     def new_cache(self, dtype: torch.dtype, device: torch.device) -> SlotKVCache:
         return SlotKVCache(len(self.base.layers), self.n_kv, self.head_dim, dtype, device)
 
     def _qkv(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         batch, width, _ = h.shape
-        q = attn.q_proj(h).view(batch, width, self.n_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, width, self.n_kv, self.head_dim).transpose(1, 2)
+        q = attn.q_proj(h).view(batch, width, self.n_heads, self.head_dim)
+        k = attn.k_proj(h).view(batch, width, self.n_kv, self.head_dim)
         v = attn.v_proj(h).view(batch, width, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm:  # Qwen3: RMS norm over each head's dimensions, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

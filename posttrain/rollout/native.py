@@ -35,7 +35,7 @@ from posttrain.rollout.base import (
     SamplingParams,
     context_error,
 )
-from posttrain.rollout.decoder import DecoderRunner, supports
+from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, supports
 from posttrain.rollout.sampling import sample_tokens
 
 THREAD_NAME = "posttrain-rollout"
@@ -76,7 +76,7 @@ class NativeRolloutEngine:
         self.model.to(self.device).eval().requires_grad_(False)
         if not supports(self.model):
             raise ConfigError(
-                f"rollout.name=native supports {', '.join(('qwen2', 'llama', 'mistral'))} without sliding "
+                f"rollout.name=native supports {', '.join(SUPPORTED)} without sliding "
                 f"window; {model_path} is '{self.model.config.model_type}': use rollout.name=hf"
             )
         self.tokenizer = load_tokenizer(model_path)
