@@ -68,6 +68,9 @@ class ModelConfig:
     # passes only (generation runs per rank without it); needs remove_padding and sdpa; sp divides the heads
     sequence_parallel_size: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # a vision-language model's vision encoder: auto = trained when make-model built the model from scratch
+    # (config.json's posttrain_from_scratch), frozen for a pretrained one; LoRA keeps it frozen
+    vision_tower: Literal["auto", "frozen", "trained"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,22 @@ def render_multimodal_prompt(
     return expanded, list(processor.tokenizer.encode(expanded, add_special_tokens=False))
 
 
+def multi_modal_inputs(
+    processor: VisionProcessor, images: list, token_counts: Sequence[int], where: str
+) -> dict[str, torch.Tensor]:
+    """A row's `multi_modal_inputs` (pixel_values, image_grid_thw; {} without images), checked against the
+    image token counts its prompt was rendered with."""
+    if not images:
+        return {}
+    out = processor.image_processor(images=images, return_tensors="pt")
+    mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    merge = processor.image_processor.merge_size
+    got = [int(n) // (merge * merge) for n in mm["image_grid_thw"].prod(dim=-1)]
+    if got != list(token_counts):  # the header's size and the decoded one disagree
+        raise DataError(f"{where}: images give {got} tokens, {list(token_counts)} were counted")
+    return mm
+
+
 class MultimodalPromptDataset:
     """Prompts with images for RL (and SFT prompts); over-long prompts, image tokens included, are filtered
     (count in `n_filtered`) or, with `overlong="error"`, rejected. Rows without images are plain prompts."""
@@ -157,16 +173,7 @@ class MultimodalPromptDataset:
         image_grid_thw; {} without images). Images are decoded here."""
         item = self._items[i]
         index = range(len(self._items))[i]
-        mm: dict[str, torch.Tensor] = {}
-        if item["image_refs"]:
-            out = self.processor.image_processor(images=self.images(i), return_tensors="pt")
-            mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-            merge = self.processor.image_processor.merge_size
-            got = [int(n) // (merge * merge) for n in mm["image_grid_thw"].prod(dim=-1)]
-            if got != item["image_token_counts"]:  # the header's size and the decoded one disagree
-                raise DataError(
-                    f"{item['where']}: images give {got} tokens, {item['image_token_counts']} were counted"
-                )
+        mm = multi_modal_inputs(self.processor, self.images(i), item["image_token_counts"], item["where"])
         public = {k: v for k, v in item.items() if k not in ("image_refs", "image_token_counts", "where")}
         return {**public, "input_ids": item["input_ids"].tolist(), "index": index, MULTI_MODAL_INPUTS: mm}
 

@@ -38,6 +38,7 @@ from posttrain.engine.log_probs import (
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
 from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
 from posttrain.engine.multi_lora import MultiLora
+from posttrain.engine.multimodal import has_images, image_model
 from posttrain.engine.packing import (
     PackingOptions,
     Routes,
@@ -51,6 +52,7 @@ from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_config, load_value_model
+from posttrain.models.vl import vision_tower, vision_tower_trained
 
 # loss_fn(log_probs, entropy_or_None, micro_batch) -> (scalar loss, metrics). The loss is already
 # normalised over the global mini-batch (see algorithms.aggregation), so micro-batch losses are summed.
@@ -79,6 +81,7 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
     sequence_parallel_size: int = 1  # sp: each packed row split across sp ranks (engine.sequence_parallel)
     config_section: str = ""  # the config section of micro_batch_size (actor, critic, optim), for OOM errors
+    vision_tower: str = "auto"  # auto | frozen | trained (models.vl.vision_tower_trained)
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -173,6 +176,8 @@ class TrainEngine:
             if config.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = config.lora.rank > 0
+        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
+        self.vision_tower_trained = self._set_vision_tower(model) if config.trainable else False
         if self.lora:
             if config.head != "lm":
                 raise ConfigError("LoRA is supported for the policy (lm head) only; the critic trains fully")
@@ -194,6 +199,25 @@ class TrainEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_factor(config.optim, config.total_steps)
             )
+
+    def _set_vision_tower(self, model: torch.nn.Module) -> bool:
+        """Freeze the vision encoder unless `vision_tower` trains it; returns whether it trains. With LoRA the
+        adapters sit on the language model's linear layers and the tower stays frozen (peft freezes the base)."""
+        visual = vision_tower(model)
+        if visual is None:
+            return False
+        trained = vision_tower_trained(self.config.vision_tower, model.config)
+        if self.lora and trained:
+            if self.config.vision_tower == "trained":
+                raise ConfigError(
+                    "model.vision_tower=trained with model.lora.rank > 0: LoRA adapts the language model only "
+                    "and keeps the vision tower frozen; set model.vision_tower=frozen (or auto), or train "
+                    "without LoRA (model.lora.rank=0)"
+                )
+            trained = False  # auto on a from-scratch model: LoRA cannot train the tower
+        if not trained:
+            visual.requires_grad_(False)
+        return trained
 
     def attach_adapters(self) -> MultiLora:
         """LoRA adapters added and removed at run time over this frozen base (engine.multi_lora): gradients
@@ -246,6 +270,8 @@ class TrainEngine:
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token outputs: log-probs (lm head) or values (value head), and entropy when asked."""
+        if has_images(mb):
+            return self._image_log_probs(mb, temperature, with_entropy)
         if keys.TARGET_TOKENS in mb:  # the explicit API: given targets, not the next input tokens
             return self._target_log_probs(mb, temperature), None
         if self.config.remove_padding:
@@ -267,6 +293,25 @@ class TrainEngine:
         return next_token_log_probs(
             self.model, mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
         ), None
+
+    def _image_log_probs(
+        self, mb: Batch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows with images, padded (not packed): the model gets the micro-batch's pixels and grids and
+        computes its multimodal position ids (M-RoPE) itself (engine.multimodal)."""
+        if self.config.remove_padding:
+            raise ConfigError(
+                "model.remove_padding=true cannot train on images: packed rows would need the model's "
+                "multimodal position ids per packed sequence; set model.remove_padding=false"
+            )
+        if keys.TARGET_TOKENS in mb or self.config.head != "lm":
+            raise ConfigError("images are supported in SFT / log-prob passes of the lm head only")
+        model = image_model(self.model, mb, self.image_token_id, self.device)
+        ids, mask, pos = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
+        if keys.RESPONSES in mb:
+            width = mb[keys.RESPONSES].shape[1]
+            return response_log_probs(model, ids, mask, pos, width, temperature, with_entropy)
+        return next_token_log_probs(model, ids, mask, pos), None
 
     def _target_log_probs(self, mb: Batch, temperature: float) -> torch.Tensor:
         ids, mask, targets = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.TARGET_TOKENS]
@@ -500,10 +545,13 @@ class TrainEngine:
             (model.merge_and_unload() if merged else model).save_pretrained(out_dir)
             load_tokenizer(self.config.model_path).save_pretrained(out_dir)
         elif self.rank == 0:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+            from posttrain.models import is_vision_language
 
             config = load_config(self.config.model_path)
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[self.config.dtype])
+            auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+            model = auto.from_config(config, dtype=DTYPES[self.config.dtype])
             missing, unexpected = model.load_state_dict(full, strict=False)
             tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
             if unexpected or set(missing) - tied:
@@ -513,6 +561,9 @@ class TrainEngine:
             model.tie_weights()
             model.save_pretrained(out_dir)
             load_tokenizer(self.config.model_path).save_pretrained(out_dir)
+        image_config = Path(self.config.model_path) / "preprocessor_config.json"  # a vision model's processor
+        if self.rank == 0 and image_config.exists():
+            (Path(out_dir) / image_config.name).write_text(image_config.read_text())
         gen_config = Path(self.config.model_path) / "generation_config.json"
         exported = Path(out_dir) / "generation_config.json"
         if self.rank == 0 and (self.lora and merged or not self.lora) and gen_config.exists():

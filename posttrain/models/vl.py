@@ -37,6 +37,11 @@ from posttrain.models.tokenizer import (
     train_tokenizer,
 )
 
+# config.json attribute written by `make_tiny_vl_model`: the weights were initialised at random. It is kept by
+# `save_pretrained`, so a model exported after training (SFT, then RL) still carries it.
+FROM_SCRATCH_KEY = "posttrain_from_scratch"
+VISION_TOWER_MODES = ("auto", "frozen", "trained")
+
 
 @dataclass(frozen=True)
 class TinyVLPreset:
@@ -162,6 +167,8 @@ def make_tiny_vl_model(preset: str, out_dir: str | Path, corpus: Iterable[str], 
     ids["eos"] = tokenizer.convert_tokens_to_ids(IM_END)
 
     model = build_tiny_vl_model(preset, ids, seed)
+    # read by `vision_tower_trained`: a tower built here has never seen an image, so training it is the default
+    setattr(model.config, FROM_SCRATCH_KEY, True)
     model.generation_config.bos_token_id = ids["pad"]
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.eos_token_id = [ids["eos"], ids["pad"]]
@@ -231,3 +238,26 @@ class VLProcessor:
         data.update(enc)
         data["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).long()
         return BatchFeature(data=data, tensor_type=return_tensors)
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder of a vision-language model (Qwen2-VL's `model.visual`), or None for a text model."""
+    inner = getattr(model, "model", None)
+    for owner in (inner, model):
+        visual = getattr(owner, "visual", None) if owner is not None else None
+        if isinstance(visual, torch.nn.Module):
+            return visual
+    return None
+
+
+def vision_tower_trained(mode: str, config: Any) -> bool:
+    """Whether `model.vision_tower=mode` trains the vision encoder of a model with this config.
+
+    `frozen` / `trained` say so; `auto` trains it only for a model `make-model` built from scratch (its config
+    carries `posttrain_from_scratch: true`): a pretrained tower already sees, a random one must learn to.
+    """
+    if mode not in VISION_TOWER_MODES:
+        raise ConfigError(f"model.vision_tower={mode!r} unknown; valid: {', '.join(VISION_TOWER_MODES)}")
+    if mode == "auto":
+        return bool(getattr(config, FROM_SCRATCH_KEY, False))
+    return mode == "trained"

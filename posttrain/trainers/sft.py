@@ -7,6 +7,7 @@ the warm start before RL. The result is written as a Hugging Face directory for 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -21,10 +22,13 @@ from posttrain.controller.placement import (
 )
 from posttrain.controller.roles import ActorGroup
 from posttrain.data import keys
+from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
+from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimodal_sft
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
-from posttrain.models import check_model_dir, load_tokenizer
+from posttrain.models import check_model_dir, is_vision_language, load_processor, load_tokenizer
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.setup import (
@@ -57,6 +61,12 @@ def check_sft_config(cfg: SFTConfig) -> None:
             "model.share_prompt=true is for RL, where n samples share a prompt; SFT has one response per "
             "prompt: set model.share_prompt=false"
         )
+    if cfg.model.remove_padding and is_vision_language(cfg.model.path):
+        raise ConfigError(
+            f"model.remove_padding=true is not supported for the vision-language model {cfg.model.path}: "
+            "packed rows would need the model's multimodal position ids per packed sequence; set "
+            "model.remove_padding=false (rows are then padded, images kept with their rows)"
+        )
     check_worker_settings(cfg.trainer)
     check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
     dp = data_parallel_size(cfg.model, cfg.trainer.world_size)  # the ranks of an sp group share rows
@@ -75,17 +85,33 @@ class SFTTrainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.path)
         max_length = cfg.data.max_prompt_length + cfg.data.max_response_length
-        make = partial(
-            SFTDataset,
-            tokenizer=self.tokenizer,
-            max_length=max_length,
-            response_key=cfg.data.response_key,
-            overlong=cfg.data.overlong_prompts,
-            train_on=cfg.data.train_on,
-        )
+        # a vision-language model reads verl's multimodal rows: images travel with their rows in the Batch
+        self.multimodal = is_vision_language(cfg.model.path)
+        processor = load_processor(cfg.model.path) if self.multimodal else None
+        data = cfg.data
+
+        def make(files: Sequence[str]) -> SFTDataset | MultimodalSFTDataset:
+            if processor is None:
+                return SFTDataset(
+                    files, self.tokenizer, max_length, data.response_key, data.overlong_prompts, data.train_on
+                )
+            size = processor.image_processor.size  # the model's own pixel bounds
+            return MultimodalSFTDataset(
+                files,
+                processor,
+                max_length,
+                data.response_key,
+                data.overlong_prompts,
+                data.train_on,
+                min_pixels=size.shortest_edge,
+                max_pixels=size.longest_edge,
+            )
+
+        self.collate_fn: Callable[..., Batch] = collate_multimodal_sft if self.multimodal else collate_sft
+        self.non_tensor_keys = [MULTI_MODAL_INPUTS] if self.multimodal else []
         self.train_set = make(cfg.data.train_files)
         self.val_set = make(cfg.data.val_files) if cfg.data.val_files else None
-        collate = partial(collate_sft, pad_token_id=self.tokenizer.pad_token_id)
+        collate = partial(self.collate_fn, pad_token_id=self.tokenizer.pad_token_id)
         self.loader = PromptDataLoader(
             self.train_set, cfg.optim.batch_size, collate, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed
         )
@@ -127,7 +153,8 @@ class SFTTrainer:
             for step in range(1, cfg.trainer.total_steps + 1):
                 start = time.perf_counter()
                 batch = self.loader.next_batch().select(
-                    [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.LOSS_MASK], []
+                    [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.LOSS_MASK],
+                    self.non_tensor_keys,
                 )
                 tokens = float(batch[keys.LOSS_MASK].sum())
                 batch.meta[keys.GLOBAL_TOKENS] = tokens
@@ -172,8 +199,8 @@ class SFTTrainer:
         assert self.val_set is not None
         rows = (len(self.val_set) // group.data_parallel_size) * group.data_parallel_size
         items = [self.val_set[i] for i in range(min(rows, 1024))]
-        batch = collate_sft(items, pad_token_id=self.tokenizer.pad_token_id)
-        inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], [])
+        batch = self.collate_fn(items, pad_token_id=self.tokenizer.pad_token_id)
+        inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], self.non_tensor_keys)
         log_probs = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS]
         mask = batch[keys.LOSS_MASK]
         return float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))
