@@ -68,6 +68,9 @@ class ModelConfig:
     # passes only (generation runs per rank without it); needs remove_padding and sdpa; sp divides the heads
     sequence_parallel_size: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # mixture-of-experts policies: weight of the router's load-balancing loss added in the update (logged as
+    # actor/router_aux_loss); null = the model config's router_aux_loss_coef, 0 = off; dense models: 0 or null
+    router_aux_loss_coef: float | None = None
     # a vision-language model's vision encoder: auto = trained when make-model built the model from scratch
     # (config.json's posttrain_from_scratch), frozen for a pretrained one; LoRA keeps it frozen
     vision_tower: Literal["auto", "frozen", "trained"] = "auto"

@@ -28,10 +28,23 @@ def linear_module_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
+def fused_expert_parameters(model: nn.Module) -> set[str]:
+    """The last name component of every 3-D parameter (a mixture's experts stacked in one tensor)."""
+    return {name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if p.dim() == 3}
+
+
 def check_target_modules(model: nn.Module, lora: LoraConfig) -> None:
     """Every target must name a linear layer of this model; an error lists the ones that exist."""
     available = linear_module_names(model)
     missing = [t for t in lora.target_modules if t not in available]
+    # transformers stores a mixture's routed experts as fused (experts, out, in) parameters, not nn.Linear
+    fused = sorted({t for t in missing if t in fused_expert_parameters(model)})
+    if fused:
+        raise ConfigError(
+            f"model.lora.target_modules {fused}: fused 3-D expert parameters of this mixture of experts, not "
+            "linear layers; LoRA on the routed experts (peft's target_parameters) is not supported: target the "
+            f"attention or shared-expert linear layers ({', '.join(sorted(available))})"
+        )
     if missing or not lora.target_modules:
         raise ConfigError(
             f"model.lora.target_modules {list(missing or lora.target_modules)} "

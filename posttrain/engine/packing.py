@@ -54,6 +54,10 @@ class PackedLayout:
         valid = pos >= 0
         return valid, pos[valid]
 
+    def real_pos(self) -> torch.Tensor:
+        """Flat packed positions of every real (not filler) token."""
+        return self.flat_pos[self.flat_pos >= 0]
+
 
 def pack(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int, filler_id: int = 0
@@ -214,6 +218,9 @@ class PackingOptions:
     share_prompt: bool = False  # one prompt pass per group of rows with the same prompt (shared_prompt)
     eager_mask_dtype: torch.dtype | None = None  # set for attn_implementation=eager: additive float mask
     sp: SequenceParallel | None = None  # rows split across a sequence-parallel group (sequence_parallel)
+    # told the flat packed positions of the real (not filler) tokens before each model call (engine.moe's
+    # router load-balancing loss counts only those)
+    real_tokens: Callable[[torch.Tensor], None] | None = None
 
 
 def layout_attention(
@@ -247,6 +254,8 @@ def response_outputs(
         mask, segments = layout_attention(model, shared.segments, width, input_ids.device, options)
         valid = shared.predict_pos >= 0
         keep = shared.predict_pos[valid]
+        if options.real_tokens is not None:
+            options.real_tokens(shared.real_pos)
         out = packed_model_output(
             model, shared.input_ids, shared.position_ids, mask, keep, segments, options.sp
         )
@@ -254,6 +263,8 @@ def response_outputs(
     layout = pack(input_ids, attention_mask, options.row_tokens)
     total = layout.flat_pos.shape[1]
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
+    if options.real_tokens is not None:
+        options.real_tokens(layout.real_pos())
     out = packed_model_output(
         model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=options.sp
     )
@@ -301,9 +312,13 @@ def packed_next_token_log_probs(
     attention_mask: torch.Tensor,
     row_tokens: int,
     sp: SequenceParallel | None = None,
+    real_tokens: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """(B, T) log-prob of each real token given the ones before it; 0 for the first token and padding."""
+    """(B, T) log-prob of each real token given the ones before it; 0 for the first token and padding.
+    `real_tokens`: as `PackingOptions.real_tokens`."""
     layout = pack(input_ids, attention_mask, row_tokens)
+    if real_tokens is not None:
+        real_tokens(layout.real_pos())
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
     logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=sp)
@@ -358,6 +373,8 @@ def packed_target_log_probs(
         cell_rows = torch.nonzero(attention_mask.bool())[:, 0]
         slots[cell_pos] = routes.row_slots.to(device)[cell_rows]
         routes.set_routes(slots, slots[keep])
+    if options.real_tokens is not None:  # every real cell's position, once
+        options.real_tokens(keep)
     logits = at_least_float32(
         packed_model_output(model, ids, positions, mask, keep=keep, segments=segments, sp=options.sp)
     )

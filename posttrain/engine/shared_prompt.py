@@ -50,6 +50,7 @@ class SharedPromptLayout:
     position_ids: torch.Tensor  # (rows, width)
     segments: Segments  # who attends to whom, as runs (the mask is `attention_mask`)
     predict_pos: torch.Tensor  # (B, R) flat packed index of the output predicting each response token; -1 pad
+    real_pos: torch.Tensor  # (N,) flat packed index of every real (not filler) token, ascending
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -250,8 +251,13 @@ def pack_shared_prompts(
         cell_pos += layout.token_pos[i][start - 1 : start - 1 + len(cells)]
     predict_pos = torch.full((batch, response_width), -1, dtype=torch.long, device=input_ids.device)
     predict_pos[cell_rows, cell_cols] = torch.tensor(cell_pos, dtype=torch.long, device=input_ids.device)
+    real_pos = torch.tensor(sorted({p for row in layout.token_pos for p in row}), dtype=torch.long)
     return SharedPromptLayout(
-        layout.input_ids.to(input_ids.dtype), layout.position_ids, layout.segments, predict_pos
+        layout.input_ids.to(input_ids.dtype),
+        layout.position_ids,
+        layout.segments,
+        predict_pos,
+        real_pos.to(input_ids.device),
     )
 
 

@@ -37,6 +37,7 @@ from posttrain.engine.log_probs import (
 )
 from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
 from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
+from posttrain.engine.moe import RouterAuxLoss, resolve_aux_loss_coef
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.multimodal import has_images, image_model
 from posttrain.engine.packing import (
@@ -81,6 +82,9 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
     sequence_parallel_size: int = 1  # sp: each packed row split across sp ranks (engine.sequence_parallel)
     config_section: str = ""  # the config section of micro_batch_size (actor, critic, optim), for OOM errors
+    # mixture of experts: weight of the router's load-balancing loss in forward_backward (engine.moe);
+    # None = the model config's router_aux_loss_coef (0 for a dense model), 0 = off
+    router_aux_loss_coef: float | None = None
     vision_tower: str = "auto"  # auto | frozen | trained (models.vl.vision_tower_trained)
 
 
@@ -182,6 +186,17 @@ class TrainEngine:
             if config.head != "lm":
                 raise ConfigError("LoRA is supported for the policy (lm head) only; the critic trains fully")
             model = apply_lora(model, config.lora)
+        self.router_aux: RouterAuxLoss | None = None  # set for a trained MoE policy with a coefficient > 0
+        self.router_aux_loss_coef = 0.0
+        if config.trainable and config.head == "lm":
+            self.router_aux_loss_coef = resolve_aux_loss_coef(model.config, config.router_aux_loss_coef)
+        if self.router_aux_loss_coef > 0:
+            if self.sp is not None:
+                raise ConfigError(
+                    "model.router_aux_loss_coef > 0 with model.sequence_parallel_size > 1: the load-balancing "
+                    "loss needs every token's routing on one rank; set model.router_aux_loss_coef=0"
+                )
+            self.router_aux = RouterAuxLoss(model, int(model.config.num_experts_per_tok))
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
         self.adapters: MultiLora | None = None  # tenants' LoRA adapters over a frozen base (attach_adapters)
@@ -333,7 +348,10 @@ class TrainEngine:
     def _packing_options(self) -> PackingOptions:
         eager = self.config.attn_implementation == "eager"
         mask_dtype = DTYPES[self.config.compute_dtype or self.config.dtype] if eager else None
-        return PackingOptions(self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp)
+        real_tokens = self.router_aux.real_tokens if self.router_aux is not None else None
+        return PackingOptions(
+            self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp, real_tokens
+        )
 
     def _packed_log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
@@ -341,7 +359,8 @@ class TrainEngine:
         ids, mask = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK]
         if keys.RESPONSES not in mb:
             rows = self.config.pack_row_tokens
-            return packed_next_token_log_probs(self.model, ids, mask, rows, self.sp), None
+            real_tokens = self.router_aux.real_tokens if self.router_aux is not None else None
+            return packed_next_token_log_probs(self.model, ids, mask, rows, self.sp, real_tokens), None
         width = mb[keys.RESPONSES].shape[1]
         if self.config.head == "value":
             return packed_response_values(self.model, ids, mask, width, self._packing_options()), None
@@ -398,7 +417,11 @@ class TrainEngine:
     def forward_backward(
         self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, with_entropy: bool = False
     ) -> dict[str, float]:
-        """Run `loss_fn` on each micro-batch and accumulate gradients; returns averaged metrics."""
+        """Run `loss_fn` on each micro-batch and accumulate gradients; returns averaged metrics.
+
+        An MoE policy with a router coefficient c adds c x the router's load-balancing loss of each micro-batch,
+        averaged over the micro-batches, to the loss (reported in `loss`, and alone as `router_aux_loss`).
+        """
         if self.optimizer is None and self.adapters is None:
             raise ConfigError("forward_backward called on a frozen engine (trainable=False) without adapters")
         micro_batches = self._micro_batches(batch)
@@ -414,8 +437,13 @@ class TrainEngine:
                 self.model.set_requires_gradient_sync(last)
                 self.model.set_reshard_after_backward(last or not keep_gathered)
                 with self._out_of_memory_hint("forward_backward", mb):
-                    log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
+                    with self.router_aux.capture() if self.router_aux else contextlib.nullcontext():
+                        log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
                     loss, metrics = loss_fn(log_probs, entropy, mb)
+                    if self.router_aux is not None:
+                        aux = self.router_aux.loss().to(loss.device)
+                        loss = loss + self.router_aux_loss_coef * aux / len(micro_batches)
+                        metrics = {**metrics, "router_aux_loss": float(aux.detach())}
                     # sp ranks each hold part of every row: their gradients must add up, while FSDP averages
                     # over all dp x sp ranks (gloo has no pre-multiplied sum to divide by dp alone)
                     (loss * self.sp.size if self.sp is not None else loss).backward()

@@ -53,6 +53,7 @@ def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineCo
         "offload": model.offload,
         "lora": model.lora,
         "sequence_parallel_size": model.sequence_parallel_size,
+        "router_aux_loss_coef": model.router_aux_loss_coef,
         "vision_tower": model.vision_tower,
     }
     return EngineConfig(**{**model_fields, **fields})

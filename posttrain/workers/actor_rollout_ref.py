@@ -108,9 +108,12 @@ class ActorRolloutRefWorker:
     def forward_backward(self, batch: Batch, loss: LossSpec, temperature: float = 1.0) -> dict[str, float]:
         if self.rollout is not None:
             self.rollout.sleep()
-        return self.actor.forward_backward(
+        metrics = self.actor.forward_backward(
             batch, build_loss(loss, self.dp_size), temperature=temperature, with_entropy=loss.needs_entropy
         )
+        if "router_aux_loss" in metrics:  # an MoE policy's load-balancing loss (model.router_aux_loss_coef)
+            metrics["actor/router_aux_loss"] = metrics.pop("router_aux_loss")
+        return metrics
 
     def optim_step(self) -> dict[str, float]:
         return self.actor.optim_step()

@@ -1,0 +1,145 @@
+"""Mixtures of experts in the training engine: the router's load-balancing loss, for any HF MoE model.
+
+transformers computes this loss only when the model is called with `output_router_logits=True`, over every
+token of the call (or the ones a 2-D attention mask keeps). The engine calls the model in several layouts
+(padded, packed, shared prompts), where a packed row's tail is filler that must not count. So the router
+logits are captured here with forward hooks on the model's router modules (the classes the model records as
+`router_logits`), and the engine's packers say which flat positions hold real tokens. Nothing here knows the
+RL loop; it imports no engine module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from posttrain.errors import ConfigError
+
+
+def num_experts(config: PretrainedConfig) -> int:
+    """Routed experts per sparse layer (0 for a dense model); the name differs between families."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    return num_experts(config) > 0 and int(getattr(config, "num_experts_per_tok", 0) or 0) > 0
+
+
+def resolve_aux_loss_coef(config: PretrainedConfig, coef: float | None) -> float:
+    """`model.router_aux_loss_coef` resolved against the model: None = the config's own coefficient for an MoE
+    (0 for a dense model); a positive value on a dense model, or a negative one, is an error."""
+    moe = is_moe(config)
+    if coef is None:
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
+    if coef < 0:
+        raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (0 = off); got {coef}")
+    if coef > 0 and not moe:
+        raise ConfigError(
+            f"model.router_aux_loss_coef={coef} needs a mixture-of-experts model; this one is "
+            f"'{getattr(config, 'model_type', '?')}' with no routed experts (set it to 0 or leave it unset)"
+        )
+    return float(coef)
+
+
+def router_classes(model: nn.Module) -> tuple[type, ...]:
+    """The module classes whose first output is a layer's router logits (transformers' `router_logits`
+    recorder of each PreTrainedModel inside `model`, peft and FSDP wrappers included)."""
+    classes: set[type] = set()
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
+        target = getattr(recorder, "target_class", None)
+        if isinstance(target, type):
+            classes.add(target)
+    return tuple(classes)
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eqs. 4-6) as transformers computes it:
+    E * sum_e f_e * P_e over the tokens of every layer, f_e the share of tokens whose top-k holds expert e
+    (the f_e sum to k) and P_e the mean router probability of e. 1 x k when routing is perfectly balanced."""
+    logits = torch.cat([layer.float() for layer in router_logits])  # (layers x tokens, E)
+    experts = logits.shape[-1]
+    probs = F.softmax(logits, dim=-1)
+    with torch.no_grad():
+        chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, experts).sum(1).float()  # (rows, E)
+    rows = max(logits.shape[0], 1)
+    return experts * ((chosen.sum(0) / rows) * (probs.sum(0) / rows)).sum()
+
+
+class RouterAuxLoss:
+    """Captures the router logits of each forward of `model` inside `capture()`, restricted to real tokens.
+
+    Real tokens per model call: the ones a 2-D `attention_mask` keeps (padded layouts), else the flat
+    positions last told with `real_tokens` (the packers' layouts), else all of them.
+    """
+
+    def __init__(self, model: nn.Module, top_k: int) -> None:
+        self.model = model
+        self.top_k = top_k
+        self.classes = router_classes(model)
+        if not self.classes:
+            raise ConfigError(
+                "model.router_aux_loss_coef > 0 but the model records no router logits (transformers' "
+                "`router_logits` outputs); set model.router_aux_loss_coef=0"
+            )
+        self._told: torch.Tensor | None = None
+        self._current: torch.Tensor | None = None
+        self._logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def real_tokens(self, flat_positions: torch.Tensor) -> None:
+        """The flat (row-major) positions of the real tokens of the next model call."""
+        self._told = flat_positions
+
+    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            self._current = mask.reshape(-1).nonzero().flatten()
+        else:
+            self._current = self._told
+        self._told = None
+
+    def _on_router(self, module: nn.Module, args: tuple, output: tuple) -> None:
+        # kept as they are: an op here, inside a checkpointed layer, would save tensors in the forward that
+        # the recomputation (hooks removed by then) does not, which gradient checkpointing rejects
+        self._logits.append((output[0], self._current))
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record router logits of the forwards inside (hooks removed on exit, so a recomputation in
+        backward under gradient checkpointing is not recorded twice)."""
+        self._logits, self._told, self._current = [], None, None
+        handles = [self.model.register_forward_pre_hook(self._on_model, with_kwargs=True)]
+        handles += [
+            m.register_forward_hook(self._on_router)
+            for m in self.model.modules()
+            if isinstance(m, self.classes)
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def loss(self) -> torch.Tensor:
+        """The load-balancing loss of the captured forwards (all layers, all calls); 0 if none ran."""
+        logits = []
+        for layer, real in self._logits:
+            layer = layer.reshape(-1, layer.shape[-1])
+            layer = layer if real is None else layer[real]
+            if layer.numel():
+                logits.append(layer)
+        self._logits = []
+        if not logits:
+            return torch.zeros(())
+        return load_balancing_loss(logits, self.top_k)

@@ -1,0 +1,155 @@
+"""Mixtures of experts in the training engine: the router's load-balancing loss (equal to transformers' own,
+counted on real tokens only, added with its coefficient), FSDP2 over the fused 3-D experts, LoRA."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
+
+from posttrain.config.schema import LoraConfig, OptimConfig
+from posttrain.data import keys
+from posttrain.engine.moe import RouterAuxLoss, load_balancing_loss, resolve_aux_loss_coef
+from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.errors import ConfigError
+from posttrain.models import load_causal_lm, load_config
+from posttrain.workers.losses import LossSpec, build_loss
+
+from .helpers import grouped_rl_batch, synthetic_rl_batch, with_global_totals
+
+PPO = LossSpec("ppo", {"use_kl_loss": False, "loss_agg_mode": "token-mean"})
+
+
+def hf_aux_loss(model_dir: Path, batch, shared_prompts: bool = False) -> float:
+    """transformers' own load-balancing loss on the padded rows (padding excluded by the attention mask);
+    `shared_prompts`: each distinct prompt counted once, as the shared-prompt pass runs it once."""
+    model = load_causal_lm(model_dir)
+    mask = batch[keys.ATTENTION_MASK]
+    with torch.no_grad():
+        out = model(
+            input_ids=batch[keys.INPUT_IDS],
+            attention_mask=mask,
+            position_ids=batch[keys.POSITION_IDS],
+            output_router_logits=True,
+        )
+    if shared_prompts:
+        prompt_width = mask.shape[1] - batch[keys.RESPONSES].shape[1]
+        mask, seen = mask.clone(), set()
+        for i, row in enumerate(batch[keys.INPUT_IDS][:, :prompt_width].tolist()):
+            if tuple(row) in seen:
+                mask[i, :prompt_width] = 0
+            seen.add(tuple(row))
+    return float(load_balancing_loss_func(out.router_logits, 4, 2, mask))
+
+
+def test_load_balancing_loss_equals_transformers(tiny_moe_dir: Path) -> None:
+    model = load_causal_lm(tiny_moe_dir)
+    ids = torch.randint(3, 1000, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_router_logits=True)
+    expected = load_balancing_loss_func(out.router_logits, 4, 2)
+    torch.testing.assert_close(load_balancing_loss(out.router_logits, 2), expected)
+    # perfectly balanced routing gives k
+    assert float(load_balancing_loss([torch.zeros(8, 4)], 2)) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared_prompts", "padded"])
+def test_captured_aux_loss_counts_real_tokens_only(tiny_moe_dir: Path, layout: str) -> None:
+    """Packed rows (filler at each row's tail), shared prompts (one pass per prompt) and padded rows all give
+    transformers' aux loss over the tokens the pass runs (padding and filler excluded)."""
+    shared = layout == "shared_prompts"
+    batch = grouped_rl_batch(prompts=3, n=2) if shared else synthetic_rl_batch(rows=6, vocab=1000)
+    packed = layout != "padded"
+    engine = TrainEngine(
+        EngineConfig(
+            model_path=str(tiny_moe_dir), remove_padding=packed, share_prompt=packed, pack_row_tokens=64
+        )
+    )
+    assert engine.router_aux_loss_coef == pytest.approx(0.001)  # the model config's own
+    assert engine.router_aux is not None
+    with engine.router_aux.capture(), torch.no_grad():
+        engine._log_probs(batch, 1.0, False)
+    got = float(engine.router_aux.loss())
+    assert got == pytest.approx(hf_aux_loss(tiny_moe_dir, batch, shared), abs=1e-5)
+
+
+def engine_step(model_dir: Path, batch, coef: float | None, **fields) -> tuple[dict, TrainEngine]:
+    config = EngineConfig(
+        model_path=str(model_dir),
+        optim=OptimConfig(lr=1e-3, grad_clip=0.0),
+        micro_batch_size=4,
+        router_aux_loss_coef=coef,
+        **fields,
+    )
+    engine = TrainEngine(config)
+    metrics = engine.forward_backward(with_global_totals(batch), build_loss(PPO, 1))
+    return metrics, engine
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def router_grad(engine: TrainEngine) -> torch.Tensor:
+    return next(
+        full(p.grad) for n, p in engine.model.named_parameters() if n.endswith("layers.0.mlp.gate.weight")
+    )
+
+
+def test_forward_backward_adds_the_coefficient_times_the_aux_loss(tiny_moe_dir: Path) -> None:
+    batch = grouped_rl_batch(prompts=3, n=2)  # shared prompts: the shared-prompt packing path too
+    off, engine_off = engine_step(tiny_moe_dir, batch, 0.0)
+    on, engine_on = engine_step(tiny_moe_dir, batch, 0.5)
+    assert "router_aux_loss" not in off and engine_off.router_aux is None
+    aux = on["router_aux_loss"]
+    assert 2.0 <= aux < 2.5  # k = 2 when balanced; a fresh router is close to it
+    assert on["loss"] == pytest.approx(off["loss"] + 0.5 * aux, abs=1e-5)
+    assert on["actor/pg_loss"] == pytest.approx(off["actor/pg_loss"], abs=1e-6)
+    # the aux term reaches the router's weights; with 0 it is absent, and the policy gradient is unchanged
+    assert not torch.allclose(router_grad(engine_on), router_grad(engine_off))
+    grads_off = {n: full(p.grad) for n, p in engine_off.model.named_parameters() if "embed" in n}
+    none, engine_none = engine_step(tiny_moe_dir, batch, 0.0)
+    for n, p in engine_none.model.named_parameters():
+        if n in grads_off:
+            torch.testing.assert_close(full(p.grad), grads_off[n])
+    assert none["loss"] == off["loss"]
+
+
+def test_gradient_checkpointing_keeps_the_aux_loss(tiny_moe_dir: Path) -> None:
+    batch = synthetic_rl_batch(rows=4, vocab=1000)
+    plain, engine_plain = engine_step(tiny_moe_dir, batch, 0.5)
+    ckpt, engine_ckpt = engine_step(tiny_moe_dir, batch, 0.5, gradient_checkpointing=True)
+    assert ckpt["router_aux_loss"] == pytest.approx(plain["router_aux_loss"], abs=1e-6)
+    torch.testing.assert_close(router_grad(engine_ckpt), router_grad(engine_plain), atol=1e-6, rtol=1e-4)
+
+
+def test_coefficient_checks(tiny_model_dir: Path, tiny_moe_dir: Path) -> None:
+    dense, moe = load_config(tiny_model_dir), load_config(tiny_moe_dir)
+    assert resolve_aux_loss_coef(dense, None) == 0.0
+    assert resolve_aux_loss_coef(moe, None) == pytest.approx(0.001)
+    assert resolve_aux_loss_coef(moe, 0.0) == 0.0
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=0.1 needs a mixture-of-experts"):
+        resolve_aux_loss_coef(dense, 0.1)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        resolve_aux_loss_coef(moe, -1.0)
+    with pytest.raises(ConfigError, match="no router logits"):
+        RouterAuxLoss(load_causal_lm(tiny_model_dir), 2)
+    frozen = TrainEngine(EngineConfig(model_path=str(tiny_moe_dir), trainable=False))
+    assert frozen.router_aux is None  # the reference policy needs no aux loss
+
+
+def test_lora_on_attention_trains_and_experts_are_refused(tiny_moe_dir: Path) -> None:
+    batch = synthetic_rl_batch(rows=4, vocab=1000)
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj"))
+    metrics, engine = engine_step(tiny_moe_dir, batch, 0.1, lora=lora)
+    assert metrics["router_aux_loss"] > 0
+    engine.optim_step()
+    merged = dict(engine.named_tensors_for_rollout())
+    assert "model.layers.0.self_attn.q_proj.weight" in merged
+    assert "model.layers.0.mlp.shared_expert.up_proj.weight" in merged
+    experts = replace(lora, target_modules=("q_proj", "gate_up_proj"))
+    with pytest.raises(ConfigError, match="gate_up_proj.*fused 3-D expert"):
+        TrainEngine(EngineConfig(model_path=str(tiny_moe_dir), lora=experts))
