@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.errors import DataError
@@ -68,14 +69,6 @@ class WithImages(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
     ) -> Any:
-        n_tokens = int((input_ids == self.image_token_id).sum())
-        merge = int(getattr(self.inner.config.vision_config, "spatial_merge_size", 2)) ** 2
-        expected = int(self.image_grid_thw.prod(dim=-1).sum()) // merge
-        if n_tokens != expected:
-            raise DataError(
-                f"the micro-batch has {n_tokens} image tokens but its images give {expected} "
-                "(an image separated from its row, or a row cut short)"
-            )
         kwargs.pop("position_ids", None)
         return self.inner(
             input_ids=input_ids,
@@ -89,12 +82,21 @@ class WithImages(nn.Module):
 
 def image_model(model: nn.Module, mb: Batch, image_token_id: int | None, device: torch.device) -> nn.Module:
     """`model` itself for a batch without images, else `model` bound to the batch's images (`WithImages`)."""
-    images = gather_images(list(mb[MULTI_MODAL_INPUTS])) if MULTI_MODAL_INPUTS in mb else None
+    rows = list(mb[MULTI_MODAL_INPUTS]) if MULTI_MODAL_INPUTS in mb else []
+    images = gather_images(rows)
     if images is None:
         return model
     if image_token_id is None:
         raise DataError(
             "the batch has images but the model has no image_token_id: not a vision-language model"
         )
+    merge = int(getattr(model.config.vision_config, "spatial_merge_size", 1)) ** 2
+    tokens = ((mb[keys.INPUT_IDS] == image_token_id) & mb[keys.ATTENTION_MASK].bool()).sum(1).tolist()
+    for r, (row, n_tokens) in enumerate(zip(rows, tokens, strict=True)):
+        expected = int(row["image_grid_thw"].prod(dim=-1).sum()) // merge if row else 0
+        if n_tokens != expected:  # an image separated from its row would feed another row's image tokens
+            raise DataError(
+                f"row {r} of the micro-batch has {n_tokens} image tokens but its images give {expected}"
+            )
     pixel_values, grid = (t.to(device) for t in images)
     return WithImages(model, pixel_values, grid, image_token_id)
