@@ -153,3 +153,41 @@ def test_lora_on_attention_trains_and_experts_are_refused(tiny_moe_dir: Path) ->
     experts = replace(lora, target_modules=("q_proj", "gate_up_proj"))
     with pytest.raises(ConfigError, match="gate_up_proj.*fused 3-D expert"):
         TrainEngine(EngineConfig(model_path=str(tiny_moe_dir), lora=experts))
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_equal_one_rank_with_the_aux_loss(
+    tiny_moe_dir: Path, tmp_path: Path, ray_cluster: None
+) -> None:
+    """FSDP2 shards the fused (experts, out, in) tensors along the experts: 2 gloo ranks give 1 rank's loss,
+    aux loss, gradient norm and updated weights."""
+    from posttrain.controller.worker_group import RayWorkerGroup
+    from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
+
+    from .test_train_engine import assert_same_weights, exported, one_step
+
+    engine = EngineConfig(
+        model_path=str(tiny_moe_dir),
+        optim=OptimConfig(lr=1e-3, grad_clip=1e9),
+        micro_batch_size=2,
+        router_aux_loss_coef=0.5,
+    )
+    spec = ActorRolloutRefSpec(engine=engine, with_rollout=False, with_ref=True, threads=1)
+    groups = {
+        world: RayWorkerGroup(ActorRolloutRefWorker, spec, world_size=world, role="actor", device="cpu")
+        for world in (1, 2)
+    }
+    try:
+        for seed in (3, 4):
+            batch = synthetic_rl_batch(rows=8, seed=seed, vocab=1000)
+            m1, m2 = (one_step(groups[world], batch) for world in (1, 2))
+            assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
+            assert m1["actor/router_aux_loss"] == pytest.approx(m2["actor/router_aux_loss"], abs=1e-5)
+            assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+        w1, w2 = (exported(groups[world], tmp_path / f"w{world}") for world in (1, 2))
+    finally:
+        for group in groups.values():
+            group.shutdown()
+    # transformers writes the fused experts back in the per-expert layout of Qwen's checkpoints
+    assert w1["model.layers.0.mlp.experts.3.gate_proj.weight"].shape == (128, 128)
+    assert_same_weights(w2, w1)
