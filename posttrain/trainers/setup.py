@@ -24,6 +24,7 @@ from posttrain.controller.placement import check_placement
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.lora import check_target_modules
+from posttrain.engine.moe import resolve_aux_loss_coef
 from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
@@ -100,6 +101,19 @@ def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int
             )
     if model.lora.rank > 0:
         check_target_modules(empty_model(model.path), model.lora)
+    check_router_aux_loss(model)
+
+
+def check_router_aux_loss(model: ModelConfig) -> None:
+    """`model.router_aux_loss_coef` against the model (a mixture of experts for a positive one) and sp."""
+    if model.router_aux_loss_coef is None and model.sequence_parallel_size == 1:
+        return  # the model config's own coefficient, nothing to check
+    coef = resolve_aux_loss_coef(load_config(model.path), model.router_aux_loss_coef)
+    if coef > 0 and model.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"model.router_aux_loss_coef={coef} with model.sequence_parallel_size={model.sequence_parallel_size}: "
+            "the load-balancing loss needs every token's routing on one rank; set model.router_aux_loss_coef=0"
+        )
 
 
 def check_sequence_parallel_config(model: ModelConfig, world_size: int, backend: str) -> None:

@@ -49,3 +49,19 @@ def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: 
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     aux = [r["actor/router_aux_loss"] for r in logged if "actor/router_aux_loss" in r]
     assert len(aux) == 2 and all(a > 1.9 for a in aux)  # the config's own coefficient, 0.001, by default
+
+
+def test_aux_loss_settings_fail_at_start(
+    tiny_model_dir: Path, tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    import pytest
+
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=0.1 needs a mixture-of-experts"):
+        RLTrainer(
+            rl_config(tiny_model_dir, arithmetic_data, tmp_path / "a", "model.router_aux_loss_coef=0.1")
+        )
+    experts = ["model.lora.rank=4", "model.lora.target_modules=[q_proj,gate_up_proj]"]
+    with pytest.raises(ConfigError, match=r"\['gate_up_proj'\]: fused 3-D expert parameters"):
+        RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "b", *experts))
