@@ -273,6 +273,11 @@ class AsyncRLConfig:
     # a fixed schedule: batch i is sampled with exactly version max(0, i - k), so a run repeats exactly (the
     # trainer may wait for the producer); off: batches take the newest weights in the pool when they start
     deterministic: bool = False
+    # unfinished responses continue under weights published mid-generation (the pool may take new weights
+    # between chunks); each token records the version that sampled it
+    partial_rollout: bool = False
+    # tokens generated per call with partial_rollout (each chunk re-prefills prompt + response so far)
+    partial_chunk_tokens: int = 32
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,17 @@ k >= 1 a producer thread draws prompts and samples them on the rollout pool (spl
 has workers of its own), and the trainer takes the batches in order, scores them, and trains. Weights reach
 the pool after each update (or every `async_rl.sync_every` updates) through the same path as synchronous
 split placement (`RolloutGroup.load_weights`); the pool's worker runs one call at a time, so new weights
-are picked up between generation calls, never within one.
+are picked up between generation calls: between batches, or between the chunks of one batch with
+`async_rl.partial_rollout` (trainers/partial_rollout.py: unfinished responses continue under the new weights,
+each token tagged with its version). A weight load and a generation call never overlap: the trainer
+announces a load, the producer submits no call while one is announced, and the load waits for the call in
+flight, so the version recorded for a call is exactly the one that sampled it.
 
 Correct by construction (the one-step-off-policy scheme of verl, generalised to k steps):
-- the policy version is the number of updates applied; a batch records the version of the weights that were
-  in the pool when its generation was submitted (read before submitting, so a late weight load can only make
-  the recorded version older than the true one: staleness is never under-reported);
+- the policy version is the number of updates applied; every response token records the version that
+  sampled it (`rollout_versions`), a batch its oldest (the version its generation started with);
 - the generation of batch i (trained at version i) starts only once version >= i - k is in the pool, so at
-  update time staleness = i - version_sampled <= k. A batch older than k versions all the same (possible
+  update time staleness = i - oldest version <= k (later chunks of a partial rollout are only newer). A batch older than k versions all the same (possible
   only if weights were not published, e.g. `sync_every` > 1 with the gate of a past version) is dropped and
   counted or regenerated with the current weights (`async_rl.on_stale`);
 - the off-policy gap is corrected by the rollout-correction modes (`algorithm.rollout_correction`): the
@@ -31,19 +34,24 @@ trained yet are drawn again after a resume.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from posttrain.config.schema import RLConfig
 from posttrain.controller.roles import Rollout
+from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import SamplingParams
+from posttrain.trainers.partial_rollout import sample_in_chunks
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,13 @@ _UNSUPPORTED: dict[str, Callable[[RLConfig], bool]] = {
     "agent.enable": lambda c: c.agent.enable,
     "algorithm.critic_warmup > 0": lambda c: c.algorithm.critic_warmup > 0,
 }
+# ... and with async_rl.partial_rollout
+_UNSUPPORTED_PARTIAL: dict[str, Callable[[RLConfig], bool]] = {
+    # the chunk versions depend on when the trainer publishes: no fixed schedule
+    "async_rl.deterministic": lambda c: c.async_rl.deterministic,
+    # a stop string split across two chunks would be missed
+    "rollout.stop (stop strings)": lambda c: bool(c.rollout.stop),
+}
 
 
 def check_async_config(cfg: RLConfig) -> None:
@@ -62,7 +77,14 @@ def check_async_config(cfg: RLConfig) -> None:
         raise ConfigError(f"async_rl.staleness must be >= 0, got {a.staleness}")
     if a.sync_every < 1:
         raise ConfigError(f"async_rl.sync_every must be >= 1, got {a.sync_every}")
+    if a.partial_chunk_tokens < 1:
+        raise ConfigError(f"async_rl.partial_chunk_tokens must be >= 1, got {a.partial_chunk_tokens}")
     if a.staleness == 0:
+        if a.partial_rollout:
+            raise ConfigError(
+                "async_rl.partial_rollout needs async_rl.staleness >= 1 (weights change only between steps "
+                "in the synchronous loop)"
+            )
         if a.sync_every != 1:
             raise ConfigError(
                 "async_rl.sync_every > 1 needs async_rl.staleness >= 1 (the synchronous loop syncs every step)"
@@ -80,6 +102,10 @@ def check_async_config(cfg: RLConfig) -> None:
     for name, used in _UNSUPPORTED.items():
         if used(cfg):
             raise ConfigError(f"async_rl.staleness >= 1 does not support {name} yet")
+    if a.partial_rollout:
+        for name, used in _UNSUPPORTED_PARTIAL.items():
+            if used(cfg):
+                raise ConfigError(f"async_rl.partial_rollout does not support {name}")
 
 
 @dataclass
@@ -89,7 +115,7 @@ class Rollouts:
     prompts: Batch  # the step's prompt rows (before repeating n times)
     batch: Batch
     index: int  # the step (0-based) this batch was drawn for
-    version: int  # policy version of the weights in the pool when its generation was submitted
+    version: int  # the oldest policy version among its tokens (the weights its generation started with)
     loader_after: dict[str, int]  # the dataloader's state after its prompts were drawn
     seconds: float  # generation time
 
@@ -104,9 +130,13 @@ class RolloutProducer:
         loader: PromptDataLoader,
         sampling: SamplingParams,
         start_version: int,
+        pad_id: int = 0,
+        decode: Callable[[list[int]], str] = str,
     ) -> None:
         self.k = cfg.async_rl.staleness
         self.deterministic = cfg.async_rl.deterministic
+        self.chunk_tokens = cfg.async_rl.partial_chunk_tokens if cfg.async_rl.partial_rollout else 0
+        self.pad_id, self.decode = pad_id, decode
         self.n = cfg.rollout.n
         self.rollout, self.loader, self.sampling = rollout, loader, sampling
         self.published = start_version  # version of the weights in the pool
@@ -119,6 +149,9 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._idle = 0.0  # producer seconds waiting for the version gate (since the last take)
         self._busy = 0.0
+        self._chunk_idle = 0.0  # producer seconds waiting for weight loads within the current batch
+        self._loading = 0  # weight loads announced by the trainer: no generation call starts meanwhile
+        self._sampling = False  # a generation call is in flight
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -134,29 +167,74 @@ class RolloutProducer:
                         self._cond.wait(timeout=1.0)
                     if self._stop:
                         return
-                    version = self.published
                     self._idle += time.perf_counter() - waited
                 start = time.perf_counter()
                 prompts = self.loader.next_batch()
                 loader_after = self.loader.state_dict()
-                batch = self.rollout.sample(prompts.repeat(self.n, interleave=True), self.sampling)
-                batch = batch.union(prompts.repeat(self.n, interleave=True).select(tensor_keys=[]))
-                seconds = time.perf_counter() - start
+                rows = prompts.repeat(self.n, interleave=True)
+                if self.chunk_tokens:
+                    batch = sample_in_chunks(
+                        rows, self.sampling, self.chunk_tokens, self._run_chunk, self.pad_id, self.decode
+                    )
+                else:
+                    batch, sampled_with = self._run_chunk(rows, self.sampling)
+                    batch = batch.union(versions_column(batch, sampled_with))
+                version = oldest_version(batch)
+                batch = batch.union(rows.select(tensor_keys=[]))
+                seconds = time.perf_counter() - start - self._chunk_idle
+                self._idle += self._chunk_idle
+                self._chunk_idle = 0.0
                 with self._cond:
                     self._busy += seconds
                     self._ready.append(Rollouts(prompts, batch, index, version, loader_after, seconds))
                     self._produced = index + 1
                     self._cond.notify_all()
                 index += 1
+        except _Stopped:
+            return
         except BaseException as exc:  # handed to the trainer at its next take
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
 
-    # ---- trainer side --------------------------------------------------------------------------
-    def publish(self, version: int) -> None:
-        """The pool now holds the weights of `version` (called after `load_weights` returned)."""
+    def _run_chunk(self, rows: Batch, sampling: SamplingParams) -> tuple[Batch, int]:
+        """One generation call, never overlapping a weight load; returns the version that sampled it."""
+        waited = time.perf_counter()
         with self._cond:
+            while self._loading and not self._stop:
+                self._cond.wait(timeout=1.0)
+            if self._stop:
+                raise _Stopped
+            self._sampling = True
+            version = self.published
+        self._chunk_idle += time.perf_counter() - waited
+        try:
+            return self.rollout.sample(rows, sampling), version
+        finally:
+            with self._cond:
+                self._sampling = False
+                self._cond.notify_all()
+
+    # ---- trainer side --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def loading_weights(self, version: int) -> Iterator[dict[str, float]]:
+        """Around the trainer's weight load into the pool: waits for the generation call in flight (no new one
+        starts meanwhile), then `version` is published. Yields metrics: `async/publish_wait_s`."""
+        start = time.perf_counter()
+        with self._cond:
+            self._loading += 1
+            while self._sampling and self._error is None:
+                self._cond.wait(timeout=1.0)
+        metrics = {"async/publish_wait_s": time.perf_counter() - start}
+        try:
+            yield metrics
+        except BaseException:
+            with self._cond:
+                self._loading -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._loading -= 1
             self.published = version
             self._cond.notify_all()
 
@@ -201,6 +279,47 @@ class RolloutProducer:
         self._thread.join()
         self.loader.load_state_dict(self.trained_loader_state)
         self._ready.clear()
+
+
+class _Stopped(Exception):
+    """The producer was stopped between two chunks of a batch."""
+
+
+def versions_column(batch: Batch, version: int) -> Batch:
+    """`rollout_versions` of a batch sampled by one version: `version` on response tokens, -1 on padding."""
+    mask = batch[keys.RESPONSE_MASK]
+    tagged = torch.where(mask > 0, torch.full_like(mask, version), torch.full_like(mask, -1)).long()
+    return Batch.from_dict({keys.ROLLOUT_VERSIONS: tagged})
+
+
+def oldest_version(batch: Batch) -> int:
+    """The oldest version among the response tokens of `batch` (the weights its generation started with)."""
+    versions = batch[keys.ROLLOUT_VERSIONS]
+    tagged = versions[versions >= 0]
+    return int(tagged.min()) if tagged.numel() else 0
+
+
+def staleness_metrics(batch: Batch, version: int, k: int) -> dict[str, float]:
+    """Per-sample staleness at update `version` (trainer version - the oldest version among the sample's
+    tokens): max, mean, the number of samples of each age 0..k, and mixed-version samples (partial rollouts)."""
+    versions = batch[keys.ROLLOUT_VERSIONS]
+    tagged = versions >= 0
+    big = torch.iinfo(versions.dtype).max
+    oldest = torch.where(tagged, versions, torch.full_like(versions, big)).min(dim=1).values
+    newest = torch.where(tagged, versions, torch.full_like(versions, -1)).max(dim=1).values
+    has = tagged.any(dim=1)
+    if not bool(has.any()):
+        return {"async/staleness_max": 0.0, "async/staleness_mean": 0.0}
+    age = (version - oldest[has]).float()
+    metrics = {
+        "async/staleness_max": float(age.max()),
+        "async/staleness_mean": float(age.mean()),
+        "async/token_staleness_mean": float((version - versions[tagged]).float().mean()),
+        "async/mixed_version_samples": float((newest[has] > oldest[has]).sum()),
+    }
+    for a in range(k + 1):
+        metrics[f"async/staleness_count_{a}"] = float((age == a).sum())
+    return metrics
 
 
 class TrainedLoaderState:

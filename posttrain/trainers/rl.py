@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -29,7 +30,12 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.agent_generation import AgentStage
-from posttrain.trainers.async_rollout import RolloutProducer, TrainedLoaderState
+from posttrain.trainers.async_rollout import (
+    RolloutProducer,
+    TrainedLoaderState,
+    staleness_metrics,
+    versions_column,
+)
 from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
@@ -305,33 +311,49 @@ class RLTrainer:
                 with self.progress.stage("update_actor"), timed(timings, "update_actor"):
                     update_metrics.update(self.update(batch))
                 with self.progress.stage("sync"), timed(timings, "sync"):
-                    self._publish_weights()
-        if "async/trainer_wait_s" in gen_metrics:
-            gen_metrics["async/trainer_idle_share"] = (
-                gen_metrics["async/trainer_wait_s"] / timings["timing/step"]
-            )
+                    update_metrics.update(self._publish_weights())
+        if "async/trainer_wait_s" in gen_metrics:  # waiting for a batch, and for a chunk before a weight load
+            waited = gen_metrics["async/trainer_wait_s"] + update_metrics.get("async/publish_wait_s", 0.0)
+            gen_metrics["async/trainer_idle_share"] = waited / timings["timing/step"]
         perf = self.perf.metrics(batch, timings, gen_metrics) if self.perf is not None else {}
         return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings, **perf}
 
-    def _publish_weights(self) -> None:
+    def _publish_weights(self) -> dict[str, float]:
         """After an update: weights to the sampler (asynchronous: every `sync_every` updates, then the
-        producer may generate with the new version)."""
+        producer may generate with the new version; with partial rollouts, between two chunks)."""
         version = self.step_count + 1  # updates applied, this step's included
         if not self.cfg.async_rl.staleness:
             self.sync_sampler()
-        elif version % self.cfg.async_rl.sync_every == 0:
-            if self.producer is not None:
-                self.producer.wait_before_publish(version)
+            return {}
+        metrics = {"async/weight_sync_s": 0.0, "async/publish_wait_s": 0.0}
+        if version % self.cfg.async_rl.sync_every:
+            return metrics
+        actor, _ = self._running()
+        pool, producer = self.groups.rollout_pool if self.groups is not None else None, self.producer
+        if pool is None or producer is None:
+            start = time.perf_counter()
             self.sync_sampler()
-            if self.producer is not None:
-                self.producer.publish(version)
+            metrics["async/weight_sync_s"] = time.perf_counter() - start
+            return metrics
+        producer.wait_before_publish(version)
+        start = time.perf_counter()
+        weights = actor.rollout_weights()  # fetched while the pool keeps generating
+        fetched = time.perf_counter() - start
+        with producer.loading_weights(version) as waited:
+            start = time.perf_counter()
+            pool.load_weights(weights)
+        metrics.update(waited)
+        metrics["async/weight_sync_s"] = fetched + time.perf_counter() - start
+        return metrics
 
     def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
         """The next batch the producer sampled ahead (trainers/async_rollout.py), scored here."""
         async_rl, version = self.cfg.async_rl, self.step_count
         if self.producer is None:
             start = version - version % async_rl.sync_every  # the version the pool holds after a (re)start
-            self.producer = RolloutProducer(self.cfg, rollout, self.loader, self.sampling, start)
+            self.producer = RolloutProducer(
+                self.cfg, rollout, self.loader, self.sampling, start, self.pad_id, self._decode
+            )
         metrics = {"async/dropped_samples": 0.0, "async/regenerated_samples": 0.0}
         while True:
             item, taken = self.producer.take(version)
@@ -339,15 +361,17 @@ class RLTrainer:
                 batch = item.batch
                 break
             rows = float(len(item.batch))
-            if async_rl.on_stale == "regenerate":  # the same prompts, sampled with the current weights
+            if async_rl.on_stale == "regenerate":  # the same prompts, sampled with the newest weights
                 prompts = item.prompts.repeat(self.cfg.rollout.n, interleave=True)
                 batch = rollout.sample(prompts, self.sampling).union(prompts.select(tensor_keys=[]))
+                batch = batch.union(versions_column(batch, self.producer.published))
                 metrics["async/regenerated_samples"] += rows
-                taken["async/staleness"] = 0.0
+                taken["async/staleness"] = float(version - self.producer.published)
                 break
             metrics["async/dropped_samples"] += rows
             log.warning("async: dropped a batch sampled at version %d at version %d", item.version, version)
         metrics.update(taken)
+        metrics.update(staleness_metrics(batch, version, async_rl.staleness))
         batch = batch.union(self.rewards.score(batch))
         metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
         metrics.update(self.rewards.end_step())
@@ -367,6 +391,10 @@ class RLTrainer:
         if self.actor is None or self.rollout is None:
             raise RuntimeError("the workers are not running: call fit(), or _start_workers() first")
         return self.actor, self.rollout
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """A response's text, as the rollout engine decodes it."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     @property
     def _temp(self) -> float:

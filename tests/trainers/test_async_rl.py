@@ -43,6 +43,11 @@ def test_rollouts_run_one_step_ahead_within_the_bound(
     assert max(staleness) == 1, "later batches were sampled while the previous step trained"
     for r in train:
         assert r["async/dropped_samples"] == 0.0
+        assert r["async/staleness_max"] == r["async/staleness"], (
+            "one version per batch without partial rollouts"
+        )
+        assert r["async/staleness_count_0"] + r["async/staleness_count_1"] == 16.0  # 4 prompts x 4 samples
+        assert r["async/weight_sync_s"] > 0 and r["async/publish_wait_s"] >= 0
         assert 0.0 <= r["async/trainer_idle_share"] <= 1.0 and 0.0 <= r["async/rollout_idle_share"] <= 1.0
         assert "rollout/logprob_diff_mean" in r, (
             "old log-probs are recomputed: the off-policy gap is measured"
@@ -59,6 +64,30 @@ def test_rollouts_run_one_step_ahead_within_the_bound(
     resumed.fit()
     steps = [r["step"] for r in rows(run) if "async/staleness" in r]
     assert steps == [1, 2, 3, 4, 5] and resumed.loader.state_dict() == {"epoch": 0, "position": 5}
+
+
+def test_partial_rollouts_train_no_token_older_than_the_bound(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    run = tmp_path / "run"
+    cfg = rl_config(
+        tiny_model_dir, arithmetic_data, run, *SPLIT, "async_rl.staleness=1", "async_rl.partial_rollout=true",
+        "async_rl.partial_chunk_tokens=2", "trainer.total_steps=4", "trainer.save_every=0",
+        "algorithm.rollout_correction.rollout_is=token", reward_file(tmp_path),
+    )  # fmt: skip
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+    train = [r for r in rows(run) if "async/staleness_max" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for r in train:
+        # staleness of a sample = trainer version - the oldest version among its tokens
+        assert 0 <= r["async/staleness_max"] <= 1, r
+        assert r["async/staleness_count_0"] + r["async/staleness_count_1"] == 16.0
+        assert r["async/token_staleness_mean"] <= r["async/staleness_mean"] + 1e-9
+        assert 0 <= r["async/mixed_version_samples"] <= 16
+        assert r["async/dropped_samples"] == 0.0 and r["async/weight_sync_s"] > 0
+        assert "rollout/logprob_diff_mean" in r and r["actor/grad_norm"] > 0
+    assert train[0]["async/staleness_max"] == 0
 
 
 @pytest.mark.slow
@@ -91,6 +120,16 @@ def test_the_deterministic_schedule_repeats_exactly(
         (["async_rl.sync_every=2"], "needs async_rl.staleness >= 1"),
         ([*SPLIT, "async_rl.staleness=1", "async_rl.sync_every=2"], "batches would always be too old"),
         ([*SPLIT, "async_rl.staleness=1", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
+        (["async_rl.partial_rollout=true"], "partial_rollout needs async_rl.staleness >= 1"),
+        (["async_rl.partial_chunk_tokens=0"], "partial_chunk_tokens must be >= 1"),
+        (
+            [*SPLIT, "async_rl.staleness=1", "async_rl.partial_rollout=true", "async_rl.deterministic=true"],
+            "partial_rollout does not support async_rl.deterministic",
+        ),
+        (
+            [*SPLIT, "async_rl.staleness=1", "async_rl.partial_rollout=true", "rollout.stop=[Answer]"],
+            "partial_rollout does not support rollout.stop",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_refused(
