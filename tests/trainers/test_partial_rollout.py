@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from posttrain.config.schema import RLConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine
-from posttrain.trainers.async_rollout import staleness_metrics, versions_column
+from posttrain.trainers.async_rollout import RolloutProducer, staleness_metrics, versions_column
 from posttrain.trainers.partial_rollout import continuation_batch, sample_in_chunks
 from posttrain.workers.sampling import sample_batch
 
@@ -115,3 +118,79 @@ def test_staleness_counts_the_oldest_token_of_each_sample() -> None:
 def test_a_batch_sampled_by_one_version_is_tagged_on_its_tokens_only() -> None:
     batch = Batch.from_dict({keys.RESPONSE_MASK: torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])})
     assert versions_column(batch, 5)[keys.ROLLOUT_VERSIONS].tolist() == [[5, 5, -1], [5, -1, -1]]
+
+
+class SlowPool:
+    """A rollout pool that takes `delay_s` per call and never stops early (every response fills its chunk)."""
+
+    world_size = 1
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls: list[int] = []  # max_tokens of each call
+
+    def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        time.sleep(self.delay_s)
+        self.calls.append(sampling.max_tokens)
+        rows, n = len(batch), sampling.max_tokens
+        return Batch.from_dict(
+            {
+                keys.RESPONSES: torch.full((rows, n), 7),
+                keys.RESPONSE_MASK: torch.ones(rows, n),
+                keys.ROLLOUT_LOG_PROBS: torch.zeros(rows, n),
+            },
+            non_tensors={keys.STOP_REASON: ["length"] * rows},
+        )
+
+
+class Prompts:
+    """A dataloader of two-row prompt batches."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def next_batch(self) -> Batch:
+        self.position += 1
+        return Batch.from_dict(
+            {keys.INPUT_IDS: torch.tensor([[1, 2], [3, 4]]), keys.ATTENTION_MASK: torch.ones(2, 2).long()},
+            non_tensors={keys.UID: [f"{self.position}-0", f"{self.position}-1"]},
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": 0, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_the_producer_takes_weights_between_the_chunks_of_a_batch() -> None:
+    """A weight load announced while a batch generates waits for one chunk, not the batch; the chunks after it
+    are tagged with the new version, and the batch's staleness counts from its oldest token."""
+    cfg = RLConfig()
+    cfg = replace(
+        cfg,
+        rollout=replace(cfg.rollout, n=1),
+        async_rl=replace(cfg.async_rl, staleness=1, partial_rollout=True, partial_chunk_tokens=2),
+    )
+    pool = SlowPool(delay_s=0.2)
+    producer = RolloutProducer(cfg, pool, Prompts(), SamplingParams(max_tokens=8), 0, pad_id=0)  # type: ignore[arg-type]
+    try:
+        first, _ = producer.take(0)  # batch 0: 4 chunks with version 0 (nothing published yet)
+        assert first.batch[keys.ROLLOUT_VERSIONS].unique().tolist() == [0]
+        time.sleep(0.3)  # batch 1 is generating (gated on version 0)
+        start = time.perf_counter()
+        with producer.loading_weights(1) as waited:
+            assert not producer._sampling
+        assert time.perf_counter() - start < 0.35, (
+            "waited for the chunk in flight (0.2 s), not the batch (0.5 s)"
+        )
+        assert waited["async/publish_wait_s"] < 0.35
+        second, metrics = producer.take(1)
+        row = second.batch[keys.ROLLOUT_VERSIONS][0].tolist()
+        assert row[0] == 0 and row[-1] == 1 and row == sorted(row), row
+        assert second.version == 0 and metrics["async/staleness"] == 1.0
+        m = staleness_metrics(second.batch, 1, 1)
+        assert m["async/staleness_max"] == 1.0 and m["async/mixed_version_samples"] == 2.0
+    finally:
+        producer.stop()
+    assert all(tokens == 2 for tokens in pool.calls)
