@@ -182,9 +182,9 @@ class RolloutProducer:
                 version = oldest_version(batch)
                 batch = batch.union(rows.select(tensor_keys=[]))
                 seconds = time.perf_counter() - start - self._chunk_idle
-                self._idle += self._chunk_idle
-                self._chunk_idle = 0.0
                 with self._cond:
+                    self._idle += self._chunk_idle  # waiting for weight loads between calls
+                    self._chunk_idle = 0.0
                     self._busy += seconds
                     self._ready.append(Rollouts(prompts, batch, index, version, loader_after, seconds))
                     self._produced = index + 1
