@@ -30,6 +30,8 @@ class MemoryLevers:
     lora_rank: int
     offload: bool
     accelerator: bool
+    token_budget: bool = True  # whether the section has max_token_len_per_worker (DPO, RM, distill do not)
+    rows_per_unit: int = 1  # engine rows per configured unit: 2 when micro_batch_size counts pairs
 
     def advice(self, backward: bool) -> list[str]:
         """What to change, most effective first; only levers not already in use."""
@@ -38,6 +40,10 @@ class MemoryLevers:
             steps = [
                 f"lower {prefix}max_token_len_per_worker (now {self.max_token_len} tokens per micro-batch)"
             ]
+        elif not self.token_budget:
+            unit = "pairs" if self.rows_per_unit == 2 else "rows"
+            count = self.micro_batch_size // self.rows_per_unit
+            steps = [f"lower {prefix}micro_batch_size (now {count} {unit} per forward pass)"]
         else:
             steps = [
                 f"lower {prefix}micro_batch_size (now {self.micro_batch_size} rows per forward pass) or set a "

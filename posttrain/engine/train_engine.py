@@ -82,6 +82,12 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
     sequence_parallel_size: int = 1  # sp: each packed row split across sp ranks (engine.sequence_parallel)
     config_section: str = ""  # the config section of micro_batch_size (actor, critic, optim), for OOM errors
+    token_budget_key: bool = (
+        True  # OOM advice may name <section>.max_token_len_per_worker (not DPO/RM/distill)
+    )
+    rows_per_unit: int = (
+        1  # engine rows per configured micro-batch unit (2: DPO/RM count pairs), for OOM errors
+    )
     # mixture of experts: weight of the router's load-balancing loss in forward_backward (engine.moe);
     # None = the model config's router_aux_loss_coef (0 for a dense model), 0 = off
     router_aux_loss_coef: float | None = None
@@ -276,7 +282,8 @@ class TrainEngine:
         c = self.config
         levers = MemoryLevers(
             c.config_section, c.micro_batch_size, c.max_token_len, c.gradient_checkpointing, c.compute_dtype,
-            c.lora.rank, c.offload, accelerator=self.device.type != "cpu",
+            c.lora.rank, c.offload, accelerator=self.device.type != "cpu", token_budget=c.token_budget_key,
+            rows_per_unit=c.rows_per_unit,
         )  # fmt: skip
         tokens = int(mb[keys.ATTENTION_MASK].sum()) if keys.ATTENTION_MASK in mb else 0
         return explain_out_of_memory(levers, what, len(mb), tokens)

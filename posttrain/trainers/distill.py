@@ -173,6 +173,8 @@ class DistillTrainer:
                 total_steps=cfg.trainer.total_steps,
                 micro_batch_size=cfg.optim.micro_batch_size,
                 max_token_len=0,
+                config_section="optim",
+                token_budget_key=False,
             ),
             with_rollout=cfg.distill.lmbda > 0,
             teacher=engine_config(

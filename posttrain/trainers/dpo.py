@@ -144,6 +144,9 @@ class DPOTrainer:
                 total_steps=cfg.trainer.total_steps,
                 micro_batch_size=2 * cfg.optim.micro_batch_size,  # rows: two per pair
                 max_token_len=0,
+                config_section="optim",
+                token_budget_key=False,
+                rows_per_unit=2,
             ),
             with_rollout=False,
             with_ref=self.uses_reference and cfg.dpo.reference == "model",

@@ -133,6 +133,9 @@ class RMTrainer:
                 total_steps=cfg.trainer.total_steps,
                 micro_batch_size=2 * cfg.optim.micro_batch_size,  # rows: two per pair
                 max_token_len=0,
+                config_section="optim",
+                token_budget_key=False,
+                rows_per_unit=2,
             ),
             seed=cfg.trainer.seed,
             threads=threads_per_worker(cfg.trainer),

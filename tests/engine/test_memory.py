@@ -76,6 +76,13 @@ def test_advice_names_only_the_levers_not_in_use() -> None:
     assert "gradient_checkpointing" not in " ".join(levers().advice(backward=False))  # no backward, no lever
 
 
+def test_pair_trainers_name_pairs_and_no_token_budget() -> None:
+    """DPO and RM count micro-batches in pairs (two engine rows each) and have no token budget."""
+    advice = levers(section="optim", micro_batch_size=16, token_budget=False, rows_per_unit=2).advice(True)
+    assert advice[0] == "lower optim.micro_batch_size (now 8 pairs per forward pass)"
+    assert "max_token_len_per_worker" not in " ".join(advice)
+
+
 @pytest.mark.parametrize(
     "exc",
     [
