@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +52,9 @@ class GenerationRequest:
     # a LoRA adapter registered on the engine (`NativeRolloutEngine.adapters`) to sample under; None = the
     # engine's own weights. Requests of different adapters share the engine's batches.
     adapter: str | None = None
+    # a vision-language prompt's images: {"pixel_values": (patches, features), "image_grid_thw": (images, 3)}, the
+    # Batch's `multi_modal_inputs` row; the prompt holds one image-pad token per merged patch. None: text only.
+    images: dict[str, torch.Tensor] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ cache and the attention bookkeeping: keys/values are written in place into per-s
 decode step attends each active sequence to its own slot, so sequences of different lengths (continuous
 batching) share one batched step with no padding recompute and no cache copies.
 
+A Qwen2-VL model (`qwen2_vl`) decodes through its text model (`model.model.language_model`): the caller passes
+the prompt's input embeddings (image features already in place of the image-pad tokens) and its multimodal
+rotary positions (M-RoPE, (3, B, P) from the model's `get_rope_index`); the model's own rotary embedding turns
+them into cos/sin, and the KV cache stays indexed by token position.
+
 A layer's MLP is called as a module, so a sparse mixture-of-experts block (router, fused 3-D experts,
 shared expert) runs as transformers wrote it: each token is routed on its own, and padding rows of a
 prefill are routed too but never reach a kept position. Qwen3's per-head q/k RMS norms are applied before
@@ -21,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "qwen2_vl")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -34,13 +39,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def text_model(model: nn.Module) -> nn.Module | None:
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb) of a causal LM or of a vision-language model."""
+    inner = getattr(model, "model", None)
+    inner = getattr(inner, "language_model", inner)  # Qwen2-VL: model.model.language_model
+    return inner if inner is not None and hasattr(inner, "rotary_emb") else None
+
+
 def supports(model: nn.Module) -> bool:
     config = model.config
+    text_config = getattr(config, "text_config", None) or config
     return (
         getattr(config, "model_type", None) in SUPPORTED
-        and not getattr(config, "use_sliding_window", False)
-        and hasattr(model, "model")
-        and hasattr(model.model, "rotary_emb")
+        and not getattr(text_config, "use_sliding_window", False)
+        and text_model(model) is not None
     )
 
 
@@ -87,8 +99,10 @@ class DecoderRunner:
     model: nn.Module
 
     def __post_init__(self) -> None:
-        config = self.model.config
-        self.base = self.model.model
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        base = text_model(self.model)
+        assert base is not None, "supports(model) is checked before a runner is built"
+        self.base = base
         self.n_heads = config.num_attention_heads
         self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
@@ -121,11 +135,15 @@ class DecoderRunner:
         lengths: torch.Tensor,
         slots: torch.Tensor,
         rows: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Right-padded prompts (B, P) into the cache; returns the logits after each prompt's last token.
 
         Prompt `rows[j]` is written to slot `slots[j]` (default: row j to slot j), so the n samples of one
-        prompt share its single prefill without a later copy.
+        prompt share its single prefill without a later copy. `embeds` (B, P, hidden) replaces the token
+        embeddings (a vision-language prompt's, image features included) and `rope_positions` the rotary
+        positions ((3, B, P) M-RoPE); the cache is indexed by token position either way.
         """
         rows = torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows
         batch, width = tokens.shape
@@ -136,8 +154,8 @@ class DecoderRunner:
         mask = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))[None] & valid[:, None, :]
         mask = mask | ~valid[:, :, None] & (positions[:, None, :] == 0)
         mask = mask[:, None]
-        h = self.base.embed_tokens(tokens)
-        cos, sin = self.base.rotary_emb(h, positions)
+        h = self.base.embed_tokens(tokens) if embeds is None else embeds
+        cos, sin = self.base.rotary_emb(h, positions if rope_positions is None else rope_positions)
         for i, layer in enumerate(self.base.layers):
             residual = h
             x = layer.input_layernorm(h)
@@ -152,15 +170,24 @@ class DecoderRunner:
 
     @torch.no_grad()
     def decode(
-        self, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        cache: SlotKVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One token per active sequence: `tokens` (B,) at `positions` (B,) in `slots` (B,); returns logits."""
+        """One token per active sequence: `tokens` (B,) at `positions` (B,) in `slots` (B,); returns logits.
+
+        `rope_positions` (B,): the rotary positions when they differ from the cache positions (a
+        vision-language prompt's text continues at its cache position + the model's rope delta)."""
         batch = tokens.shape[0]
         span = int(positions.max()) + 1  # attend over the longest active sequence only
         keys_pos = torch.arange(span, device=tokens.device)
         mask = (keys_pos[None, :] <= positions[:, None])[:, None, None, :]
         h = self.base.embed_tokens(tokens[:, None])
-        cos, sin = self.base.rotary_emb(h, positions[:, None])
+        rope = positions if rope_positions is None else rope_positions
+        cos, sin = self.base.rotary_emb(h, rope[:, None])
         for i, layer in enumerate(self.base.layers):
             residual = h
             x = layer.input_layernorm(h)

@@ -63,6 +63,11 @@ class HFRolloutEngine:
                     )
                 if not request.prompt_ids:
                     raise ValueError("empty prompt")
+                if request.images:
+                    raise ConfigError(
+                        "rollout.name=hf does not take image prompts; image prompts must be sampled with "
+                        "rollout.name=native"
+                    )
             except (ConfigError, ValueError) as exc:
                 results[i] = GenerationResult([], [], "", "error", error=str(exc))
                 continue

@@ -10,6 +10,12 @@ Many LoRA adapters can sample on one engine (`enable_adapters`): each request na
 prefills and decode steps of requests of different adapters run as one batch over the shared base, each
 row's adapter delta added on its own tokens (`MultiLora.routed`; the explicit API's tenants sample together
 as they train together). A sequence never mixes adapters, so every row is what its adapter alone gives.
+
+A vision-language model (Qwen2-VL) takes requests with images (`GenerationRequest.images`): the prefill runs the
+model's vision module once per distinct prompt and its M-RoPE positions (`rollout.multimodal`), decoding then
+continues at the model's rope delta. Prompts share a prefill only when their images are equal too. The image-pad
+and video-pad tokens are never sampled (a response holding one would be read as an image placeholder by the
+model); the reported log-prob is still over the whole vocabulary, as the trainer computes it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from posttrain.rollout.base import (
     context_error,
 )
 from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, supports
+from posttrain.rollout.multimodal import check_images, image_token_ids, prefill_inputs, same_images
 from posttrain.rollout.sampling import sample_tokens
 
 THREAD_NAME = "posttrain-rollout"
@@ -51,6 +58,7 @@ class _Sequence:
     generator: torch.Generator | None = None
     text: str | None = None
     stop_reason: str = ""
+    rope_delta: int = 0  # rotary position - cache position of generated tokens (M-RoPE image prompts)
 
     @property
     def position(self) -> int:
@@ -81,10 +89,14 @@ class NativeRolloutEngine:
             )
         self.tokenizer = load_tokenizer(model_path)
         self.runner = DecoderRunner(self.model)
+        # never sampled: a vision-language model reads these tokens as image placeholders (rollout.multimodal)
+        self.unsampled = torch.tensor(image_token_ids(self.model), dtype=torch.long, device=self.device)
+        self.vision = getattr(self.model.config, "vision_config", None) is not None
         self.cache = self.runner.new_cache(dtype, self.device)
         self.max_batch_size = max_batch_size  # cache slots = sequences decoded together
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        text_config = getattr(self.model.config, "text_config", None) or self.model.config
+        self.max_context = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_ids = self._eos_ids()
         self.pad_id = (
@@ -222,6 +234,10 @@ class NativeRolloutEngine:
             self.adapters is None or request.adapter not in self.adapters.adapters
         ):
             return f"no adapter {request.adapter!r} on this engine"
+        if request.images or self.vision:
+            error = check_images(request.prompt_ids, request.images, self.model)
+            if error is not None:
+                return error
         total = len(request.prompt_ids) + request.sampling.max_tokens
         if total > self.max_context:
             return context_error(len(request.prompt_ids), request.sampling.max_tokens, self.max_context)
@@ -298,7 +314,10 @@ class NativeRolloutEngine:
             prompt = seq.request.prompt_ids
             last = groups[-1][0].request if groups else None
             same_as_last = (
-                last is not None and last.prompt_ids == prompt and last.adapter == seq.request.adapter
+                last is not None
+                and last.prompt_ids == prompt
+                and last.adapter == seq.request.adapter
+                and same_images(last.images, seq.request.images)
             )
             if not same_as_last and groups and budget < len(prompt):
                 break
@@ -320,9 +339,21 @@ class NativeRolloutEngine:
         members = [seq for group in groups for seq in group]
         rows = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=self.device)
         slots = torch.tensor([seq.slot for seq in members], device=self.device)
-        # one prefill per distinct prompt, its keys/values written to the slot of every sample of it
-        with self._adapter_routes([g[0].request.adapter for g in groups], tokens.shape[1]):
-            logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows)
+        try:
+            embeds = rope = None
+            if self.vision:  # image features in place of the image tokens; the model's M-RoPE positions
+                images = [g[0].request.images for g in groups]
+                embeds, rope, deltas = prefill_inputs(
+                    self.model, self.runner.base.embed_tokens, tokens, lengths, images
+                )
+                for seq, row in zip(members, rows.tolist(), strict=True):
+                    seq.rope_delta = int(deltas[row])
+            # one prefill per distinct prompt, its keys/values written to the slot of every sample of it
+            with self._adapter_routes([g[0].request.adapter for g in groups], tokens.shape[1]):
+                logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows, embeds, rope)
+        except Exception:
+            waiting.extendleft(reversed(members))  # so the loop's handler fails their futures too
+            raise
         self.stats["prefill_tokens"] += int(lengths.sum())
         self._append_tokens(members, logits[rows], running, free)
 
@@ -330,8 +361,11 @@ class NativeRolloutEngine:
         tokens = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         positions = torch.tensor([s.position for s in running], device=self.device)
         slots = torch.tensor([s.slot for s in running], device=self.device)
+        rope = None
+        if self.vision:
+            rope = positions + torch.tensor([s.rope_delta for s in running], device=self.device)
         with self._adapter_routes([s.request.adapter for s in running], 1):
-            logits = self.runner.decode(self.cache, tokens, positions, slots)
+            logits = self.runner.decode(self.cache, tokens, positions, slots, rope)
         self.stats["decode_steps"] += 1
         members = list(running)
         running.clear()
@@ -379,7 +413,9 @@ class NativeRolloutEngine:
         for (temperature, top_p, top_k, min_p, _), rows in batches.items():
             index = torch.tensor(rows, device=self.device)
             generator = members[rows[0]].generator or self.generator
-            t, lp = sample_tokens(logits[index], temperature, top_p, top_k, generator, min_p=min_p)
+            t, lp = sample_tokens(
+                logits[index], temperature, top_p, top_k, generator, min_p=min_p, exclude=self.unsampled
+            )
             tokens[index], log_probs[index] = t, lp.float()
         return tokens, log_probs
 

@@ -32,15 +32,22 @@ def sample_tokens(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     min_p: float = 0.0,
+    exclude: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; log-prob is of softmax(logits / T) before truncation (see rollout.base)."""
+    """Sample one token per row; log-prob is of softmax(logits / T) before truncation (see rollout.base).
+
+    `exclude`: token ids never sampled (a vision-language model's image placeholders); the log-prob is still
+    over the whole vocabulary."""
     logits = logits.float()
+    drawn = logits
+    if exclude is not None and exclude.numel():
+        drawn = logits.index_fill(-1, exclude, float("-inf"))
     if temperature == 0:
-        tokens = logits.argmax(-1)
+        tokens = drawn.argmax(-1)
         log_probs = F.log_softmax(logits, dim=-1)
     else:
         scaled = logits / temperature
         log_probs = F.log_softmax(scaled, dim=-1)
-        probs = F.softmax(truncate_logits(scaled, top_k, top_p, min_p), dim=-1)
+        probs = F.softmax(truncate_logits(drawn / temperature, top_k, top_p, min_p), dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -29,7 +29,7 @@ from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
-from posttrain.models import check_model_dir, empty_model, load_config
+from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.tracking import check_backends
@@ -155,6 +155,13 @@ def check_context(cfg: RLConfig) -> None:
 def check_rl_config(cfg: RLConfig) -> None:
     """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
     check_model_dir(cfg.model.path)
+    if is_vision_language(cfg.model.path):
+        # the rollout engine samples image prompts (rollout.name=native), but the RL trainer does not yet read
+        # multimodal rows or carry their images to the actor: refuse rather than train on the text alone
+        raise ConfigError(
+            f"model.path={cfg.model.path} is a vision-language model: RL (GRPO) with images is not supported "
+            "yet (issue 20); use posttrain sft for it, or a text model for RL"
+        )
     check_context(cfg)
     check_model_options(
         cfg.model,

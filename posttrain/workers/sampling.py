@@ -12,7 +12,9 @@ import torch
 
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.rollout.base import GenerationResult, SamplingParams
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
+from posttrain.errors import ConfigError
+from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams
 
 
 def batch_prompts(batch: Batch) -> list[list[int]]:
@@ -25,9 +27,28 @@ def sample_batch(engine: Any, batch: Batch, sampling: SamplingParams) -> Batch:
     """Generate one response per prompt row of `batch` with `engine`."""
     engine.wake()
     start = time.perf_counter()
-    results = engine.generate(batch_prompts(batch), sampling)
+    if MULTI_MODAL_INPUTS in batch and any(batch[MULTI_MODAL_INPUTS]):
+        results = generate_with_images(engine, batch, sampling)
+    else:
+        results = engine.generate(batch_prompts(batch), sampling)
     seconds = time.perf_counter() - start
     return results_batch(batch, results, engine.pad_id, sampling.max_tokens, seconds, sampling.temperature)
+
+
+def generate_with_images(engine: Any, batch: Batch, sampling: SamplingParams) -> list[GenerationResult]:
+    """One response per row, each request carrying its row's images (the `multi_modal_inputs` column)."""
+    requests = [
+        GenerationRequest(prompt, sampling, images=images or None)
+        for prompt, images in zip(batch_prompts(batch), batch[MULTI_MODAL_INPUTS], strict=True)
+    ]
+    results = engine.generate_requests(requests)
+    for i, result in enumerate(results):
+        if result.error is not None:
+            error_type = (
+                ConfigError if "rollout.name" in result.error or "must be" in result.error else ValueError
+            )
+            raise error_type(f"request {i}: {result.error}")
+    return results
 
 
 def results_batch(
