@@ -12,7 +12,9 @@ PROMPTS = "prompts"  # (B, P) long: the left-padded prompt
 RESPONSES = "responses"  # (B, R) long: generated tokens, right-padded
 RESPONSE_MASK = "response_mask"  # (B, R) float: 1 on tokens the model generated
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float: log-probs the rollout engine sampled with
-ROLLOUT_VERSIONS = "rollout_versions"  # (B, R) long: policy version that sampled each token (async_rl), -1 on pad
+ROLLOUT_VERSIONS = (
+    "rollout_versions"  # (B, R) long: policy version that sampled each token (async_rl), -1 on pad
+)
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float: log-probs of the policy before the update
 REF_LOG_PROB = "ref_log_prob"  # (B, R) float: log-probs of the frozen reference policy
 TEACHER_LOG_PROB = "teacher_log_prob"  # (B, R) float: log-probs of the distillation teacher (distill.*)

@@ -115,6 +115,13 @@ class RewardEngine(TrainEngine):
         else:
             model.requires_grad_(False)
         self.lora = False
+        # what TrainEngine's shared passes read: no sequence parallelism, no images, no MoE auxiliary loss
+        # (a reward model trains on the Bradley-Terry loss alone)
+        self.sp = None
+        self.image_token_id = None
+        self.vision_tower_trained = False
+        self.router_aux = None
+        self.router_aux_loss_coef = 0.0
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
         self.adapters = None
