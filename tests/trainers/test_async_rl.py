@@ -66,6 +66,7 @@ def test_rollouts_run_one_step_ahead_within_the_bound(
     assert steps == [1, 2, 3, 4, 5] and resumed.loader.state_dict() == {"epoch": 0, "position": 5}
 
 
+@pytest.mark.slow  # a Ray run of ~90 s; the fast suite keeps the k=1 run above
 def test_partial_rollouts_train_no_token_older_than_the_bound(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
