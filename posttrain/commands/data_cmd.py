@@ -86,6 +86,13 @@ def _add_task_parser(tasks: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--n-test", type=int, default=defaults["n_test"])
     p.add_argument("--min-digits", type=int, default=defaults["min_digits"], help="operand digits")
     p.add_argument("--max-digits", type=int, default=defaults["max_digits"], help="operand digits")
+    if name == "arithmetic_pairs":
+        p.add_argument(
+            "--rejected-per-problem",
+            type=int,
+            default=defaults["rejected_per_problem"],
+            help="pairs per problem, one per distinct wrong answer",
+        )
     if name in ("arithmetic", "arithmetic_pairs"):
         p.add_argument("--ops", default=",".join(defaults["ops"]), help="operators, comma-separated")
     else:
@@ -170,6 +177,8 @@ def _write_task(args: argparse.Namespace) -> None:
     }
     if args.task in ("arithmetic", "arithmetic_pairs"):
         options["ops"] = tuple(args.ops.split(","))
+        if args.task == "arithmetic_pairs":
+            options["rejected_per_problem"] = args.rejected_per_problem
     else:
         options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}
     _print_paths(write_task(args.task, args.out, **options))

@@ -42,3 +42,26 @@ def test_data_command_writes_pairs(tmp_path, capsys) -> None:
     assert main(["data", "arithmetic_pairs", "--out", str(out), "--n-train", "40", "--n-test", "10"]) == 0
     assert "train:" in capsys.readouterr().out
     assert pq.read_table(out / "test.parquet").num_rows == 10
+
+
+def test_several_wrong_answers_per_problem_keep_the_split(tmp_path) -> None:
+    one = write_arithmetic_pairs(tmp_path / "one", n_train=40, n_test=10, seed=2)
+    three = write_arithmetic_pairs(tmp_path / "three", n_train=40, n_test=10, seed=2, rejected_per_problem=3)
+    for split in ("train", "test"):
+        rows_one = pq.read_table(one[split]).to_pylist()
+        rows_three = pq.read_table(three[split]).to_pylist()
+        assert len(rows_three) == 3 * len(rows_one)
+        by_question: dict[str, set[str]] = {}
+        for row in rows_three:
+            by_question.setdefault(row["extra_info"]["question"], set()).add(row["rejected"][0]["content"])
+            assert row["rejected"][0]["content"] != row["chosen"][0]["content"]
+        # the same problems in each split, each with three distinct wrong answers
+        assert set(by_question) == {r["extra_info"]["question"] for r in rows_one}
+        assert all(len(wrongs) == 3 for wrongs in by_question.values())
+
+
+def test_data_command_rejected_per_problem(tmp_path) -> None:
+    out = tmp_path / "pairs"
+    args = ["data", "arithmetic_pairs", "--out", str(out), "--n-train", "8", "--n-test", "4"]
+    assert main([*args, "--rejected-per-problem", "2"]) == 0
+    assert pq.read_table(out / "train.parquet").num_rows == 16

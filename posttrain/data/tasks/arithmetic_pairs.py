@@ -33,6 +33,16 @@ def wrong_answer(rng: np.random.Generator, answer: int) -> int:
     return answer + 1
 
 
+def wrong_answers(rng: np.random.Generator, answer: int, count: int) -> list[int]:
+    """`count` distinct wrong answers (see `wrong_answer`) to a problem whose answer is `answer`."""
+    found: list[int] = []
+    while len(found) < count:
+        wrong = wrong_answer(rng, answer)
+        if wrong not in found:
+            found.append(wrong)
+    return found
+
+
 def pair_row(question: str, answer: str, wrong: str, split: str, index: int) -> dict:
     return {
         "prompt": [{"role": "user", "content": prompt_text(question)}],
@@ -51,9 +61,18 @@ def write_arithmetic_pairs(
     max_digits: int = 2,
     ops: Sequence[str] = ("+",),
     seed: int = 0,
+    rejected_per_problem: int = 1,
 ) -> dict[str, Path]:
-    """`train.parquet` and `test.parquet` of preference pairs (disjoint problems) in `out_dir`; {split: path}."""
+    """`train.parquet` and `test.parquet` of preference pairs (disjoint problems) in `out_dir`; {split: path}.
+
+    Each problem gives `rejected_per_problem` pairs, one per distinct wrong answer: more pairs per problem show
+    a reward model many slips of one sum (it must learn to check the sum, not to recall one wrong answer). The
+    problems (and so the split) depend only on `seed` and the sizes, not on `rejected_per_problem`."""
+    if rejected_per_problem < 1:
+        raise ValueError(f"rejected_per_problem must be >= 1, got {rejected_per_problem}")
     rng = np.random.default_rng(seed)
     problems = sample_problems(n_train + n_test, rng, min_digits, max_digits, tuple(ops))
-    triples = [(q, a, str(wrong_answer(rng, int(a)))) for q, a in problems]
-    return write_splits(out_dir, triples, n_train, lambda t, split, i: pair_row(*t, split, i))
+    triples = [(q, a, str(w)) for q, a in problems for w in wrong_answers(rng, int(a), rejected_per_problem)]
+    return write_splits(
+        out_dir, triples, n_train * rejected_per_problem, lambda t, split, i: pair_row(*t, split, i)
+    )

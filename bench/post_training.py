@@ -1,0 +1,370 @@
+"""Post-training beyond PPO, measured on the built-in arithmetic task: DPO, a reward model, and GRPO whose only
+reward is that reward model; several seeds each (issue 18, item 6).
+
+Every stage starts from the demo's SFT warm start (the demo's tiny ~1M model, task and SFT recipe, stopped at
+held-out NLL 0.7: ~25% greedy accuracy). The preference pairs are `posttrain data arithmetic_pairs` written
+with the task's own problem split (four distinct wrong answers per problem), so the held-out pairs are the
+held-out problems and no stage trains on a problem it is scored on.
+
+- **dpo**: `posttrain dpo` (sigmoid loss, the frozen warm start as the reference) on the train pairs; held-out
+  greedy accuracy before and after (`posttrain eval`, the rule scorer). Target: +10 points.
+- **rm**: `posttrain rm` (Bradley-Terry) on the train pairs; held-out pairwise accuracy. Target: >= 85%.
+- **grpo_rm**: `posttrain train` (GRPO, the demo's settings, 2 FSDP workers on Ray) with
+  `reward.model.path` = that seed's reward model and no rule reward; `val/acc` is the rule scorer's, which the
+  run never sees. Target: +10 points (mean of the last three validations against the start).
+
+Each stage runs the CLI in a child process (the commands are printed, so any run can be repeated by hand)
+and caches its output in `--work`; `--fresh` starts over.
+
+    python bench/post_training.py                        # all stages, 3 seeds (~1 h on 2 cores)
+    python bench/post_training.py --stages dpo --seeds 1
+
+Writes bench/results/post_training.json (BENCHMARKS.md format) and post_training.png (with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS, machine_info, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+POSTTRAIN = [sys.executable, "-m", "posttrain"]
+STAGES = ("dpo", "rm", "grpo_rm")
+
+DPO_OVERRIDES = [
+    "dpo.loss_type=[sigmoid]",
+    "dpo.beta=0.1",
+    "optim.lr=2e-4",
+    "optim.lr_schedule=cosine",
+    "optim.warmup_steps=10",
+    "optim.batch_size=32",
+    "optim.micro_batch_size=32",
+    "trainer.total_steps=150",
+    "trainer.val_every=50",
+]
+RM_OVERRIDES = [
+    "optim.lr=5e-4",
+    "optim.lr_schedule=cosine",
+    "optim.warmup_steps=20",
+    "optim.batch_size=32",
+    "optim.micro_batch_size=32",
+    "trainer.total_steps=1200",
+    "trainer.val_every=200",
+]
+GRPO_RM_STEPS = 100
+REJECTED_PER_PROBLEM = 4  # pairs per problem (distinct wrong answers): 8,800 train / 1,024 held-out pairs
+
+
+def run(cmd: list[str], log: Path) -> None:
+    """Run a posttrain command, its output to `log`; raise naming the log on failure."""
+    print("  $ posttrain " + " ".join(cmd[len(POSTTRAIN) :]), flush=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"command failed ({done.returncode}), see {log}:\n{log.read_text()[-3000:]}")
+
+
+def common_trainer(run_dir: Path, seed: int, threads: int) -> list[str]:
+    return [
+        f"trainer.run_dir={run_dir}",
+        f"trainer.seed={seed}",
+        f"trainer.threads_per_worker={threads}",
+        "trainer.loggers=[jsonl]",
+        "trainer.plots=false",
+    ]
+
+
+def warm_start(work: Path) -> dict[str, Path]:
+    """The demo's tiny model, the task, its preference pairs (same split) and the SFT warm start (cached)."""
+    from posttrain.config.load import load_config
+    from posttrain.config.schema import SFTConfig
+    from posttrain.data.tasks.arithmetic import corpus, write_arithmetic_dataset
+    from posttrain.data.tasks.arithmetic_pairs import write_arithmetic_pairs
+    from posttrain.demo import SFT_OVERRIDES, TASK
+    from posttrain.models import make_tiny_model
+    from posttrain.trainers.sft import SFTTrainer
+
+    paths = {"model": work / "model", "data": work / "data", "pairs": work / "pairs", "sft": work / "sft"}
+    if not (paths["model"] / "config.json").exists():
+        make_tiny_model("tiny", paths["model"], corpus(20000, seed=0))
+    if not (paths["data"] / "test.parquet").exists():
+        write_arithmetic_dataset(paths["data"], **TASK)
+    if not (paths["pairs"] / "test.parquet").exists():
+        # same seed and sizes as the task: the same problems per split
+        write_arithmetic_pairs(paths["pairs"], **TASK, rejected_per_problem=REJECTED_PER_PROBLEM)
+    if not (paths["sft"] / "hf" / "config.json").exists():
+        cfg = load_config(
+            SFTConfig,
+            "sft",
+            [
+                f"model.path={paths['model']}",
+                f"data.train_files=[{paths['data'] / 'train.parquet'}]",
+                f"data.val_files=[{paths['data'] / 'test.parquet'}]",
+                f"trainer.run_dir={paths['sft']}",
+                *SFT_OVERRIDES,
+            ],
+        )
+        SFTTrainer(cfg).fit()
+    return paths
+
+
+def held_out_accuracy(model: Path, data: Path, out: Path) -> float:
+    """Greedy held-out accuracy by the rule scorer (`posttrain eval`), cached in `out/results.json`."""
+    results = out / "results.json"
+    if not results.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        run(
+            [
+                *POSTTRAIN,
+                "eval",
+                str(model),
+                "--data",
+                str(data / "test.parquet"),
+                "--out",
+                str(out),
+                "--temperature",
+                "0",
+                "--max-response-length",
+                "8",
+            ],
+            out / "eval.log",
+        )
+    return float(json.loads(results.read_text())["accuracy"])
+
+
+def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str, Any]:
+    run_dir = work / f"dpo-seed{seed}"
+    if not (run_dir / "hf" / "config.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        run(
+            [
+                *POSTTRAIN,
+                "dpo",
+                f"model.path={paths['sft'] / 'hf'}",
+                f"data.train_files=[{paths['pairs'] / 'train.parquet'}]",
+                f"data.val_files=[{paths['pairs'] / 'test.parquet'}]",
+                *DPO_OVERRIDES,
+                *common_trainer(run_dir, seed, threads),
+            ],
+            run_dir / "run.log",
+        )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pref = [r["val/rewards_accuracy"] for r in rows if "val/rewards_accuracy" in r]
+    return {
+        "seed": seed,
+        "val_acc": held_out_accuracy(run_dir / "hf", paths["data"], run_dir / "eval"),
+        "held_out_preference_accuracy": pref[-1] if pref else None,
+    }
+
+
+def rm(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str, Any]:
+    run_dir = work / f"rm-seed{seed}"
+    if not (run_dir / "rm_eval.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        run(
+            [
+                *POSTTRAIN,
+                "rm",
+                f"model.path={paths['sft'] / 'hf'}",
+                f"data.train_files=[{paths['pairs'] / 'train.parquet'}]",
+                f"data.val_files=[{paths['pairs'] / 'test.parquet'}]",
+                *RM_OVERRIDES,
+                *common_trainer(run_dir, seed, threads),
+            ],
+            run_dir / "run.log",
+        )
+    final = json.loads((run_dir / "rm_eval.json").read_text())
+    return {"seed": seed, "pairwise_accuracy": final["val/accuracy"], "pairs": final.get("val/pairs")}
+
+
+def grpo_rm(paths: dict[str, Path], work: Path, seed: int, steps: int, workers: int) -> dict[str, Any]:
+    from posttrain.demo import RL_OVERRIDES
+
+    reward_model = work / f"rm-seed{seed}" / "hf"
+    if not (reward_model / "config.json").exists():
+        raise RuntimeError(
+            f"grpo_rm seed {seed} needs the reward model {reward_model}: run the rm stage first"
+        )
+    run_dir = work / f"grpo_rm-seed{seed}"
+    if not (run_dir / "done").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        overrides = [o for o in RL_OVERRIDES if not o.startswith(("trainer.loggers", "trainer.save_every"))]
+        run(
+            [
+                *POSTTRAIN,
+                "train",
+                f"model.path={paths['sft'] / 'hf'}",
+                f"data.train_files=[{paths['data'] / 'train.parquet'}]",
+                f"data.val_files=[{paths['data'] / 'test.parquet'}]",
+                f"reward.model.path={reward_model}",
+                "reward.model.with_rule_rewards=false",
+                *overrides,
+                f"trainer.total_steps={steps}",
+                f"trainer.n_workers_per_node={workers}",
+                "trainer.save_every=0",
+                "trainer.resume=false",
+                *common_trainer(run_dir, seed, 0)[:2],
+                "trainer.loggers=[jsonl]",
+            ],
+            run_dir / "run.log",
+        )
+        (run_dir / "done").touch()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    curve = [{"step": r["step"], "val_acc": r["val/acc"]} for r in rows if "val/acc" in r]
+    scores = [r["reward/model_score/mean"] for r in rows if "reward/model_score/mean" in r]
+    return {
+        "seed": seed,
+        "start_val_acc": curve[0]["val_acc"],
+        "last3_val_acc": statistics.mean(c["val_acc"] for c in curve[-3:]),
+        "curve": curve,
+        "rm_score_first5": statistics.mean(scores[:5]) if scores else None,
+        "rm_score_last5": statistics.mean(scores[-5:]) if scores else None,
+    }
+
+
+def spread(values: list[float]) -> list[float]:
+    return [round(min(values), 4), round(max(values), 4)]
+
+
+def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[str, Any]]:
+    if stage == "dpo":
+        accs = [r["val_acc"] for r in runs]
+        return [
+            {
+                "case": "dpo (sigmoid) from the SFT warm start, arithmetic 1-2 digit, tiny",
+                "metric": "held_out_accuracy",
+                "value": round(statistics.mean(accs), 4),
+                "baseline_name": "SFT warm start",
+                "baseline_value": round(start, 4),
+                "ratio": round(statistics.mean(accs) / max(start, 1e-9), 4),
+                "higher_is_better": True,
+                "repeats": len(accs),
+                "spread": spread(accs),
+            }
+        ]
+    if stage == "rm":
+        accs = [r["pairwise_accuracy"] for r in runs]
+        return [
+            {
+                "case": "reward model (Bradley-Terry) on arithmetic pairs, tiny",
+                "metric": "held_out_pairwise_accuracy",
+                "value": round(statistics.mean(accs), 4),
+                "higher_is_better": True,
+                "repeats": len(accs),
+                "spread": spread(accs),
+            }
+        ]
+    accs = [r["last3_val_acc"] for r in runs]
+    starts = [r["start_val_acc"] for r in runs]
+    return [
+        {
+            "case": "grpo with the reward model as its only reward, tiny, rule-scored held-out accuracy",
+            "metric": "held_out_accuracy_last3",
+            "value": round(statistics.mean(accs), 4),
+            "baseline_name": "start (step 0 validation)",
+            "baseline_value": round(statistics.mean(starts), 4),
+            "ratio": round(statistics.mean(accs) / max(statistics.mean(starts), 1e-9), 4),
+            "higher_is_better": True,
+            "repeats": len(accs),
+            "spread": spread(accs),
+        }
+    ]
+
+
+def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e .[bench])")
+        return
+    runs = results.get("grpo_rm", [])
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        ax.plot(
+            [c["step"] for c in r["curve"]], [c["val_acc"] for c in r["curve"]], label=f"seed {r['seed']}"
+        )
+    ax.set_xlabel("GRPO step (reward: the reward model alone)")
+    ax.set_ylabel("held-out accuracy (rule scorer, greedy)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {STAGES}")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--grpo-steps", type=int, default=GRPO_RM_STEPS)
+    parser.add_argument("--workers", type=int, default=2, help="FSDP workers of the GRPO runs")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the one-process runs")
+    parser.add_argument("--work", default="/tmp/posttrain-bench-post")
+    parser.add_argument("--fresh", action="store_true")
+    args = parser.parse_args()
+    stages = [s for s in args.stages.split(",") if s]
+    if unknown := sorted(set(stages) - set(STAGES)):
+        parser.error(f"unknown stages {unknown}; valid: {list(STAGES)}")
+    work = Path(args.work)
+    if args.fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    paths = warm_start(work)
+    start = held_out_accuracy(paths["sft"] / "hf", paths["data"], work / "sft-eval")
+    print(f"SFT warm start: held-out accuracy {start:.4f}", flush=True)
+
+    previous = RESULTS / "post_training.json"
+    results: dict[str, list[dict[str, Any]]] = {}
+    if previous.exists():  # stages not re-run keep their last figures
+        results = json.loads(previous.read_text()).get("runs", {})
+    for stage in stages:
+        results[stage] = []
+        for seed in range(args.seeds):
+            print(f"[{stage}] seed {seed}", flush=True)
+            if stage == "dpo":
+                out = dpo(paths, work, seed, args.threads)
+            elif stage == "rm":
+                out = rm(paths, work, seed, args.threads)
+            else:
+                out = grpo_rm(paths, work, seed, args.grpo_steps, args.workers)
+            print("  " + json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)
+            results[stage].append(out)
+    rows = [row for stage in STAGES if results.get(stage) for row in rows_for(stage, results[stage], start)]
+    result = {
+        "bench": "post_training",
+        "machine": machine_info(args.threads),
+        "command": "python " + " ".join(sys.argv),
+        "sft_start_val_acc": start,
+        "settings": {"dpo": DPO_OVERRIDES, "rm": RM_OVERRIDES, "grpo_rm_steps": args.grpo_steps},
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": rows,
+        "runs": results,
+    }
+    path = write_result("post_training.json", result)
+    plot(results, RESULTS / "post_training.png")
+    print(f"\nstart (SFT warm start) held-out accuracy {start:.4f}")
+    for row in rows:
+        print(f"{row['case']}: {row['metric']} {row['value']} (spread {row['spread']}, n={row['repeats']})")
+    print(f"wrote {path} ({result['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
