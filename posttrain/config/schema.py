@@ -278,6 +278,12 @@ class AsyncRLConfig:
     partial_rollout: bool = False
     # tokens generated per call with partial_rollout (each chunk re-prefills prompt + response so far)
     partial_chunk_tokens: int = 32
+    # groups (the n samples of a prompt) come back as they finish; a step trains on the first
+    # data.train_batch_prompts complete (and, with algorithm.dynamic_sampling, kept) groups; the rest carry over
+    streaming: bool = False
+    # with streaming: groups kept in flight beyond what the next batches within the staleness bound need
+    # (replaces groups the dynamic-sampling filter drops; the slowest groups then carry over to a later step)
+    stream_extra_groups: int = 0
 
 
 @dataclass(frozen=True)

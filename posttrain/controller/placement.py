@@ -228,6 +228,8 @@ def start_rl_groups(
     started, pools = start_role_groups(cfg.trainer, cfg.ray, requests, cfg.resources.pools, wait_s)
     actor = ActorGroup(started["actor_rollout_ref"])
     pool = RolloutGroup(started["rollout"]) if "rollout" in started else None
+    if pool is not None and cfg.async_rl.staleness:  # a dead rollout worker is restarted in place
+        pool.enable_restarts(cfg.trainer.max_restarts)
     critic = CriticGroup(started["critic"]) if "critic" in started else None
     reward_model = RewardModelGroup(started["reward_model"]) if "reward_model" in started else None
     return RLGroups(

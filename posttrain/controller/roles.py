@@ -16,6 +16,10 @@ colocated rollout engine, or the rollout role on a pool of its own); `ActorGroup
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -28,7 +32,10 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
 from posttrain.workers.losses import LossSpec
 
+log = logging.getLogger(__name__)
+
 Metrics = dict[str, float]
+STREAM_ID = "stream_id"  # int column of streamed rows: who they are when they come back (RolloutGroup)
 ReferenceModel = Literal["actor", "ref", "teacher"]
 
 
@@ -48,6 +55,10 @@ class Dispatcher(Protocol):
     def placement(self) -> list[dict[str, Any]]: ...
 
     def ping(self) -> list[dict[str, Any]]: ...
+
+    def restart(self) -> None:
+        """Every rank started again from its spec (a dead one included)."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -170,14 +181,119 @@ class ActorGroup(RoleGroup):
         self.dispatcher.call("export_hf", str(out_dir), merged=merged)
 
 
+@dataclass
+class _Streamed:
+    """Rows of one `stream_submit` and the stream ids among them not collected yet."""
+
+    rows: Batch
+    sampling: SamplingParams
+    outstanding: set[int]
+
+
 class RolloutGroup(RoleGroup):
-    """A sampler pool of its own (split placement, `RolloutWorker`), fed weights after each update."""
+    """A sampler pool of its own (split placement, `RolloutWorker`), fed weights after each update.
+
+    Streaming verbs (`stream_submit`, `stream_collect`): rows queued on the workers' continuous batching come
+    back as they finish, each identified by its `stream_id` column.
+
+    With `enable_restarts(n)` (asynchronous RL) a rank that dies is restarted in place, at most n times: the
+    whole group starts again on its bundles, reloads the weights last loaded into it (none: the model's own,
+    version 0), re-issues the streamed rows not collected yet, and the failed call is repeated (a submit or a
+    weight load is not: the re-issue covers it). The group's calls hold one lock, so a restart never runs under
+    another thread's call. Without restarts a death raises the WorkerError naming the dead rank.
+    """
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__(dispatcher)
+        self.max_restarts = 0
+        self.restarts = 0  # rank deaths recovered from in place
+        self._weights: dict[str, torch.Tensor] | None = None  # kept only with restarts enabled
+        self._streamed: list[_Streamed] = []
+        self._lock = threading.RLock()
+
+    def enable_restarts(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
 
     def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        return self._batch("sample", batch, sampling)
+        return self._as_batch("sample", self._guarded(True, "sample", batch, sampling))
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> Metrics:
-        return self._metrics("load_weights", tensors)
+        with self._lock:
+            if self.max_restarts:
+                self._weights = tensors
+            return self._as_metrics("load_weights", self._guarded(False, "load_weights", tensors))
+
+    def stream_submit(self, batch: Batch, sampling: SamplingParams) -> None:
+        """Queue `batch`'s rows (int column `stream_id`, rows split evenly over the ranks); returns at once."""
+        with self._lock:
+            ids = {int(i) for i in batch[STREAM_ID]}
+            self._streamed.append(_Streamed(batch, sampling, ids))
+            self._guarded(False, "stream_submit", batch, sampling)
+
+    def stream_collect(self, wait_s: float) -> list[Batch]:
+        """The streamed rows finished since the last call (waiting up to `wait_s` for a first one on each rank),
+        one Batch per submission piece; prompt widths may differ between pieces."""
+        with self._lock:
+            per_rank = self._guarded(True, "stream_collect", wait_s)
+            out: list[Batch] = []
+            for piece in (b for rank in per_rank for b in rank):
+                ids = [int(i) for i in piece[STREAM_ID]]
+                keep = [j for j, i in enumerate(ids) if i >= 0]  # -1: filler of a re-issue
+                for sub in self._streamed:
+                    sub.outstanding.difference_update(ids)
+                if keep:
+                    out.append(piece.index(keep))
+            self._streamed = [sub for sub in self._streamed if sub.outstanding]
+            return out
+
+    def _guarded(self, retry: bool, method: str, *args: Any) -> Any:
+        with self._lock:
+            while True:
+                try:
+                    return self.dispatcher.call(method, *args)
+                except WorkerError as exc:
+                    if not exc.died:
+                        raise
+                    self._restart(exc)
+                    if not retry:
+                        return None
+
+    def _restart(self, exc: WorkerError) -> None:
+        if self.restarts >= self.max_restarts:
+            if self.max_restarts == 0:
+                raise exc
+            raise WorkerError(
+                f"{exc} (after {self.restarts} in-place restart(s) of the rollout pool; "
+                f"trainer.max_restarts={self.max_restarts})",
+                role=exc.role,
+                rank=exc.rank,
+                died=exc.died,
+            ) from None
+        self.restarts += 1
+        message = (
+            f"{exc}; restarting the {self.role} workers in place ({self.restarts} of {self.max_restarts})"
+        )
+        log.warning(message)
+        print(message, file=sys.stderr, flush=True)
+        self.dispatcher.restart()
+        if self._weights is not None:
+            self.dispatcher.call("load_weights", self._weights)
+        lost = [
+            (s.rows.index([i in s.outstanding for i in map(int, s.rows[STREAM_ID])]), s)
+            for s in self._streamed
+        ]
+        for rows, sub in lost:
+            if len(rows):
+                self.dispatcher.call("stream_submit", self._fill(rows), sub.sampling)
+
+    def _fill(self, rows: Batch) -> Batch:
+        """`rows` plus copies marked `stream_id` -1 up to a multiple of the world size (the split is even)."""
+        short = -len(rows) % self.world_size
+        if not short:
+            return rows
+        filler = rows.index([0] * short)
+        filler.set(STREAM_ID, [-1] * short)
+        return Batch.concat([rows, filler])
 
     def save_state(self, path: Path) -> None:
         self.dispatcher.call("save_state", str(path))

@@ -84,10 +84,16 @@ class LocalWorkerGroup:
     ) -> None:
         self.role = role
         self.world_size = 1
+        self._start_args = (worker_cls, spec, device)
+        self.restart()
+
+    def restart(self) -> None:
+        """A new worker from the same spec (the caller restores any state it needs)."""
+        worker_cls, spec, device = self._start_args
         try:
             self.worker = worker_cls(spec, DistInfo(rank=0, world_size=1, device=device))
         except Exception as exc:
-            raise WorkerError(f"{role} rank 0 failed to start: {type(exc).__name__}: {exc}") from exc
+            raise WorkerError(f"{self.role} rank 0 failed to start: {type(exc).__name__}: {exc}") from exc
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -168,8 +174,6 @@ class RayWorkerGroup:
         share: float = 1.0,
         sequence_parallel_size: int = 1,
     ) -> None:
-        import ray
-
         self.role = role
         self.timeout_s = timeout_s
         self._own_pool = pool is None
@@ -187,8 +191,18 @@ class RayWorkerGroup:
             )
         self.sequence_parallel_size = sequence_parallel_size
         self.data_parallel_size = self.world_size // sequence_parallel_size
-        bundle = placed.spec.bundle
+        self._start_args = (worker_cls, spec, device, env_vars, share)
         self.workers: list[Any] = []
+        self._start_ranks()
+
+    def _start_ranks(self) -> None:
+        """One Ray actor per rank on the pool's bundles, each building its worker (a rendezvous on rank 0)."""
+        import ray
+
+        worker_cls, spec, device, env_vars, share = self._start_args
+        placed, timeout_s = self.pool, self.timeout_s
+        assert placed is not None
+        bundle = placed.spec.bundle
         try:
             remote_cls = ray.remote(WorkerHost)
             self.workers = [
@@ -198,7 +212,7 @@ class RayWorkerGroup:
                     max_restarts=0,
                     scheduling_strategy=placed.scheduling(rank),
                     runtime_env={"env_vars": env_vars or {}},
-                ).remote(role)
+                ).remote(self.role)
                 for rank in range(self.world_size)
             ]
             master_addr, master_port = self._get(
@@ -223,6 +237,16 @@ class RayWorkerGroup:
         except Exception:
             self.shutdown()
             raise
+
+    def restart(self) -> None:
+        """Kill every rank (a dead one included) and start the group again on the same bundles: new processes
+        building their workers from the same spec (the caller restores any state they need)."""
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+        self._start_ranks()  # waits for the killed ranks' share of the bundles to come back
 
     def _get(self, refs: list[Any], method: str, timeout_s: float | None = None) -> list[Any]:
         """Results in rank order; the first failure (whichever rank) is raised at once, naming the rank."""

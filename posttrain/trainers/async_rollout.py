@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,10 +57,22 @@ log = logging.getLogger(__name__)
 
 # settings the asynchronous loop does not take: refused, never silently ignored
 _UNSUPPORTED: dict[str, Callable[[RLConfig], bool]] = {
-    "algorithm.dynamic_sampling": lambda c: c.algorithm.dynamic_sampling,
+    # the whole-batch producer cannot filter groups as they arrive: streaming does
+    "algorithm.dynamic_sampling (set async_rl.streaming=true)": lambda c: (
+        c.algorithm.dynamic_sampling and not c.async_rl.streaming
+    ),
     "algorithm.adv_estimator=remax": lambda c: c.algorithm.adv_estimator == "remax",
     "agent.enable": lambda c: c.agent.enable,
     "algorithm.critic_warmup > 0": lambda c: c.algorithm.critic_warmup > 0,
+}
+# ... and with async_rl.streaming (trainers/streaming.py)
+_UNSUPPORTED_STREAMING: dict[str, Callable[[RLConfig], bool]] = {
+    # the arrival order of groups depends on timing: no fixed schedule
+    "async_rl.deterministic": lambda c: c.async_rl.deterministic,
+    # the pool takes weights only between groups; a group is never split into chunks
+    "async_rl.partial_rollout": lambda c: c.async_rl.partial_rollout,
+    # groups are queued on the engine's asynchronous request API (continuous batching)
+    "rollout.name=hf (streaming needs rollout.name=native)": lambda c: c.rollout.name != "native",
 }
 # ... and with async_rl.partial_rollout
 _UNSUPPORTED_PARTIAL: dict[str, Callable[[RLConfig], bool]] = {
@@ -79,7 +91,16 @@ def check_async_config(cfg: RLConfig) -> None:
         raise ConfigError(f"async_rl.sync_every must be >= 1, got {a.sync_every}")
     if a.partial_chunk_tokens < 1:
         raise ConfigError(f"async_rl.partial_chunk_tokens must be >= 1, got {a.partial_chunk_tokens}")
+    if a.stream_extra_groups < 0:
+        raise ConfigError(f"async_rl.stream_extra_groups must be >= 0, got {a.stream_extra_groups}")
+    if a.stream_extra_groups and not a.streaming:
+        raise ConfigError("async_rl.stream_extra_groups is used only with async_rl.streaming=true")
     if a.staleness == 0:
+        if a.streaming:
+            raise ConfigError(
+                "async_rl.streaming needs async_rl.staleness >= 1 (the synchronous loop trains each step's own "
+                "batch)"
+            )
         if a.partial_rollout:
             raise ConfigError(
                 "async_rl.partial_rollout needs async_rl.staleness >= 1 (weights change only between steps "
@@ -102,7 +123,11 @@ def check_async_config(cfg: RLConfig) -> None:
     for name, used in _UNSUPPORTED.items():
         if used(cfg):
             raise ConfigError(f"async_rl.staleness >= 1 does not support {name} yet")
-    if a.partial_rollout:
+    if a.streaming:
+        for name, used in _UNSUPPORTED_STREAMING.items():
+            if used(cfg):
+                raise ConfigError(f"async_rl.streaming does not support {name}")
+    elif a.partial_rollout:
         for name, used in _UNSUPPORTED_PARTIAL.items():
             if used(cfg):
                 raise ConfigError(f"async_rl.partial_rollout does not support {name}")
@@ -322,12 +347,23 @@ def staleness_metrics(batch: Batch, version: int, k: int) -> dict[str, float]:
     return metrics
 
 
+class LoaderPosition(Protocol):
+    """A producer that drew ahead of training: where the loader stands for a checkpoint."""
+
+    @property
+    def trained_loader_state(self) -> dict[str, Any]: ...
+
+
 class TrainedLoaderState:
     """The dataloader's part of a checkpoint under asynchronous RL: the position after the last trained
-    batch (the producer has drawn further ahead)."""
+    batch (the producer has drawn further ahead). With streaming, also `settled`: prompts after that position
+    already trained or filtered (trainers/streaming.py); a restore puts them into `settled` for the next
+    producer to skip."""
 
-    def __init__(self, loader: PromptDataLoader, producer: RolloutProducer | None) -> None:
-        self.loader, self.producer = loader, producer
+    def __init__(
+        self, loader: PromptDataLoader, producer: LoaderPosition | None, settled: list[str] | None = None
+    ) -> None:
+        self.loader, self.producer, self.settled = loader, producer, settled
 
     def state_dict(self) -> dict[str, Any]:
         if self.producer is None:
@@ -336,3 +372,5 @@ class TrainedLoaderState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+        if self.settled is not None:
+            self.settled[:] = list(state.get("settled", []))

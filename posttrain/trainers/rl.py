@@ -52,6 +52,7 @@ from posttrain.trainers.setup import (
     reuses_update_log_probs,
 )
 from posttrain.trainers.step_metrics import CONSOLE_KEYS, batch_metrics, timed, val_only
+from posttrain.trainers.streaming import StreamingProducer
 from posttrain.trainers.throughput import PerfMeter
 from posttrain.trainers.updates import Metrics, balance_across_workers, minibatch_updates
 from posttrain.trainers.validation import SAMPLES_DIR, validate
@@ -95,7 +96,9 @@ class RLTrainer:
         self.rewards = RewardStage(cfg)
         # agent.enable: rows run as multi-turn agent episodes (tools) instead of one response per prompt
         self.agents = AgentStage(cfg, self.tokenizer, self.rewards) if cfg.agent.enable else None
-        self.producer: RolloutProducer | None = None  # async_rl.staleness >= 1: rollouts sampled ahead
+        # async_rl.staleness >= 1: rollouts sampled ahead, whole batches or (async_rl.streaming) group by group
+        self.producer: RolloutProducer | StreamingProducer | None = None
+        self.stream_settled: list[str] = []  # streaming: prompts a restored checkpoint says are done with
         self.sampling = SamplingParams(
             max_tokens=cfg.data.max_response_length,
             temperature=cfg.rollout.temperature,
@@ -335,6 +338,11 @@ class RLTrainer:
             self.sync_sampler()
             metrics["async/weight_sync_s"] = time.perf_counter() - start
             return metrics
+        if isinstance(producer, StreamingProducer):  # loaded by the producer once its groups in flight end
+            start = time.perf_counter()
+            producer.hand_weights(version, actor.rollout_weights())
+            metrics["async/weight_sync_s"] = time.perf_counter() - start
+            return metrics
         producer.wait_before_publish(version)
         start = time.perf_counter()
         weights = actor.rollout_weights()  # fetched while the pool keeps generating
@@ -349,11 +357,23 @@ class RLTrainer:
     def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
         """The next batch the producer sampled ahead (trainers/async_rollout.py), scored here."""
         async_rl, version = self.cfg.async_rl, self.step_count
+        pool = self.groups.rollout_pool if self.groups is not None else None
         if self.producer is None:
             start = version - version % async_rl.sync_every  # the version the pool holds after a (re)start
-            self.producer = RolloutProducer(
-                self.cfg, rollout, self.loader, self.sampling, start, self.pad_id, self._decode
+            self.producer = (
+                StreamingProducer(
+                    self.cfg, pool, self.loader, self.sampling, start, self.pad_id, list(self.stream_settled)
+                )
+                if async_rl.streaming and pool is not None
+                else RolloutProducer(
+                    self.cfg, rollout, self.loader, self.sampling, start, self.pad_id, self._decode
+                )
             )
+            self.stream_settled.clear()
+        if isinstance(self.producer, StreamingProducer):  # trainers/streaming.py: scored as groups arrive
+            batch, metrics = self.producer.take_batch(version, self.rewards.score)
+            metrics.update(self.rewards.end_step())
+            return batch, metrics
         metrics = {"async/dropped_samples": 0.0, "async/regenerated_samples": 0.0}
         while True:
             item, taken = self.producer.take(version)
@@ -476,7 +496,7 @@ class RLTrainer:
             workers.append(self.groups.rollout_pool)
         states: dict[str, DriverState] = {
             "rewards": self.rewards,
-            "dataloader": TrainedLoaderState(self.loader, self.producer),
+            "dataloader": TrainedLoaderState(self.loader, self.producer, self.stream_settled),
             "rng": ProcessRNG(),
         }
         return workers, states

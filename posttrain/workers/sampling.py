@@ -82,3 +82,29 @@ def results_batch(
         },
         meta={keys.GEN_SECONDS: seconds, keys.TEMPERATURE: temperature},
     )
+
+
+def pad_prompts_left(batch: Batch, prompt_width: int, pad_id: int) -> Batch:
+    """`batch` with its prompts left-padded to `prompt_width` tokens: `prompts`, `input_ids` (pad_id),
+    `attention_mask` and `position_ids` (0) of submitted or sampled rows, so rows of calls whose prompts were
+    padded to different widths can be concatenated. Response columns are untouched."""
+    width = batch[keys.PROMPTS].shape[1] if keys.PROMPTS in batch else batch[keys.INPUT_IDS].shape[1]
+    extra = prompt_width - width
+    if extra < 0:
+        raise ValueError(f"cannot pad prompts of {width} tokens to {prompt_width}")
+    if extra == 0:
+        return batch
+    out = batch.select()
+    fills = {keys.PROMPTS: pad_id, keys.INPUT_IDS: pad_id, keys.ATTENTION_MASK: 0, keys.POSITION_IDS: 0}
+    for key, fill in fills.items():
+        if key in batch:
+            column = batch[key]
+            pad = torch.full((len(batch), extra), fill, dtype=column.dtype)
+            out.set(key, torch.cat([pad, column], dim=1))
+    return out
+
+
+def concat_padded(batches: list[Batch], pad_id: int) -> Batch:
+    """Rows of `batches` in order, prompts left-padded to the widest (see `pad_prompts_left`)."""
+    widths = [b[keys.PROMPTS].shape[1] if keys.PROMPTS in b else b[keys.INPUT_IDS].shape[1] for b in batches]
+    return Batch.concat([pad_prompts_left(b, max(widths), pad_id) for b in batches])

@@ -1,0 +1,290 @@
+"""Streaming asynchronous RL without Ray: groups reassembled as rows finish, batches formed from the first complete
+(and kept) groups, the staleness bound, the dynamic-sampling filter, the loader ledger, in-place pool restarts."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.config.load import load_config
+from posttrain.config.schema import RLConfig
+from posttrain.controller.roles import STREAM_ID, RolloutGroup
+from posttrain.data import keys
+from posttrain.data.batch import Batch
+from posttrain.data.dataloader import PromptDataLoader
+from posttrain.data.dataset import collate_prompts
+from posttrain.errors import WorkerError
+from posttrain.rollout.base import GenerationResult, SamplingParams
+from posttrain.trainers.stream_groups import DrawLedger, GroupAssembler
+from posttrain.trainers.streaming import StreamingProducer
+from posttrain.workers.sampling import batch_prompts, pad_prompts_left, results_batch
+
+PAD = 0
+N = 4
+
+
+class Prompts:
+    """Prompts of 1..5 tokens (so submissions pad to different widths)."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": list(range(1, 2 + i % 5)), "data_source": "t", "ground_truth": "", "extra_info": {},
+                "raw_prompt": "", "messages": [], "index": i}  # fmt: skip
+
+
+def length(uid: str, sample: int) -> int:
+    """Response length 1..12: varies by prompt and sample (a few long ones)."""
+    return 1 + zlib.crc32(f"{uid}/{sample}".encode()) % 12
+
+
+class FakePool:
+    """A continuous-batching pool on a clock: a row finishes `length` collect calls after its submission; the
+    weights may change only when nothing is in flight (as RolloutWorker.load_weights insists)."""
+
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.tick = 0
+        self.pending: list[tuple[int, Batch, SamplingParams]] = []  # (finish tick, one row, sampling)
+        self.loads: list[int] = []
+        self.submitted: list[str] = []
+
+    def stream_submit(self, batch: Batch, sampling: SamplingParams) -> None:
+        self.submitted += list(dict.fromkeys(batch[keys.UID]))
+        for i in range(len(batch)):
+            row = batch.index([i])
+            sample = int(row[STREAM_ID][0]) % N
+            self.pending.append((self.tick + length(str(row[keys.UID][0]), sample), row, sampling))
+
+    def stream_collect(self, wait_s: float) -> list[Batch]:
+        self.tick += 1
+        done = [p for p in self.pending if p[0] <= self.tick]
+        self.pending = [p for p in self.pending if p[0] > self.tick]
+        out = []
+        for _, row, sampling in done:
+            n = length(str(row[keys.UID][0]), int(row[STREAM_ID][0]) % N)
+            result = GenerationResult([7] * n, [-0.5] * n, "x" * n, "stop")
+            out.append(results_batch(row, [result], PAD, sampling.max_tokens, 0.0, 1.0).union(
+                row.select(tensor_keys=[])))  # fmt: skip
+        return out
+
+    def load_weights(self, tensors: Any) -> dict[str, float]:
+        assert not self.pending, "weights loaded while groups were generating"
+        self.loads.append(int(tensors))
+        return {}
+
+
+def flat(uid: str) -> bool:
+    """The prompts whose n samples all get the same score (every third)."""
+    return int(uid.split("-")[1]) % 3 == 0
+
+
+def all_equal(uid: str) -> bool:
+    """The groups the filter must drop: the flat prompts, and those whose samples are all short or all long."""
+    return flat(uid) or len({length(uid, s) >= 6 for s in range(N)}) == 1
+
+
+def score(batch: Batch) -> Batch:
+    uids = list(batch[keys.UID])
+    lengths = batch[keys.RESPONSE_MASK].sum(-1)
+    values = [0.5 if flat(u) else float(n >= 6) for u, n in zip(uids, lengths.tolist(), strict=True)]
+    token = torch.zeros_like(batch[keys.RESPONSE_MASK])
+    return Batch.from_dict({keys.TOKEN_LEVEL_SCORES: token}, {keys.SCORE: values})
+
+
+def config(*extra: str) -> RLConfig:
+    return load_config(RLConfig, "rl", ["model.path=x", "data.train_batch_prompts=4", f"rollout.n={N}",
+                                        "data.max_response_length=12", *extra])  # fmt: skip
+
+
+def loader() -> PromptDataLoader:
+    return PromptDataLoader(
+        Prompts(), 4, lambda items, uids: collate_prompts(items, PAD, uids), shuffle=False
+    )
+
+
+def run(cfg: RLConfig, steps: int) -> tuple[list[Batch], list[dict[str, float]], StreamingProducer, FakePool]:
+    pool, data = FakePool(), loader()
+    producer = StreamingProducer(cfg, pool, data, SamplingParams(max_tokens=12), 0, PAD)
+    batches, metrics = [], []
+    try:
+        for version in range(steps):
+            batch, m = producer.take_batch(version, score)
+            batches.append(batch)
+            metrics.append(m)
+            producer.hand_weights(version + 1, version + 1)  # the update's new weights
+    finally:
+        producer.stop()
+    return batches, metrics, producer, pool
+
+
+def varied(batch: Batch, uid: str) -> bool:
+    scores = [s for u, s in zip(batch[keys.UID], batch[keys.SCORE], strict=True) if u == uid]
+    return len(set(scores)) > 1
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_trained_sample_is_within_the_bound_and_no_group_is_trained_twice_or_lost(k: int) -> None:
+    cfg = config(f"async_rl.staleness={k}", "async_rl.streaming=true", "async_rl.stream_extra_groups=2",
+                 "algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=20")  # fmt: skip
+    batches, metrics, producer, pool = run(cfg, 8)
+    trained: list[str] = []
+    for version, (batch, m) in enumerate(zip(batches, metrics, strict=True)):
+        assert len(batch) == 4 * N
+        versions = batch[keys.ROLLOUT_VERSIONS]
+        for row in range(len(batch)):  # every token of a row: one version, within k of the update
+            tagged = versions[row][versions[row] >= 0]
+            assert tagged.numel() == int(batch[keys.RESPONSE_MASK][row].sum())
+            assert int(tagged.min()) == int(tagged.max()) and 0 <= version - int(tagged.min()) <= k
+        assert m["async/staleness_max"] <= k
+        uids = list(dict.fromkeys(batch[keys.UID]))
+        assert len(uids) == 4 and all(list(batch[keys.UID]).count(u) == N for u in uids)
+        assert not any(flat(u) for u in uids) and all(varied(batch, u) for u in uids)  # the filter's work
+        trained += uids
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    # every drawn prompt is trained, filtered (exactly the all-equal ones), dropped, or still open
+    filtered = sum(m["async/groups_filtered"] for m in metrics)
+    dropped = sum(m["async/dropped_samples"] for m in metrics) / N
+    open_uids = producer.ledger.open_uids()
+    last = producer.ledger.position
+    assert last is not None and last["epoch"] == 0
+    drawn = [f"0-{i}" for i in range(4 * last["position"])]
+    assert not set(open_uids) & set(trained) and not any(all_equal(u) for u in trained)
+    done_with = [u for u in drawn if u not in open_uids and u not in trained]  # filtered or dropped
+    assert filtered + dropped == len(done_with)
+    assert sum(map(all_equal, done_with)) - dropped <= filtered <= sum(map(all_equal, done_with))
+    assert filtered > 0 and sum(m["async/groups_carried_over"] for m in metrics) > 0
+    # weights reached the pool only between groups, in order
+    assert pool.loads == sorted(pool.loads) and pool.loads
+
+
+def test_without_the_filter_batches_are_the_first_complete_groups() -> None:
+    cfg = config("async_rl.staleness=2", "async_rl.streaming=true", "async_rl.stream_extra_groups=4")
+    batches, metrics, _, _ = run(cfg, 3)
+    for m in metrics:
+        assert m["async/groups_filtered"] == 0 and m["async/time_to_batch_s"] >= 0
+    first = list(dict.fromkeys(batches[0][keys.UID]))
+    # 16 groups in flight from the start (batches 0..k, + 4 extra): the 4 whose slowest sample is shortest
+    # come first
+    slowest = {f"0-{i}": max(length(f"0-{i}", s) for s in range(N)) for i in range(16)}
+    assert sorted(slowest[u] for u in first) == sorted(slowest.values())[:4]
+
+
+def test_stale_groups_are_regenerated_with_newer_weights() -> None:
+    cfg = config("async_rl.staleness=1", "async_rl.streaming=true", "async_rl.stream_extra_groups=6",
+                 "async_rl.on_stale=regenerate")  # fmt: skip
+    batches, metrics, _, _ = run(cfg, 6)
+    assert sum(m["async/regenerated_samples"] for m in metrics) > 0
+    trained = [u for b in batches for u in dict.fromkeys(b[keys.UID])]
+    assert len(trained) == len(set(trained))
+    for version, batch in enumerate(batches):
+        tagged = batch[keys.ROLLOUT_VERSIONS]
+        assert version - int(tagged[tagged >= 0].min()) <= 1
+
+
+def test_groups_reassemble_from_pieces_of_different_widths() -> None:
+    assembler = GroupAssembler(2, PAD)
+    prompts = {u: collate_prompts([Prompts()[i]], PAD, [u]) for u, i in (("a", 0), ("b", 3))}
+    for uid, prompt in prompts.items():
+        assembler.expect(uid, prompt, version=3)
+
+    def piece(uid: str, ids: list[int], prompt_width: int) -> Batch:
+        rows = prompts[uid].select([keys.INPUT_IDS, keys.ATTENTION_MASK], []).repeat(len(ids))
+        rows = pad_prompts_left(rows, prompt_width, PAD)  # as padded in a submission with longer prompts
+        rows.set(STREAM_ID, ids)
+        rows.set(keys.UID, [uid] * len(ids))
+        results = [GenerationResult([9] * (i + 1), [0.0] * (i + 1), "", "stop") for i in ids]
+        return results_batch(rows, results, PAD, 5, 0.0, 1.0).union(rows.select(tensor_keys=[]))
+
+    assert assembler.add([piece("a", [1], 6), piece("b", [2], 4)], 1.0) == []
+    done = assembler.add([piece("b", [3], 4), piece("a", [0], 1)], 2.0)
+    assert [g.uid for g in done] == ["b", "a"] and len(assembler) == 0
+    a = done[1].rows
+    assert a[keys.RESPONSE_MASK].sum(-1).tolist() == [1.0, 2.0], "sample order restored"
+    assert a[keys.PROMPTS].shape[1] == 6 and a[keys.INPUT_IDS].shape[1] == 11
+    assert batch_prompts(a) == [[1, 9], [1, 9, 9]] and list(a[keys.UID]) == ["a", "a"]
+    mask = a[keys.ATTENTION_MASK]
+    assert torch.equal(a[keys.POSITION_IDS], (mask.cumsum(-1) - 1).clamp(min=0)) and int(mask[0].sum()) == 2
+    assert STREAM_ID not in a
+
+
+def test_the_ledger_points_a_resume_at_the_oldest_open_draw() -> None:
+    ledger = DrawLedger()
+    ledger.drawn({"epoch": 0, "position": 0}, {"epoch": 0, "position": 1}, ["0-0", "0-1"])
+    ledger.drawn({"epoch": 0, "position": 1}, {"epoch": 0, "position": 2}, ["0-2", "0-3"])
+    ledger.settle(["0-0", "0-2"])
+    assert ledger.resume_state({}) == {"epoch": 0, "position": 0, "settled": ["0-0", "0-2"]}
+    ledger.settle(["0-1"])
+    assert ledger.resume_state({}) == {"epoch": 0, "position": 1, "settled": ["0-2"]}
+    ledger.settle(["0-3"])
+    assert ledger.resume_state({}) == {"epoch": 0, "position": 2, "settled": []}
+
+
+def test_a_resumed_producer_skips_settled_prompts() -> None:
+    cfg = config("async_rl.staleness=1", "async_rl.streaming=true")
+    pool = FakePool()
+    producer = StreamingProducer(cfg, pool, loader(), SamplingParams(max_tokens=12), 0, PAD, ["0-1", "0-2"])
+    try:
+        batch, _ = producer.take_batch(0, score)
+    finally:
+        producer.stop()
+    assert pool.submitted[:4] == ["0-0", "0-3", "0-4", "0-5"] and not {"0-1", "0-2"} & set(pool.submitted)
+    assert not {"0-1", "0-2"} & set(batch[keys.UID])
+
+
+class DyingDispatcher:
+    """Two ranks; the first stream_collect finds rank 1 dead."""
+
+    role, world_size, data_parallel_size = "rollout", 2, 2
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.dead = False
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((method, args[0] if args else None))
+        if method == "stream_collect" and not self.dead:
+            self.dead = True
+            raise WorkerError(
+                "rollout rank 1 died during stream_collect: process 42 was killed",
+                role="rollout",
+                rank=1,
+                died=True,
+            )
+        return [[], []] if method == "stream_collect" else {}
+
+    def restart(self) -> None:
+        self.calls.append(("restart", None))
+
+
+def test_a_dead_rollout_rank_restarts_with_the_weights_and_its_lost_requests() -> None:
+    dispatcher = DyingDispatcher()
+    group = RolloutGroup(dispatcher)  # type: ignore[arg-type]
+    group.enable_restarts(1)
+    group.load_weights({"w": torch.ones(1)})
+    rows = collate_prompts([Prompts()[i] for i in range(4)], PAD, ["a", "b", "c", "d"])
+    rows = rows.select([keys.INPUT_IDS, keys.ATTENTION_MASK], [keys.UID])
+    rows.set(STREAM_ID, [0, 1, 2, 3])
+    group.stream_submit(rows, SamplingParams())
+    group._streamed[0].outstanding -= {0}  # row 0 was collected before the death
+    assert group.stream_collect(0.1) == []
+    methods = [m for m, _ in dispatcher.calls]
+    assert methods == ["load_weights", "stream_submit", "stream_collect", "restart", "load_weights",
+                       "stream_submit", "stream_collect"]  # fmt: skip
+    reissued = dispatcher.calls[5][1]
+    assert list(reissued[STREAM_ID]) == [1, 2, 3, -1], "the lost rows, plus a filler for the even split"
+    assert group.restarts == 1
+    with pytest.raises(WorkerError, match="rollout rank 1 died .*after 1 in-place restart"):
+        dispatcher.dead = False
+        group.stream_collect(0.1)
+
+
+def test_without_restarts_the_dead_rank_is_named() -> None:
+    group = RolloutGroup(DyingDispatcher())  # type: ignore[arg-type]
+    with pytest.raises(WorkerError, match="rollout rank 1 died during stream_collect: process 42"):
+        group.stream_collect(0.1)
