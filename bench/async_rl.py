@@ -6,6 +6,7 @@ tail of responses several times longer), from a short SFT warm start on its work
     sync-colocated   one worker holding trainer + rollout, using both cores (the best synchronous setting)
     sync-split k=0   one rollout worker + one training worker, synchronous (each waits for the other)
     async k=1, k=2   the same two workers, rollouts sampled 1 or 2 versions ahead (async_rl.staleness)
+    async k=2 stream the same, batches formed from the first complete groups (async_rl.streaming)
 
 Each runs `--steps` GRPO steps; samples/s counts the steps after the first (start-up excluded), alternating
 configurations across repeats. The speedup bound with two workers is (generation + training) / max(generation,
@@ -13,6 +14,7 @@ training), from the split k=0 run's own timings; two cores sharing memory bandwi
 
     python bench/async_rl.py                 # tiny preset, mixed lengths and the long tail, 2 repeats
     python bench/async_rl.py --preset small --repeats 3
+    python bench/async_rl.py --cases tail --configs sync-colocated,sync-split,async-k2,async-k2-stream
 
 Writes bench/results/async_rl.json (BENCHMARKS.md format).
 """
@@ -45,6 +47,10 @@ CONFIGS = {
                  "async_rl.staleness=1", "algorithm.rollout_correction.rollout_is=token"],
     "async-k2": ["resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1", "trainer.threads_per_worker=1",
                  "async_rl.staleness=2", "algorithm.rollout_correction.rollout_is=token"],
+    # streaming: batches from the first complete groups; 2 extra groups in flight so the long tail carries over
+    "async-k2-stream": ["resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1",
+                        "trainer.threads_per_worker=1", "async_rl.staleness=2", "async_rl.streaming=true",
+                        "async_rl.stream_extra_groups=2", "algorithm.rollout_correction.rollout_is=token"],
 }  # fmt: skip
 
 
@@ -112,7 +118,8 @@ def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: in
         "reward": statistics.fmean(r["reward/mean"] for r in steady),
         "response_length": statistics.fmean(r["response_length/mean"] for r in steady),
     }
-    for key in ("async/trainer_idle_share", "async/rollout_idle_share", "async/staleness"):
+    for key in ("async/trainer_idle_share", "async/rollout_idle_share", "async/staleness",
+                "async/groups_carried_over", "async/time_to_batch_s", "async/dropped_samples"):  # fmt: skip
         if key in steady[0]:
             out[key] = statistics.fmean(r[key] for r in steady)
     return out
@@ -125,7 +132,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cases", default="mixed,tail")
     parser.add_argument("--work", default="/tmp/posttrain-bench-async")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {', '.join(CONFIGS)}")
     args = parser.parse_args()
+    names = args.configs.split(",")
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown or "sync-colocated" not in names or "sync-split" not in names:
+        parser.error(
+            f"--configs: unknown {unknown}; sync-colocated and sync-split are needed (baseline, bound)"
+        )
     quiet_transformers()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -134,9 +148,9 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         model, files = prepare(work, args.preset, tail=case == "tail")
-        results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+        results: dict[str, list[dict]] = {name: [] for name in names}
         for repeat in range(args.repeats):
-            for name in CONFIGS:  # alternating, as BENCHMARKS.md asks
+            for name in names:  # alternating, as BENCHMARKS.md asks
                 results[name].append(
                     run(name, model, files, work / f"{case}-{name}-{repeat}", args.steps, repeat)
                 )

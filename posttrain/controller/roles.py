@@ -296,10 +296,10 @@ class RolloutGroup(RoleGroup):
         return Batch.concat([rows, filler])
 
     def save_state(self, path: Path) -> None:
-        self.dispatcher.call("save_state", str(path))
+        self._guarded(True, "save_state", str(path))  # never under a restart in another thread
 
     def load_state(self, path: Path) -> None:
-        self.dispatcher.call("load_state", str(path))
+        self._guarded(True, "load_state", str(path))
 
 
 class CriticGroup(RoleGroup):

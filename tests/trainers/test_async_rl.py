@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from posttrain.config.schema import RLConfig
+from posttrain.controller.roles import Rollout
+from posttrain.data import keys
+from posttrain.data.batch import Batch
 from posttrain.errors import ConfigError
 from posttrain.trainers.rl import RLTrainer
 from tests.trainers.test_rl_e2e import reward_file, rl_config
@@ -120,7 +126,22 @@ def test_the_deterministic_schedule_repeats_exactly(
         (["async_rl.staleness=-1"], "staleness must be >= 0"),
         (["async_rl.sync_every=2"], "needs async_rl.staleness >= 1"),
         ([*SPLIT, "async_rl.staleness=1", "async_rl.sync_every=2"], "batches would always be too old"),
-        ([*SPLIT, "async_rl.staleness=1", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
+        ([*SPLIT, "async_rl.staleness=1", "algorithm.dynamic_sampling=true"], "async_rl.streaming=true"),
+        (["async_rl.streaming=true"], "streaming needs async_rl.staleness >= 1"),
+        (["async_rl.stream_extra_groups=-1"], "stream_extra_groups must be >= 0"),
+        (["async_rl.stream_extra_groups=2"], "used only with async_rl.streaming=true"),
+        (
+            [*SPLIT, "async_rl.staleness=1", "async_rl.streaming=true", "async_rl.deterministic=true"],
+            "streaming does not support async_rl.deterministic",
+        ),
+        (
+            [*SPLIT, "async_rl.staleness=1", "async_rl.streaming=true", "async_rl.partial_rollout=true"],
+            "streaming does not support async_rl.partial_rollout",
+        ),
+        (
+            [*SPLIT, "async_rl.staleness=1", "async_rl.streaming=true", "rollout.name=hf"],
+            "streaming needs rollout.name=native",
+        ),
         (["async_rl.partial_rollout=true"], "partial_rollout needs async_rl.staleness >= 1"),
         (["async_rl.partial_chunk_tokens=0"], "partial_chunk_tokens must be >= 1"),
         (
@@ -138,3 +159,74 @@ def test_settings_that_cannot_work_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "run", *extra))
+
+
+STREAM_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] % 3 == 0:
+        return 0.5  # every sample of these prompts scores the same: dynamic sampling must drop the group
+    return float(len(solution_str) % 2)
+"""
+
+
+class RecordingTrainer(RLTrainer):
+    """Records every trained batch; SIGKILLs the rollout worker once, after the batch of step `kill_after`."""
+
+    kill_after = 1
+
+    def __init__(self, cfg: RLConfig) -> None:
+        super().__init__(cfg)
+        self.trained: list[tuple[int, Batch]] = []
+        self.killed: int | None = None
+
+    def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
+        batch, metrics = super()._async_step_batch(rollout)
+        self.trained.append((self.step_count, batch))
+        if self.step_count == self.kill_after and self.killed is None:
+            assert self.groups is not None and self.groups.rollout_pool is not None
+            self.killed = int(self.groups.rollout_pool.ping()[0]["pid"])
+            os.kill(self.killed, signal.SIGKILL)
+        return batch, metrics
+
+
+@pytest.mark.slow  # a Ray run of ~60 s (a rollout worker restarted on the way); the fast suite has test_streaming.py
+def test_streaming_trains_complete_groups_within_the_bound_and_survives_a_killed_rollout_worker(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    reward = tmp_path / "stream_reward.py"
+    reward.write_text(STREAM_REWARD)
+    run, k = tmp_path / "run", 1  # stop strings end responses at varied lengths (the tiny model rarely ends)
+    cfg = rl_config(
+        tiny_model_dir, arithmetic_data, run, *SPLIT, f"async_rl.staleness={k}", "async_rl.streaming=true",
+        "async_rl.stream_extra_groups=2", "algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=8",
+        "data.max_response_length=12", 'rollout.stop=["1","3"]', "trainer.total_steps=4", "trainer.save_every=2", "trainer.max_restarts=1",
+        "trainer.threads_per_worker=1", f"reward.custom_function_path={reward}",
+    )  # fmt: skip
+    trainer = RecordingTrainer(cfg)
+    trainer.fit()
+    assert trainer.killed is not None
+    metrics = [r for r in rows(run) if "async/staleness" in r]
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert metrics[-1]["fault/rollout_restarts"] == 1.0, "the killed worker was restarted in place"
+    assert all(r["fault/restarts"] == 0.0 for r in metrics), "no whole-run restart"
+    seen: list[str] = []
+    lengths: set[int] = set()
+    for step, batch in trainer.trained:
+        versions, mask = batch[keys.ROLLOUT_VERSIONS], batch[keys.RESPONSE_MASK]
+        ages = step - versions.masked_fill(versions < 0, 1 << 30).min(dim=1).values
+        assert bool(((ages >= 0) & (ages <= k)).all()), (step, ages)  # every trained sample, every step
+        lengths |= set(mask.sum(-1).long().tolist())
+        uids = list(dict.fromkeys(batch[keys.UID]))
+        assert len(uids) == 4 and len(batch) == 16
+        for uid in uids:  # only groups whose scores differ (those of index % 3 == 0 never do)
+            scores = {s for u, s in zip(batch[keys.UID], batch[keys.SCORE], strict=True) if u == uid}
+            assert len(scores) > 1, (step, uid)
+        seen += uids
+    assert len(seen) == len(set(seen)), "a group was trained twice"
+    assert len(lengths) >= 2, "responses of varied lengths"
+    for r in metrics:
+        assert r["async/staleness_max"] <= k and r["async/time_to_batch_s"] >= 0
+        assert r["async/groups_filtered"] >= 0 and r["async/groups_carried_over"] >= 0
+    assert sum(r["async/groups_filtered"] for r in metrics) > 0
+    state = torch.load(run / "step_4" / "trainer_state.pt", weights_only=False)
+    assert set(state["dataloader"]) == {"epoch", "position", "settled"}
