@@ -42,6 +42,7 @@ DEFAULT_MAX_PIXELS = 28 * 28 * 16384
 
 class ImageProcessorLike(Protocol):
     merge_size: int
+    size: Any  # shortest_edge / longest_edge: the pixel bounds
 
     def get_number_of_image_patches(
         self, height: int, width: int, images_kwargs: dict | None = None
@@ -58,6 +59,12 @@ class VisionProcessor(Protocol):
     image_token: str
 
     def apply_chat_template(self, conversation: list[dict], **kwargs: Any) -> Any: ...
+
+
+def pixel_bounds(processor: VisionProcessor) -> tuple[int, int]:
+    """The model's own image pixel bounds (min_pixels, max_pixels): its image processor's `size`."""
+    size = processor.image_processor.size
+    return int(size.shortest_edge), int(size.longest_edge)
 
 
 def image_token_count(processor: VisionProcessor, width: int, height: int) -> int:
@@ -134,7 +141,9 @@ class MultimodalPromptDataset:
                 if overlong == "error":
                     raise DataError(
                         f"{where}: prompt has {len(ids)} tokens ({sum(counts)} of them for {len(refs)} images), "
-                        f"max_prompt_length is {max_prompt_length}"
+                        f"max_prompt_length is {max_prompt_length}: raise max_prompt_length "
+                        "(data.max_prompt_length), lower the images' pixel bounds, or drop such rows "
+                        "(overlong_prompts=filter)"
                     )
                 self.n_filtered += 1
                 continue

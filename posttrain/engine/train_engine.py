@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.partition import first_fit_decreasing, split_to_count
 from posttrain.engine.distributed import DistInfo, init_distributed
 from posttrain.engine.fsdp import apply_fsdp, full_named_tensors, reshard_all
@@ -51,7 +52,7 @@ from posttrain.engine.packing import (
 from posttrain.engine.sequence_parallel import SequenceParallel, check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_config, load_value_model
 from posttrain.models.vl import vision_tower, vision_tower_trained
 
@@ -294,6 +295,12 @@ class TrainEngine:
         """Per-token outputs: log-probs (lm head) or values (value head), and entropy when asked."""
         if has_images(mb):
             return self._image_log_probs(mb, temperature, with_entropy)
+        if self.image_token_id is not None and bool((mb[keys.INPUT_IDS] == self.image_token_id).any()):
+            # without its images the model would read the image tokens as text: wrong log-probs, no error
+            raise DataError(
+                f"the micro-batch's rows hold image tokens but it carries no images ({MULTI_MODAL_INPUTS} "
+                "missing or empty): a caller dropped the column that keeps each row's images"
+            )
         if keys.TARGET_TOKENS in mb:  # the explicit API: given targets, not the next input tokens
             return self._target_log_probs(mb, temperature), None
         if self.config.remove_padding:

@@ -10,6 +10,7 @@ from posttrain.models.loading import (
     load_causal_lm,
     load_config,
     load_processor,
+    load_text_config,
     load_tokenizer,
     load_value_model,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "load_causal_lm",
     "load_config",
     "load_processor",
+    "load_text_config",
     "load_tokenizer",
     "load_value_model",
     "make_tiny_model",

@@ -91,6 +91,13 @@ def is_vision_language(path_or_config: str | Path | PretrainedConfig) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def load_text_config(path: str | Path) -> PretrainedConfig:
+    """The language model's config: a vision-language model's `text_config` (its sizes and context), else the
+    directory's config itself."""
+    config = load_config(path)
+    return getattr(config, "text_config", None) or config
+
+
 def load_causal_lm(
     path: str | Path,
     dtype: torch.dtype | str = torch.float32,

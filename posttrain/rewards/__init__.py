@@ -1,12 +1,12 @@
 """Rewards: built-in rule-based scorers by data_source, user reward functions, and the reward manager.
 
-Importing the package registers the built-in scorers (arithmetic, gsm8k). Must not import engine,
+Importing the package registers the built-in scorers (arithmetic, gsm8k, shapes). Must not import engine,
 rollout, workers, Ray or data.batch; the only I/O is `load_reward_function` importing a user file and
 `IsolatedFunction` running one in a child process (with a per-call timeout). `RewardHealth` is the policy
 that stops a run whose scores keep failing.
 """
 
-from posttrain.rewards import arithmetic, gsm8k  # noqa: F401  (registers the built-in scorers)
+from posttrain.rewards import arithmetic, gsm8k, shapes  # noqa: F401  (registers the built-in scorers)
 from posttrain.rewards.health import RewardHealth, StepFailures
 from posttrain.rewards.isolation import CallFailure, IsolatedFunction
 from posttrain.rewards.manager import RewardManager, RewardResult, scores_to_token_level

@@ -34,7 +34,8 @@ from posttrain.config.schema import RLConfig
 from posttrain.controller.roles import Rollout
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.dataset import PromptDataset, position_ids_from_mask
+from posttrain.data.dataloader import IndexedDataset
+from posttrain.data.dataset import position_ids_from_mask
 from posttrain.errors import ConfigError
 from posttrain.rewards.manager import RewardResult
 from posttrain.rollout.base import SamplingParams
@@ -188,7 +189,7 @@ class AgentStage:
         self,
         rollout: Rollout,
         prompts: Batch,
-        dataset: PromptDataset,
+        dataset: IndexedDataset,
         sampling: SamplingParams,
         rewards: RewardStage,
     ) -> tuple[Batch, dict[str, float]]:
@@ -206,7 +207,7 @@ class AgentStage:
     def validate(
         self,
         rollout: Rollout,
-        dataset: PromptDataset,
+        dataset: IndexedDataset,
         sampling: SamplingParams,
         limit: int,
         rewards: RewardStage,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
@@ -22,10 +24,17 @@ from posttrain.controller.ray_env import ray_is_running, stop_ray
 from posttrain.controller.roles import ActorGroup, CriticGroup, Rollout, Stateful
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.dataloader import PromptDataLoader
+from posttrain.data.dataloader import CollateFn, PromptDataLoader
 from posttrain.data.dataset import PromptDataset, collate_prompts
+from posttrain.data.mm_dataset import (
+    MULTI_MODAL_INPUTS,
+    MultimodalPromptDataset,
+    VisionProcessor,
+    collate_multimodal_prompts,
+    pixel_bounds,
+)
 from posttrain.errors import ConfigError, RewardError, WorkerError
-from posttrain.models import load_tokenizer
+from posttrain.models import is_vision_language, load_processor, load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
@@ -68,6 +77,25 @@ CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
 PROGRESS_KEYS = ("reward/mean", "val/acc")  # shown on the progress bar (on a terminal)
 
 
+def prompt_dataset(
+    cfg: RLConfig, files: Sequence[str], tokenizer: Any, processor: VisionProcessor | None
+) -> PromptDataset | MultimodalPromptDataset:
+    """The prompt rows of `files`: verl's text rows, or with a vision-language model's processor its
+    multimodal rows (images in the model's pixel bounds, their tokens counted in data.max_prompt_length)."""
+    data = cfg.data
+    if processor is None:
+        return PromptDataset(files, tokenizer, data.max_prompt_length, data.overlong_prompts)
+    min_pixels, max_pixels = pixel_bounds(processor)
+    return MultimodalPromptDataset(
+        files,
+        processor,
+        data.max_prompt_length,
+        data.overlong_prompts,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig) -> None:
         check_rl_config(cfg)
@@ -76,20 +104,19 @@ class RLTrainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id
-        self.train_set = PromptDataset(
-            cfg.data.train_files, self.tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
-        )
+        # a vision-language model reads verl's multimodal rows: each row's images travel in the Batch column
+        # `multi_modal_inputs` to the sampler and to every pass of the actor and the reference
+        processor = load_processor(cfg.model.path) if is_vision_language(cfg.model.path) else None
+        self.image_keys = [MULTI_MODAL_INPUTS] if processor is not None else []
+        self.collate: CollateFn = collate_prompts if processor is None else collate_multimodal_prompts
+        self.train_set = prompt_dataset(cfg, cfg.data.train_files, self.tokenizer, processor)
         self.val_set = (
-            PromptDataset(
-                cfg.data.val_files, self.tokenizer, cfg.data.max_prompt_length, cfg.data.overlong_prompts
-            )
-            if cfg.data.val_files
-            else None
+            prompt_dataset(cfg, cfg.data.val_files, self.tokenizer, processor) if cfg.data.val_files else None
         )
         self.loader = PromptDataLoader(
             self.train_set,
             batch_size=cfg.data.train_batch_prompts,
-            collate_fn=partial(collate_prompts, pad_token_id=self.pad_id),
+            collate_fn=partial(self.collate, pad_token_id=self.pad_id),
             shuffle=cfg.data.shuffle,
             seed=cfg.trainer.seed,
         )
@@ -285,7 +312,7 @@ class RLTrainer:
             if cfg.trainer.balance_batch and actor.data_parallel_size > 1:  # the groups of a step's split
                 batch, balance_metrics = balance_across_workers(batch, actor.data_parallel_size)
                 gen_metrics.update(balance_metrics)
-            forward_batch = batch.select(FORWARD_KEYS, [])
+            forward_batch = batch.select(FORWARD_KEYS, self.image_keys)
             if not self.reuse_update_log_probs:
                 with self.progress.stage("old_log_prob"), timed(timings, "old_log_prob"):
                     batch = batch.union(actor.forward(forward_batch, model="actor", temperature=self._temp))
@@ -439,7 +466,7 @@ class RLTrainer:
 
         actor_cfg = self.cfg.actor
         return minibatch_updates(
-            batch.select(update_keys + extra, []),
+            batch.select(update_keys + extra, self.image_keys),
             actor_cfg.mini_batch_size,
             actor_cfg.ppo_epochs,
             "actor",
@@ -478,6 +505,7 @@ class RLTrainer:
             self.cfg.data.val_max_prompts,
             samples_dir=self.run_dir / SAMPLES_DIR,
             step=self.step_count,
+            collate=self.collate,
         )
 
     def _log_validation(self, tracker: Tracker) -> None:

@@ -29,7 +29,7 @@ from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, DataError
-from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config
+from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config, load_text_config
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.tracking import check_backends
@@ -138,7 +138,7 @@ def data_parallel_size(model: ModelConfig, world_size: int) -> int:
 def check_context(cfg: RLConfig) -> None:
     """The longest sequence a rollout can ask for against the model's context (max_position_embeddings), so
     that it fails here, naming the keys, instead of in the first generation after the model loads."""
-    context = getattr(load_config(cfg.model.path), "max_position_embeddings", None)
+    context = getattr(load_text_config(cfg.model.path), "max_position_embeddings", None)
     if cfg.agent.enable:
         keys, longest = "agent.max_total_tokens", cfg.agent.max_total_tokens
     else:
@@ -152,16 +152,70 @@ def check_context(cfg: RLConfig) -> None:
         )
 
 
+def check_vision_language_model(model: ModelConfig) -> None:
+    """What training a vision-language model on image rows needs (SFT and RL): padded rows, one rank per row.
+
+    Packed rows would need the model's multimodal position ids (M-RoPE) per packed sequence, and sequence
+    parallelism splits packed rows; both are refused naming the key."""
+    if model.remove_padding:
+        raise ConfigError(
+            f"model.remove_padding=true is not supported for the vision-language model {model.path}: "
+            "packed rows would need the model's multimodal position ids per packed sequence; set "
+            "model.remove_padding=false (rows are then padded, images kept with their rows)"
+        )
+    if model.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"model.sequence_parallel_size={model.sequence_parallel_size} is not supported for the "
+            f"vision-language model {model.path}: sequence parallelism splits packed rows, and image rows are "
+            "padded; set model.sequence_parallel_size=1"
+        )
+
+
+def check_rl_vision_language(cfg: RLConfig) -> None:
+    """RL (GRPO and the PPO family) with a vision-language policy: image prompts are sampled by the built-in
+    engine and their images reach the actor's and the reference's passes; what does not carry images yet is
+    refused here, naming the key."""
+    check_vision_language_model(cfg.model)
+    if cfg.model.share_prompt:
+        raise ConfigError(
+            "model.share_prompt=true works on packed rows, which a vision-language model does not use: set "
+            "model.share_prompt=false (with model.remove_padding=false)"
+        )
+    refused = (
+        (
+            cfg.rollout.name in ROLLOUT_ENGINES and cfg.rollout.name != "native",
+            f"rollout.name={cfg.rollout.name} cannot sample image prompts: use rollout.name=native",
+        ),
+        (
+            cfg.critic.enable,
+            "critic.enable=true: the critic's value head does not take images yet; use a critic-free "
+            "estimator (algorithm.adv_estimator=grpo, rloo, ...)",
+        ),
+        (cfg.agent.enable, "agent.enable=true: agent episodes do not carry images yet"),
+        (
+            bool(cfg.reward.model.path),
+            "reward.model.path is set: a reward model would score the text without the images; use a rule "
+            "scorer or reward.custom_function_path",
+        ),
+        (
+            bool(cfg.distill.teacher_path),
+            "distill.teacher_path is set: the teacher's pass takes no images yet",
+        ),
+        (
+            cfg.async_rl.staleness > 0,
+            "async_rl.staleness >= 1: the asynchronous rollout producer does not carry images yet",
+        ),
+    )
+    for used, why in refused:
+        if used:
+            raise ConfigError(f"{why} (model.path={cfg.model.path} is a vision-language model)")
+
+
 def check_rl_config(cfg: RLConfig) -> None:
     """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
     check_model_dir(cfg.model.path)
     if is_vision_language(cfg.model.path):
-        # the rollout engine samples image prompts (rollout.name=native), but the RL trainer does not yet read
-        # multimodal rows or carry their images to the actor: refuse rather than train on the text alone
-        raise ConfigError(
-            f"model.path={cfg.model.path} is a vision-language model: RL (GRPO) with images is not supported "
-            "yet (issue 20); use posttrain sft for it, or a text model for RL"
-        )
+        check_rl_vision_language(cfg)
     check_context(cfg)
     check_model_options(
         cfg.model,

@@ -24,7 +24,7 @@ from posttrain.controller.roles import ActorGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
-from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, pixel_bounds
 from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimodal_sft
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
@@ -35,6 +35,7 @@ from posttrain.trainers.setup import (
     check_files,
     check_model_options,
     check_sequence_parallel_config,
+    check_vision_language_model,
     data_parallel_size,
     engine_config,
 )
@@ -61,12 +62,8 @@ def check_sft_config(cfg: SFTConfig) -> None:
             "model.share_prompt=true is for RL, where n samples share a prompt; SFT has one response per "
             "prompt: set model.share_prompt=false"
         )
-    if cfg.model.remove_padding and is_vision_language(cfg.model.path):
-        raise ConfigError(
-            f"model.remove_padding=true is not supported for the vision-language model {cfg.model.path}: "
-            "packed rows would need the model's multimodal position ids per packed sequence; set "
-            "model.remove_padding=false (rows are then padded, images kept with their rows)"
-        )
+    if is_vision_language(cfg.model.path):
+        check_vision_language_model(cfg.model)
     check_worker_settings(cfg.trainer)
     check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
     dp = data_parallel_size(cfg.model, cfg.trainer.world_size)  # the ranks of an sp group share rows
@@ -95,7 +92,7 @@ class SFTTrainer:
                 return SFTDataset(
                     files, self.tokenizer, max_length, data.response_key, data.overlong_prompts, data.train_on
                 )
-            size = processor.image_processor.size  # the model's own pixel bounds
+            min_pixels, max_pixels = pixel_bounds(processor)  # the model's own
             return MultimodalSFTDataset(
                 files,
                 processor,
@@ -103,8 +100,8 @@ class SFTTrainer:
                 data.response_key,
                 data.overlong_prompts,
                 data.train_on,
-                min_pixels=size.shortest_edge,
-                max_pixels=size.longest_edge,
+                min_pixels=min_pixels,
+                max_pixels=max_pixels,
             )
 
         self.collate_fn: Callable[..., Batch] = collate_multimodal_sft if self.multimodal else collate_sft

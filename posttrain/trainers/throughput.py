@@ -21,7 +21,7 @@ from posttrain.config.schema import RLConfig
 from posttrain.controller.ray_env import cluster_has_gpus
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.models import load_config
+from posttrain.models import load_text_config
 from posttrain.tracking.flops import forward_flops, generation_flops, measure_matmul_flops, train_flops
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,9 @@ class PerfMeter:
     def from_config(cls, cfg: RLConfig, threads: int) -> PerfMeter:
         critic_path = cfg.critic.model_path or cfg.model.path
         return cls(
-            actor_model=load_config(cfg.model.path).to_dict(),
-            critic_model=load_config(critic_path).to_dict() if cfg.critic.enable else None,
+            # a vision-language model's language model (its vision tower's FLOPs are not counted)
+            actor_model=load_text_config(cfg.model.path).to_dict(),
+            critic_model=load_text_config(critic_path).to_dict() if cfg.critic.enable else None,
             actor_epochs=cfg.actor.ppo_epochs,
             actor_frozen=cfg.model.lora.rank > 0,
             critic_epochs=cfg.critic.ppo_epochs,

@@ -10,7 +10,8 @@ import torch
 from posttrain.controller.roles import Rollout
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.dataset import PromptDataset, collate_prompts
+from posttrain.data.dataloader import CollateFn, IndexedDataset
+from posttrain.data.dataset import collate_prompts
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking.samples import write_samples
 from posttrain.trainers.rewarding import RewardStage
@@ -29,22 +30,24 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
 
 def validate(
     rollout: Rollout,
-    dataset: PromptDataset,
+    dataset: IndexedDataset,
     pad_id: int,
     sampling: SamplingParams,
     rewards: RewardStage,
     limit: int,
     samples_dir: Path | None = None,
     step: int = 0,
+    collate: CollateFn = collate_prompts,
 ) -> dict[str, float]:
     """`val/acc` is the share of responses scoring >= 1 (a correct answer), per data source too.
 
     With `samples_dir`, the samples table of this validation: `val_step_<step>.jsonl` (prompt, response,
-    reward, ground truth, ... per row) and `val_step_<step>.html` there.
+    reward, ground truth, ... per row) and `val_step_<step>.html` there. `collate`: the dataset's collate
+    (`collate_multimodal_prompts` keeps each row's images with it).
     A validation in which every score failed raises a RewardError (rewards/health.py)."""
     count = min(limit or len(dataset), len(dataset))
     items = [dataset[i] for i in range(count)]
-    batch = collate_prompts(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
+    batch = collate(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
     out = rollout.sample(pad_rows(batch, rollout.world_size), sampling).index(slice(0, len(batch)))
     out = out.union(batch.select(tensor_keys=[]))
     result = rewards.score_texts(out)

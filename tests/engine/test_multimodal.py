@@ -137,6 +137,15 @@ def test_an_image_separated_from_its_row_is_an_error(vl_dir, batch):
         eng.compute_log_prob(broken)
 
 
+def test_image_tokens_without_their_images_are_an_error(vl_dir, batch):
+    """A batch whose images column was dropped would read image tokens as text: refused, never computed."""
+    eng = engine(vl_dir)
+    with pytest.raises(DataError, match="image tokens but it carries no images"):
+        eng.compute_log_prob(batch.select(None, []))
+    text_row = batch.index([2])  # the row without images needs no column
+    assert torch.isfinite(eng.compute_log_prob(text_row.select(None, []))).all()
+
+
 def test_masked_loss_equals_a_per_row_computation(vl_dir, batch):
     eng = engine(vl_dir, micro_batch_size=2)
     metrics = eng.forward_backward(batch, build_loss(LossSpec("cross_entropy"), 1))

@@ -12,8 +12,6 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from posttrain.config.load import load_config
-from posttrain.config.schema import RLConfig
 from posttrain.data import keys
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset, collate_multimodal_prompts
 from posttrain.data.tasks.shapes import corpus
@@ -22,7 +20,6 @@ from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_processor, make_tiny_model
 from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine
-from posttrain.trainers.setup import check_rl_config
 from posttrain.workers.sampling import results_batch, sample_batch
 
 
@@ -163,12 +160,3 @@ def test_sample_batch_carries_row_images(vl_dir: Path, items: list[dict]) -> Non
         assert out[keys.RESPONSES][i, : len(result.token_ids)].tolist() == result.token_ids
     with pytest.raises(ConfigError, match="rollout.name=hf"):
         sample_batch(HFRolloutEngine(str(vl_dir)), prompts, greedy)
-
-
-def test_rl_refuses_vision_language_model(vl_dir: Path, tmp_path: Path) -> None:
-    """GRPO does not carry images to the actor yet: refused at start, naming model.path, never run on text."""
-    data = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "hi"}]}]), data)
-    cfg = load_config(RLConfig, "rl", [f"model.path={vl_dir}", f"data.train_files=[{data}]"])
-    with pytest.raises(ConfigError, match="model.path=.*vision-language"):
-        check_rl_config(cfg)
