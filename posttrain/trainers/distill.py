@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from posttrain.config.load import to_dict
 from posttrain.config.schema import DistillConfig, LoraConfig
 from posttrain.controller.placement import (
     RoleRequest,
@@ -38,10 +35,10 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rollout.base import SamplingParams
-from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.setup import check_files, check_model_options, engine_config
 from posttrain.trainers.sft import optim_only
+from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.distill import DistillWorker
 from posttrain.workers.process import seed_everything
@@ -133,7 +130,10 @@ def on_policy_rows(sampled: Batch) -> Batch:
     )
 
 
-class DistillTrainer:
+class DistillTrainer(StepTrainer[DistillGroup]):
+    run_name = "distill"
+    progress_keys = ("distill/jsd", "val/jsd")
+
     def __init__(self, cfg: DistillConfig) -> None:
         check_distill_config(cfg)
         self.cfg = cfg
@@ -161,10 +161,8 @@ class DistillTrainer:
         self.sampling = SamplingParams(
             max_tokens=cfg.data.max_response_length, temperature=cfg.distill.temperature
         )
-        self.run_dir = Path(cfg.trainer.run_dir)
-        self.hf_dir = Path(cfg.trainer.save_hf_dir or self.run_dir / "hf")
 
-    def _start(self) -> tuple[DistillGroup, dict[str, ResourcePool]]:
+    def start(self) -> tuple[DistillGroup, dict[str, ResourcePool]]:
         cfg = self.cfg
         spec = ActorRolloutRefSpec(
             engine=engine_config(
@@ -203,54 +201,19 @@ class DistillTrainer:
         batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.LOSS_MASK][:, 1:].sum())
         return batch, on_policy
 
-    def fit(self) -> dict[str, float]:
-        """Train `trainer.total_steps` optimizer steps, write the HF directory, return the last metrics."""
-        cfg, d = self.cfg, self.cfg.distill
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        group, pools = self._start()
-        tracker = Tracker(
-            cfg.trainer.loggers,
-            self.run_dir,
-            run_name="distill",
-            config=to_dict(cfg),
-            plots=cfg.trainer.plots,
-        )
-        metrics: dict[str, float] = {}
-        progress = RunProgress(
-            cfg.trainer.total_steps, desc="distill", show=("distill/jsd", "val/jsd")
-        ).start()
-        try:
-            for step in range(1, cfg.trainer.total_steps + 1):
-                start = time.perf_counter()
-                with progress.stage("batch"):
-                    batch, on_policy = self.step_batch(group)
-                with progress.stage("update"):
-                    metrics = group.gkd(batch, beta=d.beta, temperature=d.temperature)
-                    metrics.update(group.optim_step())
-                if d.lmbda > 0:
-                    with progress.stage("sync"):
-                        group.sync_sampler()
-                seconds = time.perf_counter() - start
-                metrics["distill/on_policy"] = float(on_policy)
-                metrics["distill/loss_tokens"] = float(batch.meta[keys.GLOBAL_TOKENS])
-                metrics["timing/step"] = seconds
-                last = step == cfg.trainer.total_steps
-                if self.val_set is not None and (
-                    (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
-                ):
-                    with progress.stage("validate"):
-                        metrics.update(self.validate(group))
-                tracker.log(metrics, step)
-                progress.step_done(step, metrics)
-            with progress.stage("export"):
-                group.export_hf(self.hf_dir)
-        finally:
-            progress.close()
-            tracker.close()
-            group.shutdown()
-            for pool in pools.values():
-                pool.remove()
-        return metrics
+    def train_step(self, group: DistillGroup, progress: RunProgress) -> StepResult:
+        d = self.cfg.distill
+        with progress.stage("batch"):
+            batch, on_policy = self.step_batch(group)
+        with progress.stage("update"):
+            metrics = group.gkd(batch, beta=d.beta, temperature=d.temperature)
+            metrics.update(group.optim_step())
+        if d.lmbda > 0:
+            with progress.stage("sync"):
+                group.sync_sampler()
+        metrics["distill/on_policy"] = float(on_policy)
+        metrics["distill/loss_tokens"] = float(batch.meta[keys.GLOBAL_TOKENS])
+        return StepResult(metrics, float(batch[keys.ATTENTION_MASK].sum()))
 
     def validate(self, group: DistillGroup) -> dict[str, float]:
         """`val/jsd` and `val/kl_to_teacher` per loss token on held-out rows (their responses), no update."""

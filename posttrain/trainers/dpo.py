@@ -9,11 +9,7 @@ Hugging Face directory.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
-from functools import partial
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,7 +20,6 @@ from posttrain.algorithms.preference_losses import (
     needs_reference,
     preference_loss,
 )
-from posttrain.config.load import to_dict
 from posttrain.config.schema import DPOConfig
 from posttrain.controller.placement import (
     RoleRequest,
@@ -32,23 +27,23 @@ from posttrain.controller.placement import (
     start_role_groups,
     threads_per_worker,
 )
+from posttrain.controller.resource_pool import ResourcePool
 from posttrain.controller.roles import ActorGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.preference_dataset import (
     PAIR_CHOSEN,
     PAIR_INDEX,
     REF_SEQ_LOG_PROB,
-    PreferenceDataset,
     collate_pairs,
 )
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
-from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
+from posttrain.trainers.pairs import check_pair_batches, pair_data
 from posttrain.trainers.setup import check_files, check_model_options, engine_config
 from posttrain.trainers.sft import optim_only
+from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.preference import PreferenceWorker, sequence_log_probs
@@ -75,26 +70,19 @@ def check_dpo_config(cfg: DPOConfig) -> None:
         raise ConfigError(
             "model.share_prompt=true is for RL (n samples of a prompt); set model.share_prompt=false"
         )
-    if cfg.optim.max_token_len_per_worker:
-        raise ConfigError(
-            "optim.max_token_len_per_worker must be 0 for dpo: a token budget would split a chosen/rejected "
-            "pair across micro-batches; use optim.micro_batch_size (pairs)"
-        )
-    if cfg.trainer.stop_at_val_nll:
-        raise ConfigError("trainer.stop_at_val_nll is an SFT setting; dpo has no NLL to stop at (leave it 0)")
+    check_pair_batches(cfg, "dpo")
     if cfg.model.sequence_parallel_size != 1:
         raise ConfigError(
             f"model.sequence_parallel_size={cfg.model.sequence_parallel_size}: posttrain dpo does not support "
             "sequence parallelism yet (posttrain sft and posttrain train do): leave it 1"
         )
-    if cfg.optim.batch_size % cfg.trainer.world_size:
-        raise ConfigError(
-            f"optim.batch_size={cfg.optim.batch_size} pairs must be divisible by the {cfg.trainer.world_size} workers"
-        )
     check_worker_settings(cfg.trainer)
 
 
-class DPOTrainer:
+class DPOTrainer(StepTrainer[ActorGroup]):
+    run_name = "dpo"
+    progress_keys = ("loss", "val/loss")
+
     def __init__(self, cfg: DPOConfig) -> None:
         check_dpo_config(cfg)
         self.cfg = cfg
@@ -102,25 +90,10 @@ class DPOTrainer:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.uses_reference = needs_reference(cfg.dpo.loss_type)
         columns = self.uses_reference and cfg.dpo.reference == "columns"
-        make = partial(
-            PreferenceDataset,
-            tokenizer=self.tokenizer,
-            max_length=cfg.data.max_length,
-            overlong=cfg.data.overlong,
-            with_reference=columns,
-        )
-        self.train_set = make(cfg.data.train_files)
-        self.val_set = make(cfg.data.val_files) if cfg.data.val_files else None
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.loader = PromptDataLoader(
-            self.train_set,
-            cfg.optim.batch_size,
-            partial(collate_pairs, pad_token_id=self.pad_id),
-            shuffle=cfg.data.shuffle,
-            seed=cfg.trainer.seed,
+        self.train_set, self.val_set, self.loader = pair_data(
+            cfg, self.tokenizer, self.pad_id, with_reference=columns
         )
-        self.run_dir = Path(cfg.trainer.run_dir)
-        self.hf_dir = Path(cfg.trainer.save_hf_dir or self.run_dir / "hf")
         d = cfg.dpo
         self.loss = LossSpec(
             "preference",
@@ -135,7 +108,7 @@ class DPOTrainer:
         # precompute: the initial weights' sums per (split, pair index, chosen?), filled before step 1
         self.precomputed: dict[tuple[str, int, int], float] = {}
 
-    def _start(self) -> tuple[ActorGroup, dict[str, Any]]:
+    def start(self) -> tuple[ActorGroup, dict[str, ResourcePool]]:
         cfg = self.cfg
         spec = ActorRolloutRefSpec(
             engine=engine_config(
@@ -157,51 +130,22 @@ class DPOTrainer:
         started, pools = start_role_groups(cfg.trainer, cfg.ray, [request])
         return ActorGroup(started[request.role]), pools
 
-    def fit(self) -> dict[str, float]:
-        """Train `trainer.total_steps` optimizer steps, write the HF directory, return the last metrics."""
-        cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        group, pools = self._start()
-        tracker = Tracker(
-            cfg.trainer.loggers, self.run_dir, run_name="dpo", config=to_dict(cfg), plots=cfg.trainer.plots
-        )
-        metrics: dict[str, float] = {}
-        progress = RunProgress(cfg.trainer.total_steps, desc="dpo", show=("loss", "val/loss")).start()
-        try:
-            if self.uses_reference and cfg.dpo.reference == "precompute":
-                with progress.stage("reference log-probs"):
-                    self._precompute(group)
-            for step in range(1, cfg.trainer.total_steps + 1):
-                start = time.perf_counter()
-                batch = self.loader.next_batch()
-                with progress.stage("reference"):
-                    batch = self._with_reference(group, batch, "train")
-                batch = batch.select(TRAIN_COLUMNS + ([REF_SEQ_LOG_PROB] if self.uses_reference else []), [])
-                batch.meta[keys.GLOBAL_SEQS] = len(batch) // 2
-                batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.LOSS_MASK][0::2].sum())
-                with progress.stage("update"):
-                    metrics = group.forward_backward(batch, self.loss)
-                    metrics.update(group.optim_step())
-                seconds = time.perf_counter() - start
-                metrics["timing/step"] = seconds
-                metrics["throughput/tokens_per_s"] = float(batch[keys.ATTENTION_MASK].sum()) / seconds
-                last = step == cfg.trainer.total_steps
-                if self.val_set is not None and (
-                    (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
-                ):
-                    with progress.stage("validate"):
-                        metrics.update(self.validate(group))
-                tracker.log(metrics, step)
-                progress.step_done(step, metrics)
-            with progress.stage("export"):
-                group.export_hf(self.hf_dir)
-        finally:
-            progress.close()
-            tracker.close()
-            group.shutdown()
-            for pool in pools.values():
-                pool.remove()
-        return metrics
+    def before_steps(self, group: ActorGroup, progress: RunProgress) -> None:
+        if self.uses_reference and self.cfg.dpo.reference == "precompute":
+            with progress.stage("reference log-probs"):
+                self._precompute(group)
+
+    def train_step(self, group: ActorGroup, progress: RunProgress) -> StepResult:
+        batch = self.loader.next_batch()
+        with progress.stage("reference"):
+            batch = self._with_reference(group, batch, "train")
+        batch = batch.select(TRAIN_COLUMNS + ([REF_SEQ_LOG_PROB] if self.uses_reference else []), [])
+        batch.meta[keys.GLOBAL_SEQS] = len(batch) // 2
+        batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.LOSS_MASK][0::2].sum())
+        with progress.stage("update"):
+            metrics = group.forward_backward(batch, self.loss)
+            metrics.update(group.optim_step())
+        return StepResult(metrics, float(batch[keys.ATTENTION_MASK].sum()))
 
     # ---- the reference ---------------------------------------------------------------------------
     def _sums(self, group: ActorGroup, batch: Batch, model: str) -> torch.Tensor:
