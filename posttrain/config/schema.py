@@ -33,6 +33,9 @@ class LoraConfig:
         "down_proj",
     )
     dropout: float = 0.0  # > 0 makes recomputed log-probs differ from the sampled ones (train mode)
+    # mixture of experts: the fused 3-D expert parameters that get adapters (peft's target_parameters), by name
+    # or dotted suffix, e.g. [gate_up_proj, down_proj] for Qwen2-MoE / Qwen3-MoE; () = none
+    target_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

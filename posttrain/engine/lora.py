@@ -2,6 +2,11 @@
 
 Only adapter parameters train; the frozen base stays shared, and the reference policy is the same model
 with the adapter disabled, so a LoRA run holds one copy of the base weights.
+
+Linear layers are adapted by module name (`target_modules`). A mixture's routed experts are not linear layers:
+transformers stores each layer's experts as fused 3-D parameters (experts, out, in), so they are adapted with
+peft's parameter targeting (`target_parameters`, peft's `ParamWrapper`): one low-rank pair per expert, folded
+into the fused tensor for the forward. `model.lora.target_parameters` names them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,28 +39,56 @@ def fused_expert_parameters(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if p.dim() == 3}
 
 
+def _matches(name: str, target: str) -> bool:
+    """peft's rule for `target_parameters`: the full name, or a suffix after a dot."""
+    return name == target or name.endswith(f".{target}")
+
+
 def check_target_modules(model: nn.Module, lora: LoraConfig) -> None:
-    """Every target must name a linear layer of this model; an error lists the ones that exist."""
+    """Every `target_modules` entry must name a linear layer of this model and every `target_parameters` entry a
+    fused 3-D expert parameter; an error lists the ones that exist."""
     available = linear_module_names(model)
+    fused_names = fused_expert_parameters(model)
     missing = [t for t in lora.target_modules if t not in available]
     # transformers stores a mixture's routed experts as fused (experts, out, in) parameters, not nn.Linear
-    fused = sorted({t for t in missing if t in fused_expert_parameters(model)})
+    fused = sorted({t for t in missing if t in fused_names})
     if fused:
         raise ConfigError(
             f"model.lora.target_modules {fused}: fused 3-D expert parameters of this mixture of experts, not "
-            "linear layers; LoRA on the routed experts (peft's target_parameters) is not supported: target the "
-            f"attention or shared-expert linear layers ({', '.join(sorted(available))})"
+            f"linear layers; name them in model.lora.target_parameters instead (linear layers: "
+            f"{', '.join(sorted(available))})"
         )
-    if missing or not lora.target_modules:
+    if missing or not (lora.target_modules or lora.target_parameters):
         raise ConfigError(
             f"model.lora.target_modules {list(missing or lora.target_modules)} "
             f"{'not found in the model' if missing else 'is empty'}; linear layers of this model: "
             f"{', '.join(sorted(available))}"
         )
+    check_target_parameters(model, lora)
     if lora.rank < 0 or lora.alpha <= 0 or not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(
             f"model.lora: rank must be >= 0, alpha > 0 and dropout in [0, 1); got rank={lora.rank}, "
             f"alpha={lora.alpha}, dropout={lora.dropout}"
+        )
+
+
+def check_target_parameters(model: nn.Module, lora: LoraConfig) -> None:
+    """`target_parameters` entries must each match a fused 3-D expert parameter (peft would also wrap a 2-D one,
+    but linear weights belong in `target_modules`); peft's parameter LoRA takes no dropout."""
+    if not lora.target_parameters:
+        return
+    fused = [name for name, p in model.named_parameters() if p.dim() == 3]
+    valid = ", ".join(sorted(fused_expert_parameters(model))) or "none: this model has no fused experts"
+    unknown = [t for t in lora.target_parameters if not any(_matches(name, t) for name in fused)]
+    if unknown:
+        raise ConfigError(
+            f"model.lora.target_parameters {unknown} match no fused 3-D expert parameter of this model; "
+            f"valid (by name, or a dotted suffix such as experts.<name>): {valid}"
+        )
+    if lora.dropout > 0:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout} with model.lora.target_parameters: peft's parameter LoRA cannot "
+            "apply dropout (the delta is folded into the expert weights); set model.lora.dropout=0"
         )
 
 
@@ -64,6 +98,7 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
+        target_parameters=list(lora.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -77,8 +112,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> PeftModel:
 
 def hf_name(peft_name: str) -> str:
     """The name a plain HF model uses for a tensor of the peft-wrapped one."""
-    name = peft_name.removeprefix(_PEFT_PREFIX)
-    return name.replace(".base_layer.", ".")
+    parts = peft_name.removeprefix(_PEFT_PREFIX).split(".")
+    # nested ParamWrappers (several parameters of one experts module) stack `base_layer`s
+    return ".".join(p for p in parts if p != "base_layer")
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,7 +123,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, W + scale * B @ A) for every adapted linear layer, one at a time (a collective).
+    """(HF name, W + scale * B @ A) for every adapted linear layer and fused expert parameter, one at a time
+    (a collective).
 
     For samplers that cannot apply adapters: only these weights change during LoRA training, so they are
     all a sampler built from the base directory needs after each update.
@@ -95,11 +132,26 @@ def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
             continue
+        a = _full(module.lora_A[ADAPTER].weight).float()
+        b = _full(module.lora_B[ADAPTER].weight).float()
+        if isinstance(module, ParamWrapper):
+            base = _full(getattr(module.get_base_layer(), module.parameter_name))
+            delta = expert_delta(module, a, b)
+            yield f"{hf_name(name)}.{module.parameter_name}", (base.float() + delta).to(base.dtype)
+            continue
         base = _full(module.get_base_layer().weight)
-        a = _full(module.lora_A[ADAPTER].weight)
-        b = _full(module.lora_B[ADAPTER].weight)
-        delta = (b.float() @ a.float()) * module.scaling[ADAPTER]
+        delta = (b @ a) * module.scaling[ADAPTER]
         yield f"{hf_name(name)}.weight", (base.float() + delta).to(base.dtype)
+
+
+def expert_delta(module: ParamWrapper, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The (experts, ., .) delta of a fused expert parameter from its full A (r*E, in) and B (out, r*E), laid
+    out as peft's `ParamWrapper.get_delta_weight` lays it (expert e uses rows e*r..e*r+r of A)."""
+    experts = module.num_experts
+    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
+    b = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
+    layout = "o r e, e r i -> e o i" if module._did_swap_in_out_features else "o r e, e r i -> e i o"
+    return torch.einsum(layout, b, a) * module.scaling[ADAPTER]
 
 
 def untie_output_embeddings(model: nn.Module) -> None:

@@ -30,6 +30,27 @@ def test_grpo_two_steps_on_tiny_moe_with_the_aux_loss(
     assert (run / "step_2").exists()
 
 
+def test_grpo_step_with_lora_on_the_experts(
+    tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """Adapters on the fused experts (and attention) train; the sampler gets the merged weights each step, so
+    its log-probs stay the trainer's; the reference is the adapter switched off (KL loss on)."""
+    run = tmp_path / "run"
+    lora = [
+        "model.lora.rank=4",
+        "model.lora.target_modules=[q_proj]",
+        "model.lora.target_parameters=[gate_up_proj]",
+    ]
+    extra = ["trainer.total_steps=2", "actor.optim.lr=0.01", *lora, *LOCAL, reward_file(tmp_path)]
+    RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, run, *extra)).fit()
+    steps = [r for r in rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/logprob_diff_max"] < 1e-4
+        assert r["actor/grad_norm"] > 0
+    assert steps[1]["actor/kl_loss"] > 0  # the update moved the policy away from the base (adapter off)
+
+
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
     cfg = load_config(
         SFTConfig,
