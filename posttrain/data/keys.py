@@ -15,6 +15,9 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float: log-probs the rollout e
 ROLLOUT_VERSIONS = (
     "rollout_versions"  # (B, R) long: policy version that sampled each token (async_rl), -1 on pad
 )
+# (B, T, L, k) int16: the sampler's top-k experts of each input token in each of the L sparse layers, aligned
+# with input_ids (the last response token, never fed back, and padding: -1); routing replay (models.routing)
+ROUTED_EXPERTS = "routed_experts"
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float: log-probs of the policy before the update
 REF_LOG_PROB = "ref_log_prob"  # (B, R) float: log-probs of the frozen reference policy
 TEACHER_LOG_PROB = "teacher_log_prob"  # (B, R) float: log-probs of the distillation teacher (distill.*)

@@ -16,9 +16,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
 from posttrain.errors import ConfigError
+from posttrain.models.routing import router_classes
 
 
 def num_experts(config: PretrainedConfig) -> int:
@@ -48,20 +49,6 @@ def resolve_aux_loss_coef(config: PretrainedConfig, coef: float | None) -> float
             f"'{getattr(config, 'model_type', '?')}' with no routed experts (set it to 0 or leave it unset)"
         )
     return float(coef)
-
-
-def router_classes(model: nn.Module) -> tuple[type, ...]:
-    """The module classes whose first output is a layer's router logits (transformers' `router_logits`
-    recorder of each PreTrainedModel inside `model`, peft and FSDP wrappers included)."""
-    classes: set[type] = set()
-    for module in model.modules():
-        if not isinstance(module, PreTrainedModel):
-            continue
-        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
-        target = getattr(recorder, "target_class", None)
-        if isinstance(target, type):
-            classes.add(target)
-    return tuple(classes)
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:

@@ -221,6 +221,9 @@ class PackingOptions:
     # told the flat packed positions of the real (not filler) tokens before each model call (engine.moe's
     # router load-balancing loss counts only those)
     real_tokens: Callable[[torch.Tensor], None] | None = None
+    # told the flat packed position of each real cell of the input (`attention_mask.bool()` order) before each
+    # model call (engine.routing_replay maps the recorded experts of each cell onto the packed layout)
+    cell_positions: Callable[[torch.Tensor], None] | None = None
 
 
 def layout_attention(
@@ -256,6 +259,8 @@ def response_outputs(
         keep = shared.predict_pos[valid]
         if options.real_tokens is not None:
             options.real_tokens(shared.real_pos)
+        if options.cell_positions is not None:
+            options.cell_positions(shared.cell_pos)
         out = packed_model_output(
             model, shared.input_ids, shared.position_ids, mask, keep, segments, options.sp
         )
@@ -265,6 +270,8 @@ def response_outputs(
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
     if options.real_tokens is not None:
         options.real_tokens(layout.real_pos())
+    if options.cell_positions is not None:
+        options.cell_positions(layout.flat_pos[attention_mask.bool()])
     out = packed_model_output(
         model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=options.sp
     )
@@ -375,6 +382,8 @@ def packed_target_log_probs(
         routes.set_routes(slots, slots[keep])
     if options.real_tokens is not None:  # every real cell's position, once
         options.real_tokens(keep)
+    if options.cell_positions is not None:
+        options.cell_positions(cell_pos)
     logits = at_least_float32(
         packed_model_output(model, ids, positions, mask, keep=keep, segments=segments, sp=options.sp)
     )

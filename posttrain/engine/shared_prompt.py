@@ -51,6 +51,9 @@ class SharedPromptLayout:
     segments: Segments  # who attends to whom, as runs (the mask is `attention_mask`)
     predict_pos: torch.Tensor  # (B, R) flat packed index of the output predicting each response token; -1 pad
     real_pos: torch.Tensor  # (N,) flat packed index of every real (not filler) token, ascending
+    cell_pos: (
+        torch.Tensor
+    )  # flat packed index of each real cell of the input, in `attention_mask.bool()` order
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -258,6 +261,7 @@ def pack_shared_prompts(
         layout.segments,
         predict_pos,
         real_pos.to(input_ids.device),
+        torch.tensor([p for row in layout.token_pos for p in row], dtype=torch.long, device=input_ids.device),
     )
 
 

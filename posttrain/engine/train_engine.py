@@ -49,6 +49,7 @@ from posttrain.engine.packing import (
     packed_response_values,
     packed_target_log_probs,
 )
+from posttrain.engine.routing_replay import RoutingReplay
 from posttrain.engine.sequence_parallel import SequenceParallel, check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
@@ -194,6 +195,9 @@ class TrainEngine:
                 raise ConfigError("LoRA is supported for the policy (lm head) only; the critic trains fully")
             model = apply_lora(model, config.lora)
         self.router_aux: RouterAuxLoss | None = None  # set for a trained MoE policy with a coefficient > 0
+        self.routing_replay: RoutingReplay | None = (
+            None  # built by the first pass with routed_experts (_replay)
+        )
         self.router_aux_loss_coef = 0.0
         if config.trainable and config.head == "lm":
             self.router_aux_loss_coef = resolve_aux_loss_coef(model.config, config.router_aux_loss_coef)
@@ -363,9 +367,21 @@ class TrainEngine:
         eager = self.config.attn_implementation == "eager"
         mask_dtype = DTYPES[self.config.compute_dtype or self.config.dtype] if eager else None
         real_tokens = self.router_aux.real_tokens if self.router_aux is not None else None
+        cells = self.routing_replay.cell_positions if self.routing_replay is not None else None
         return PackingOptions(
-            self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp, real_tokens
+            self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp, real_tokens, cells
         )
+
+    def _replay(self, mb: Batch) -> contextlib.AbstractContextManager[None]:
+        """A micro-batch carrying the sampler's experts (`routed_experts`) runs routed by them, forward and
+        backward (routing replay, engine.routing_replay); any other runs as it is."""
+        if keys.ROUTED_EXPERTS not in mb:
+            return contextlib.nullcontext()
+        if self.sp is not None or self.config.head != "lm":
+            raise ConfigError("routing replay needs the lm head and model.sequence_parallel_size=1")
+        if self.routing_replay is None:
+            self.routing_replay = RoutingReplay(self.model)
+        return self.routing_replay.replaying(mb)
 
     def _packed_log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
@@ -416,7 +432,7 @@ class TrainEngine:
             try:
                 for rows in self._micro_batch_rows(batch):
                     mb = batch.index(rows).to(self.device)
-                    with self._out_of_memory_hint(what, mb):
+                    with self._out_of_memory_hint(what, mb), self._replay(mb):
                         outs.append(self._log_probs(mb, temperature, False)[0].cpu())
                     order += rows
             finally:
@@ -450,7 +466,7 @@ class TrainEngine:
                 # reduce-scatter gradients only once, after the last micro-batch
                 self.model.set_requires_gradient_sync(last)
                 self.model.set_reshard_after_backward(last or not keep_gathered)
-                with self._out_of_memory_hint("forward_backward", mb):
+                with self._out_of_memory_hint("forward_backward", mb), self._replay(mb):
                     with self.router_aux.capture() if self.router_aux else contextlib.nullcontext():
                         log_probs, entropy = self._log_probs(mb, temperature, with_entropy)
                     loss, metrics = loss_fn(log_probs, entropy, mb)

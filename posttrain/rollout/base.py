@@ -67,6 +67,9 @@ class GenerationResult:
     text: str
     stop_reason: str
     error: str | None = None  # why the request was rejected (then nothing was generated)
+    # routing replay (an engine built with record_routing): the top-k experts of every token the model ran, the
+    # prompt's then each fed-back sampled token's (prompt + len(token_ids) - 1 positions), (positions, layers, k)
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
 
 
 class AdapterRouter(Protocol):

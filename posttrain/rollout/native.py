@@ -16,6 +16,9 @@ model's vision module once per distinct prompt and its M-RoPE positions (`rollou
 continues at the model's rope delta. Prompts share a prefill only when their images are equal too. The image-pad
 and video-pad tokens are never sampled (a response holding one would be read as an image placeholder by the
 model); the reported log-prob is still over the whole vocabulary, as the trainer computes it.
+
+`record_routing` (routing replay, `models.routing`): every prefill and decode step records the top-k experts
+its routers chose, and each result carries those of its prompt and fed-back tokens (`routed_experts`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from posttrain.errors import ConfigError, OutOfMemoryError, PosttrainError, is_out_of_memory
 from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.models.routing import RoutingRecorder
 from posttrain.rollout.base import (
     AdapterRouter,
     GenerationRequest,
@@ -59,6 +63,9 @@ class _Sequence:
     text: str | None = None
     stop_reason: str = ""
     rope_delta: int = 0  # rotary position - cache position of generated tokens (M-RoPE image prompts)
+    routing: list[torch.Tensor] = field(
+        default_factory=list
+    )  # (layers, positions, k) pieces (record_routing)
 
     @property
     def position(self) -> int:
@@ -78,6 +85,7 @@ class NativeRolloutEngine:
         seed: int = 0,
         attn_implementation: str = "sdpa",
         max_prefill_tokens: int = 4096,
+        record_routing: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation)
@@ -112,6 +120,7 @@ class NativeRolloutEngine:
         atexit.register(lambda: (engine := self_ref()) is not None and engine.close())
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
         self.adapters: AdapterRouter | None = None
+        self.recorder = RoutingRecorder(self.model) if record_routing else None
 
     def enable_adapters(self, router: AdapterRouter) -> None:
         """LoRA adapters over this engine's model (`router`, e.g. a `MultiLora(engine.model)`), picked per
@@ -350,7 +359,12 @@ class NativeRolloutEngine:
                     seq.rope_delta = int(deltas[row])
             # one prefill per distinct prompt, its keys/values written to the slot of every sample of it
             with self._adapter_routes([g[0].request.adapter for g in groups], tokens.shape[1]):
-                logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows, embeds, rope)
+                with self._routing() as calls:
+                    logits = self.runner.prefill(self.cache, tokens, lengths, slots, rows, embeds, rope)
+            if calls is not None:  # (layers, groups, width, k): each sample gets its prompt's
+                routes = RoutingRecorder.stacked(calls).unflatten(1, tokens.shape)
+                for seq, row in zip(members, rows.tolist(), strict=True):
+                    seq.routing.append(routes[:, row, : len(seq.request.prompt_ids)])
         except Exception:
             waiting.extendleft(reversed(members))  # so the loop's handler fails their futures too
             raise
@@ -364,12 +378,25 @@ class NativeRolloutEngine:
         rope = None
         if self.vision:
             rope = positions + torch.tensor([s.rope_delta for s in running], device=self.device)
-        with self._adapter_routes([s.request.adapter for s in running], 1):
+        with self._adapter_routes([s.request.adapter for s in running], 1), self._routing() as calls:
             logits = self.runner.decode(self.cache, tokens, positions, slots, rope)
+        if calls is not None:
+            routes = RoutingRecorder.stacked(calls)  # (layers, running, k)
+            for i, seq in enumerate(running):
+                seq.routing.append(routes[:, i : i + 1])
         self.stats["decode_steps"] += 1
         members = list(running)
         running.clear()
         self._append_tokens(members, logits, running, free)
+
+    @contextlib.contextmanager
+    def _routing(self) -> Iterator[list[list[torch.Tensor]] | None]:
+        """The routers' choices in the pass inside (None when this engine does not record them)."""
+        if self.recorder is None:
+            yield None
+            return
+        with self.recorder.record() as calls:
+            yield calls
 
     @contextlib.contextmanager
     def _adapter_routes(self, row_adapters: list[str | None], width: int) -> Iterator[None]:
@@ -439,4 +466,7 @@ class NativeRolloutEngine:
         text = (
             seq.text if seq.text is not None else self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         )
-        return GenerationResult(list(seq.tokens), list(seq.log_probs), text, seq.stop_reason)
+        routed = torch.cat(seq.routing, dim=1).transpose(0, 1).cpu() if seq.routing else None
+        return GenerationResult(
+            list(seq.tokens), list(seq.log_probs), text, seq.stop_reason, routed_experts=routed
+        )

@@ -66,8 +66,14 @@ def results_batch(
         response_mask[i, :n] = 1.0
         rollout_log_probs[i, :n] = torch.tensor(result.log_probs, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    routed = (
+        {}
+        if results and results[0].routed_experts is None
+        else {keys.ROUTED_EXPERTS: routed_grid(batch, results, width)}
+    )
     return Batch.from_dict(
         tensors={
+            **routed,
             keys.PROMPTS: prompt_ids,
             keys.RESPONSES: responses,
             keys.RESPONSE_MASK: response_mask,
@@ -84,6 +90,21 @@ def results_batch(
     )
 
 
+def routed_grid(batch: Batch, results: list[GenerationResult], width: int) -> torch.Tensor:
+    """The results' recorded experts (routing replay) on the [left-padded prompt | response] grid of input_ids:
+    each row's positions start at its first prompt token; padding and the last response token stay -1."""
+    prompt_mask = batch[keys.ATTENTION_MASK]
+    first = results[0].routed_experts
+    assert first is not None
+    grid = torch.full((len(results), prompt_mask.shape[1] + width, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, result in enumerate(results):
+        start = prompt_mask.shape[1] - int(prompt_mask[i].sum())
+        routed = result.routed_experts
+        assert routed is not None
+        grid[i, start : start + routed.shape[0]] = routed
+    return grid
+
+
 def pad_prompts_left(batch: Batch, prompt_width: int, pad_id: int) -> Batch:
     """`batch` with its prompts left-padded to `prompt_width` tokens: `prompts`, `input_ids` (pad_id),
     `attention_mask` and `position_ids` (0) of submitted or sampled rows, so rows of calls whose prompts were
@@ -95,11 +116,17 @@ def pad_prompts_left(batch: Batch, prompt_width: int, pad_id: int) -> Batch:
     if extra == 0:
         return batch
     out = batch.select()
-    fills = {keys.PROMPTS: pad_id, keys.INPUT_IDS: pad_id, keys.ATTENTION_MASK: 0, keys.POSITION_IDS: 0}
+    fills = {
+        keys.PROMPTS: pad_id,
+        keys.INPUT_IDS: pad_id,
+        keys.ATTENTION_MASK: 0,
+        keys.POSITION_IDS: 0,
+        keys.ROUTED_EXPERTS: -1,
+    }
     for key, fill in fills.items():
         if key in batch:
             column = batch[key]
-            pad = torch.full((len(batch), extra), fill, dtype=column.dtype)
+            pad = torch.full((len(batch), extra, *column.shape[2:]), fill, dtype=column.dtype)
             out.set(key, torch.cat([pad, column], dim=1))
     return out
 
