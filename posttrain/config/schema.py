@@ -106,6 +106,14 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class RouterReplayConfig:
+    """Routing replay for mixture-of-experts policies (verl's `actor.router_replay`): R3 records the sampler's
+    top-k experts per token and layer and forces the actor's log-prob and update passes to use them."""
+
+    mode: Literal["disabled", "R3"] = "disabled"
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     mini_batch_size: int = 0  # samples per optimizer step (over all workers); 0 = the whole step's batch
@@ -142,6 +150,7 @@ class ActorConfig:
     ppo_kl_coef: float | None = None  # kl_cov: 0.1
     tau_pos: float | None = None  # sapo: gate temperature where A > 0, 1.0
     tau_neg: float | None = None  # sapo: gate temperature where A <= 0, 1.05
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass(frozen=True)

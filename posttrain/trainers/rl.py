@@ -314,8 +314,10 @@ class RLTrainer:
                 gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, self.image_keys)
             if not self.reuse_update_log_probs:
+                # routing replay: the actor's passes get the sampler's experts (actor.router_replay)
+                actor_batch = batch.select(FORWARD_KEYS + self._replayed, self.image_keys)
                 with self.progress.stage("old_log_prob"), timed(timings, "old_log_prob"):
-                    batch = batch.union(actor.forward(forward_batch, model="actor", temperature=self._temp))
+                    batch = batch.union(actor.forward(actor_batch, model="actor", temperature=self._temp))
             if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 with self.progress.stage("ref"), timed(timings, "ref"):
                     batch = batch.union(actor.forward(forward_batch, model="ref", temperature=self._temp))
@@ -455,10 +457,16 @@ class RLTrainer:
         )
         return Batch.from_dict({keys.ADVANTAGES: advantages, keys.RETURNS: returns})
 
+    @property
+    def _replayed(self) -> list[str]:
+        """Columns of the sampler's routing the actor's passes replay (actor.router_replay.mode=R3)."""
+        return [keys.ROUTED_EXPERTS] if self.cfg.actor.router_replay.mode == "R3" else []
+
     def update(self, batch: Batch) -> Metrics:
         """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""
         actor, _ = self._running()
         extra = [keys.REF_LOG_PROB] if self.cfg.actor.use_kl_loss else []
+        extra += self._replayed
         update_keys = [k for k in UPDATE_KEYS if k in batch.keys()]
 
         def train(mb: Batch) -> Metrics:

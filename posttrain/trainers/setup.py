@@ -24,7 +24,7 @@ from posttrain.controller.placement import check_placement
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.lora import check_target_modules
-from posttrain.engine.moe import resolve_aux_loss_coef
+from posttrain.engine.moe import is_moe, resolve_aux_loss_coef
 from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
@@ -114,6 +114,35 @@ def check_router_aux_loss(model: ModelConfig) -> None:
             f"model.router_aux_loss_coef={coef} with model.sequence_parallel_size={model.sequence_parallel_size}: "
             "the load-balancing loss needs every token's routing on one rank; set model.router_aux_loss_coef=0"
         )
+
+
+def check_router_replay(cfg: RLConfig) -> None:
+    """`actor.router_replay.mode=R3` needs a mixture of experts sampled by the colocated built-in engine in one
+    synchronous pass per response (the only path that records and carries each token's experts)."""
+    if cfg.actor.router_replay.mode == "disabled":
+        return
+    key = "actor.router_replay.mode=R3"
+    if not is_moe(load_config(cfg.model.path)):
+        raise ConfigError(f"{key} needs a mixture-of-experts model; {cfg.model.path} has no routed experts")
+    refused = (
+        (
+            cfg.rollout.name != "native",
+            f"rollout.name={cfg.rollout.name} (only the native engine records routing)",
+        ),
+        (
+            cfg.resources.rollout != "trainer",
+            f"resources.rollout={cfg.resources.rollout} (a separate rollout pool)",
+        ),
+        (cfg.async_rl.staleness > 0, f"async_rl.staleness={cfg.async_rl.staleness}"),
+        (cfg.agent.enable, "agent.enable=true (tool tokens are not routed by the sampler)"),
+        (
+            cfg.model.sequence_parallel_size > 1,
+            f"model.sequence_parallel_size={cfg.model.sequence_parallel_size}",
+        ),
+    )
+    for used, why in refused:
+        if used:
+            raise ConfigError(f"{key} is not supported with {why}; set actor.router_replay.mode=disabled")
 
 
 def check_sequence_parallel_config(model: ModelConfig, world_size: int, backend: str) -> None:
@@ -231,6 +260,7 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
     check_files(cfg.data.train_files, "data.train_files")
     check_agent_config(cfg)
+    check_router_replay(cfg)
     check_distill_rl_config(cfg)
     check_async_config(cfg)
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
@@ -507,6 +537,7 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
         rollout_max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.trainer.seed,
         threads=threads,
+        record_routing=cfg.actor.router_replay.mode == "R3",
     )
 
 

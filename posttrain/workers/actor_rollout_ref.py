@@ -38,6 +38,7 @@ class ActorRolloutRefSpec:
     rollout_max_batch_size: int = 256
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave as is
+    record_routing: bool = False  # the sampler records each token's experts (routing replay, native engine)
 
 
 class ActorRolloutRefWorker:
@@ -69,6 +70,7 @@ class ActorRolloutRefWorker:
                 max_batch_size=spec.rollout_max_batch_size,
                 seed=rank_seed(spec.seed, dist_info.rank, "sampler"),
                 attn_implementation=spec.engine.attn_implementation,
+                **({"record_routing": True} if spec.record_routing else {}),
             )
             if spec.with_rollout
             else None

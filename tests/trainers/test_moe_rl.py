@@ -51,6 +51,30 @@ def test_grpo_step_with_lora_on_the_experts(
     assert steps[1]["actor/kl_loss"] > 0  # the update moved the policy away from the base (adapter off)
 
 
+def test_grpo_with_routing_replay(
+    tiny_model_dir: Path, tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """R3: the sampler records its experts, the old-log-prob pass and the update replay them (two mini-batches,
+    so the second update runs routed by the sampler after the policy moved); refusals name the key."""
+    import pytest
+
+    from posttrain.errors import ConfigError
+
+    run = tmp_path / "run"
+    r3 = ["actor.router_replay.mode=R3", "actor.mini_batch_size=8", "actor.reuse_log_probs_on_policy=false"]
+    RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, run, "trainer.total_steps=2", *r3, *LOCAL)).fit()
+    steps = [r for r in rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/logprob_diff_max"] < 1e-4 and r["actor/grad_norm"] > 0
+    with pytest.raises(
+        ConfigError, match="actor.router_replay.mode=R3 is not supported with rollout.name=hf"
+    ):
+        RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "a", *r3, "rollout.name=hf"))
+    with pytest.raises(ConfigError, match="R3 needs a mixture-of-experts model"):
+        RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "b", *r3))
+
+
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
     cfg = load_config(
         SFTConfig,
