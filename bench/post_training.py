@@ -50,7 +50,8 @@ DPO_OVERRIDES = [
     "optim.batch_size=32",
     "optim.micro_batch_size=32",
     "trainer.total_steps=150",
-    "trainer.val_every=50",
+    "trainer.val_every=0",  # held-out pairs once, at the end (the claim is generation accuracy, below)
+    "data.val_max_pairs=256",
 ]
 RM_OVERRIDES = [
     "optim.lr=5e-4",
@@ -58,8 +59,9 @@ RM_OVERRIDES = [
     "optim.warmup_steps=20",
     "optim.batch_size=32",
     "optim.micro_batch_size=32",
-    "trainer.total_steps=1200",
-    "trainer.val_every=200",
+    "trainer.total_steps=600",
+    "trainer.val_every=100",
+    "data.val_max_pairs=1024",
 ]
 GRPO_RM_STEPS = 100
 REJECTED_PER_PROBLEM = 4  # pairs per problem (distinct wrong answers): 8,800 train / 1,024 held-out pairs
@@ -135,6 +137,8 @@ def held_out_accuracy(model: Path, data: Path, out: Path) -> float:
                 str(out),
                 "--temperature",
                 "0",
+                "--max-prompt-length",
+                "128",
                 "--max-response-length",
                 "8",
             ],

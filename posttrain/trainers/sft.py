@@ -6,13 +6,10 @@ the warm start before RL. The result is written as a Hugging Face directory for 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from functools import partial
-from pathlib import Path
 
-from posttrain.config.load import to_dict
 from posttrain.config.schema import OptimConfig, SFTConfig, SFTOptimConfig
 from posttrain.controller.placement import (
     RoleRequest,
@@ -20,6 +17,7 @@ from posttrain.controller.placement import (
     start_role_groups,
     threads_per_worker,
 )
+from posttrain.controller.resource_pool import ResourcePool
 from posttrain.controller.roles import ActorGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
@@ -29,7 +27,6 @@ from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimod
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, is_vision_language, load_processor, load_tokenizer
-from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.setup import (
     check_files,
@@ -39,6 +36,7 @@ from posttrain.trainers.setup import (
     data_parallel_size,
     engine_config,
 )
+from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.process import seed_everything
@@ -75,7 +73,10 @@ def check_sft_config(cfg: SFTConfig) -> None:
         )
 
 
-class SFTTrainer:
+class SFTTrainer(StepTrainer[ActorGroup]):
+    run_name = "sft"
+    progress_keys = ("loss", "val/nll")
+
     def __init__(self, cfg: SFTConfig) -> None:
         check_sft_config(cfg)
         self.cfg = cfg
@@ -112,13 +113,10 @@ class SFTTrainer:
         self.loader = PromptDataLoader(
             self.train_set, cfg.optim.batch_size, collate, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed
         )
-        self.run_dir = Path(cfg.trainer.run_dir)
-        self.hf_dir = Path(cfg.trainer.save_hf_dir or self.run_dir / "hf")
+        self.loss = LossSpec("cross_entropy")
 
-    def fit(self) -> dict[str, float]:
-        """Train `trainer.total_steps` optimizer steps, write the HF directory, return the last metrics."""
+    def start(self) -> tuple[ActorGroup, dict[str, ResourcePool]]:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         spec = ActorRolloutRefSpec(
             engine=engine_config(
                 cfg.model,
@@ -139,60 +137,32 @@ class SFTTrainer:
             sequence_parallel_size=cfg.model.sequence_parallel_size,
         )
         started, pools = start_role_groups(cfg.trainer, cfg.ray, [request])
-        group = ActorGroup(started[request.role])
-        tracker = Tracker(
-            cfg.trainer.loggers, self.run_dir, run_name="sft", config=to_dict(cfg), plots=cfg.trainer.plots
-        )
-        loss = LossSpec("cross_entropy")
-        metrics: dict[str, float] = {}
-        progress = RunProgress(cfg.trainer.total_steps, desc="sft", show=("loss", "val/nll")).start()
-        try:
-            for step in range(1, cfg.trainer.total_steps + 1):
-                start = time.perf_counter()
-                batch = self.loader.next_batch().select(
-                    [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.LOSS_MASK],
-                    self.non_tensor_keys,
-                )
-                tokens = float(batch[keys.LOSS_MASK].sum())
-                batch.meta[keys.GLOBAL_TOKENS] = tokens
-                batch.meta[keys.GLOBAL_SEQS] = len(batch)
-                with progress.stage("update"):
-                    metrics = group.forward_backward(batch, loss)
-                    metrics.update(group.optim_step())
-                seconds = time.perf_counter() - start
-                metrics.update(
-                    {
-                        "timing/step": seconds,
-                        "throughput/tokens_per_s": float(batch[keys.ATTENTION_MASK].sum()) / seconds,
-                    }
-                )
-                last = step == cfg.trainer.total_steps
-                if self.val_set is not None and (
-                    (cfg.trainer.val_every and step % cfg.trainer.val_every == 0) or last
-                ):
-                    with progress.stage("validate"):
-                        metrics["val/nll"] = self.validate(group)
-                tracker.log(metrics, step)
-                progress.step_done(step, metrics)
-                if metrics.get("val/nll", float("inf")) <= cfg.trainer.stop_at_val_nll:
-                    print(
-                        f"sft: stopped at step {step}: val/nll {metrics['val/nll']:.3f} <= "
-                        f"trainer.stop_at_val_nll {cfg.trainer.stop_at_val_nll}",
-                        flush=True,
-                    )
-                    break
-            with progress.stage("export"):
-                group.export_hf(self.hf_dir)
-        finally:
-            progress.close()
-            tracker.close()
-            group.shutdown()
-            for pool in pools.values():
-                pool.remove()
-        return metrics
+        return ActorGroup(started[request.role]), pools
 
-    def validate(self, group: ActorGroup) -> float:
-        """Mean negative log-likelihood per response token on the validation split."""
+    def train_step(self, group: ActorGroup, progress: RunProgress) -> StepResult:
+        batch = self.loader.next_batch().select(
+            [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.LOSS_MASK], self.non_tensor_keys
+        )
+        batch.meta[keys.GLOBAL_TOKENS] = float(batch[keys.LOSS_MASK].sum())
+        batch.meta[keys.GLOBAL_SEQS] = len(batch)
+        with progress.stage("update"):
+            metrics = group.forward_backward(batch, self.loss)
+            metrics.update(group.optim_step())
+        return StepResult(metrics, float(batch[keys.ATTENTION_MASK].sum()))
+
+    def stop_early(self, step: int, metrics: dict[str, float]) -> bool:
+        """Stop once the held-out NLL reaches `trainer.stop_at_val_nll` (0 = never)."""
+        target = self.cfg.trainer.stop_at_val_nll
+        if metrics.get("val/nll", float("inf")) > target:
+            return False
+        print(
+            f"sft: stopped at step {step}: val/nll {metrics['val/nll']:.3f} <= trainer.stop_at_val_nll {target}",
+            flush=True,
+        )
+        return True
+
+    def validate(self, group: ActorGroup) -> dict[str, float]:
+        """`val/nll`: mean negative log-likelihood per response token on the validation split."""
         assert self.val_set is not None
         rows = (len(self.val_set) // group.data_parallel_size) * group.data_parallel_size
         items = [self.val_set[i] for i in range(min(rows, 1024))]
@@ -200,4 +170,4 @@ class SFTTrainer:
         inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], self.non_tensor_keys)
         log_probs = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS]
         mask = batch[keys.LOSS_MASK]
-        return float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))
+        return {"val/nll": float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))}
