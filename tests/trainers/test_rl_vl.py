@@ -240,9 +240,18 @@ def test_what_does_not_carry_images_is_refused(
 # ---- end to end ---------------------------------------------------------------------------------------
 
 
-def sft_warm_start(vl_dir: Path, shapes: dict, run_dir: Path) -> Path:
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_shapes_dataset(
+        tmp_path_factory.mktemp("shapes"), n_train=256, n_test=32, kind="count", seed=0
+    )
+
+
+@pytest.fixture(scope="module")
+def warm(vl_dir: Path, shapes: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """30 SFT steps on the shapes count task (tests/trainers/test_sft_vl.py's settings): the model then answers
     with a count, so GRPO's groups get rewards that differ."""
+    run_dir = tmp_path_factory.mktemp("sft")
     cfg = load_config(
         SFTConfig,
         "sft",
@@ -274,13 +283,11 @@ def language_weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_grpo_on_shapes_with_tiny_vl_on_two_ray_workers(
-    vl_dir: Path, tmp_path: Path, ray_cluster: None
+    warm: Path, shapes: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
     """`posttrain train` from an SFT warm start: 3 GRPO steps on 2 FSDP workers with the shapes scorer, KL to the
     reference (its pass takes the images), 2 mini-batches per step (the old-log-prob pass too), micro-batches of
     2 rows; validation on held-out image prompts; the checkpoint exports as a vision-language model."""
-    shapes = write_shapes_dataset(tmp_path / "shapes", n_train=256, n_test=32, kind="count", seed=0)
-    warm = sft_warm_start(vl_dir, shapes, tmp_path / "sft")
     run = tmp_path / "run"
     args = [
         f"model.path={warm}",
@@ -321,3 +328,31 @@ def test_grpo_on_shapes_with_tiny_vl_on_two_ray_workers(
     before, after = language_weights(warm), language_weights(tmp_path / "hf")
     assert before.keys() == after.keys()
     assert sum(not torch.equal(before[n], after[n]) for n in before) > len(before) // 2
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_on_images(warm: Path, shapes: dict, tmp_path: Path) -> None:
+    """LoRA: the reference is the base model with the adapter disabled, its pass on the same images; the
+    merged weights reach the sampler (log-probs still agree after the first update)."""
+    run = tmp_path / "run"
+    cfg = rl_config(
+        warm,
+        shapes["train"],
+        run,
+        "data.train_batch_prompts=4",
+        "rollout.n=4",
+        "trainer.total_steps=2",
+        "trainer.threads_per_worker=2",
+        "trainer.loggers=[jsonl]",
+        "trainer.plots=false",
+        "model.lora.rank=8",
+        "actor.optim.lr=1e-2",
+        "actor.use_kl_loss=true",
+    )
+    RLTrainer(cfg).fit()
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in steps)
+    assert steps[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # adapter B = 0: policy == reference
+    assert steps[1]["actor/grad_norm"] > 0 and steps[1]["actor/kl_loss"] > 0  # moved away from the base
