@@ -36,7 +36,8 @@ from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking.progress import RunProgress
-from posttrain.trainers.setup import check_files, check_model_options, engine_config
+from posttrain.trainers.checks import check_files, check_model_options
+from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec

@@ -40,8 +40,9 @@ from posttrain.data.preference_dataset import (
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking.progress import RunProgress
+from posttrain.trainers.checks import check_files, check_model_options
 from posttrain.trainers.pairs import check_pair_batches, pair_data
-from posttrain.trainers.setup import check_files, check_model_options, engine_config
+from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec

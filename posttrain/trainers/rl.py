@@ -46,6 +46,7 @@ from posttrain.trainers.async_rollout import (
     versions_column,
 )
 from posttrain.trainers.checkpoint import CheckpointManager, DriverState
+from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
@@ -55,7 +56,6 @@ from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.trainers.setup import (
     actor_spec,
     advantage_kwargs,
-    check_rl_config,
     critic_spec,
     policy_loss_options,
     reuses_update_log_probs,

@@ -1,17 +1,18 @@
-"""Start-up for the driver loops: checks that fail fast (before any model loads) and worker-group creation."""
+"""Start-up for the driver loops: engine and worker specs from the config, and the algorithm's options
+(estimator and loss keyword arguments, rollout correction, optimizer steps per step). The checks that fail
+fast are in trainers/checks.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.algorithms.policy_loss import own_options
-from posttrain.algorithms.registry import get_advantage_estimator, get_kl_estimator, get_policy_loss
+from posttrain.algorithms.registry import get_policy_loss
 from posttrain.algorithms.rollout_correction import RolloutCorrection
 from posttrain.config.schema import (
     ActorConfig,
@@ -20,22 +21,10 @@ from posttrain.config.schema import (
     ModelConfig,
     RLConfig,
 )
-from posttrain.controller.placement import check_placement
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.lora import check_target_modules
-from posttrain.engine.moe import is_moe, resolve_aux_loss_coef
-from posttrain.engine.sequence_parallel import check_sequence_parallel
-from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.train_engine import EngineConfig
-from posttrain.errors import ConfigError, DataError
-from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config, load_text_config
-from posttrain.rewards.user import load_reward_function
-from posttrain.rollout import ROLLOUT_ENGINES
-from posttrain.tracking import check_backends
-from posttrain.trainers.agent_generation import check_agent_config
-from posttrain.trainers.async_rollout import check_async_config
-from posttrain.trainers.on_policy_distill import check_distill_rl_config
+from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
 
@@ -60,262 +49,6 @@ def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineCo
     return EngineConfig(**{**model_fields, **fields})
 
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
-
-def check_files(files: Sequence[str], key: str) -> None:
-    if not files:
-        raise ConfigError(f"{key} is empty: give at least one parquet or jsonl file")
-    for f in files:
-        if not Path(f).is_file():
-            raise DataError(f"{key}: file not found: {f}")
-
-
-def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int]) -> None:
-    """Precision, packing, LoRA targets and token budgets, checked before any worker starts.
-
-    `longest` is the longest prompt + response a step can hold; `budgets` maps each
-    `max_token_len_per_worker` setting's name to its value.
-    """
-    for key, value, valid in (
-        ("model.dtype", model.dtype, ("float32", "bfloat16")),
-        ("model.compute_dtype", model.compute_dtype, ("", "float32", "bfloat16")),
-    ):
-        if value not in valid:
-            shown = ", ".join(repr(v) for v in valid)
-            raise ConfigError(f"{key} '{value}' unknown; valid: {shown}")
-    if model.pack_row_tokens <= 0:
-        raise ConfigError(f"model.pack_row_tokens must be > 0, got {model.pack_row_tokens}")
-    check_share_prompt(model.share_prompt, model.remove_padding, model.attn_implementation)
-    for name, budget in budgets.items():
-        if budget < 0 or 0 < budget < longest:
-            raise ConfigError(
-                f"{name}={budget} is smaller than the longest sequence a step can hold "
-                f"(data.max_prompt_length + data.max_response_length = {longest}); 0 turns the budget off"
-            )
-    if model.lora.rank > 0:
-        check_target_modules(empty_model(model.path), model.lora)
-    check_router_aux_loss(model)
-
-
-def check_router_aux_loss(model: ModelConfig) -> None:
-    """`model.router_aux_loss_coef` against the model (a mixture of experts for a positive one) and sp."""
-    if model.router_aux_loss_coef is None and model.sequence_parallel_size == 1:
-        return  # the model config's own coefficient, nothing to check
-    coef = resolve_aux_loss_coef(load_config(model.path), model.router_aux_loss_coef)
-    if coef > 0 and model.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"model.router_aux_loss_coef={coef} with model.sequence_parallel_size={model.sequence_parallel_size}: "
-            "the load-balancing loss needs every token's routing on one rank; set model.router_aux_loss_coef=0"
-        )
-
-
-def check_router_replay(cfg: RLConfig) -> None:
-    """`actor.router_replay.mode=R3` needs a mixture of experts sampled by the colocated built-in engine in one
-    synchronous pass per response (the only path that records and carries each token's experts)."""
-    if cfg.actor.router_replay.mode == "disabled":
-        return
-    key = "actor.router_replay.mode=R3"
-    if not is_moe(load_config(cfg.model.path)):
-        raise ConfigError(f"{key} needs a mixture-of-experts model; {cfg.model.path} has no routed experts")
-    refused = (
-        (
-            cfg.rollout.name != "native",
-            f"rollout.name={cfg.rollout.name} (only the native engine records routing)",
-        ),
-        (
-            cfg.resources.rollout != "trainer",
-            f"resources.rollout={cfg.resources.rollout} (a separate rollout pool)",
-        ),
-        (cfg.async_rl.staleness > 0, f"async_rl.staleness={cfg.async_rl.staleness}"),
-        (cfg.agent.enable, "agent.enable=true (tool tokens are not routed by the sampler)"),
-        (
-            cfg.model.sequence_parallel_size > 1,
-            f"model.sequence_parallel_size={cfg.model.sequence_parallel_size}",
-        ),
-    )
-    for used, why in refused:
-        if used:
-            raise ConfigError(f"{key} is not supported with {why}; set actor.router_replay.mode=disabled")
-
-
-def check_sequence_parallel_config(model: ModelConfig, world_size: int, backend: str) -> None:
-    """`model.sequence_parallel_size` against the trainer's workers, the model's attention heads and the other
-    model options (engine.sequence_parallel), before any worker starts."""
-    sp = model.sequence_parallel_size
-    if sp > 1 and backend == "local":
-        raise ConfigError(
-            f"model.sequence_parallel_size={sp} splits rows across workers: it needs trainer.backend=ray with "
-            "trainer.n_workers_per_node (x nnodes) a multiple of it (backend=local runs one worker)"
-        )
-    heads = int(getattr(load_config(model.path), "num_attention_heads", 1)) if sp > 1 else 1
-    check_sequence_parallel(sp, world_size, heads, model.attn_implementation, model.remove_padding)
-
-
-def data_parallel_size(model: ModelConfig, world_size: int) -> int:
-    """Data-parallel groups of the trainer's workers: the workers, or with sequence parallelism the groups of
-    `model.sequence_parallel_size` workers that share rows (world = dp x sp)."""
-    return world_size // max(1, model.sequence_parallel_size)
-
-
-def check_context(cfg: RLConfig) -> None:
-    """The longest sequence a rollout can ask for against the model's context (max_position_embeddings), so
-    that it fails here, naming the keys, instead of in the first generation after the model loads."""
-    context = getattr(load_text_config(cfg.model.path), "max_position_embeddings", None)
-    if cfg.agent.enable:
-        keys, longest = "agent.max_total_tokens", cfg.agent.max_total_tokens
-    else:
-        keys = "data.max_prompt_length + data.max_response_length"
-        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if isinstance(context, int) and longest > context:
-        raise ConfigError(
-            f"{keys} = {longest} tokens exceeds the model's context of {context} positions "
-            f"(max_position_embeddings in {cfg.model.path}/config.json): lower it, or use a model with a longer "
-            "context (make-model --preset tiny-32k / small-32k for the built-in ones)"
-        )
-
-
-def check_vision_language_model(model: ModelConfig) -> None:
-    """What training a vision-language model on image rows needs (SFT and RL): padded rows, one rank per row.
-
-    Packed rows would need the model's multimodal position ids (M-RoPE) per packed sequence, and sequence
-    parallelism splits packed rows; both are refused naming the key."""
-    if model.remove_padding:
-        raise ConfigError(
-            f"model.remove_padding=true is not supported for the vision-language model {model.path}: "
-            "packed rows would need the model's multimodal position ids per packed sequence; set "
-            "model.remove_padding=false (rows are then padded, images kept with their rows)"
-        )
-    if model.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"model.sequence_parallel_size={model.sequence_parallel_size} is not supported for the "
-            f"vision-language model {model.path}: sequence parallelism splits packed rows, and image rows are "
-            "padded; set model.sequence_parallel_size=1"
-        )
-
-
-def check_rl_vision_language(cfg: RLConfig) -> None:
-    """RL (GRPO and the PPO family) with a vision-language policy: image prompts are sampled by the built-in
-    engine and their images reach the actor's and the reference's passes; what does not carry images yet is
-    refused here, naming the key."""
-    check_vision_language_model(cfg.model)
-    if cfg.model.share_prompt:
-        raise ConfigError(
-            "model.share_prompt=true works on packed rows, which a vision-language model does not use: set "
-            "model.share_prompt=false (with model.remove_padding=false)"
-        )
-    refused = (
-        (
-            cfg.rollout.name in ROLLOUT_ENGINES and cfg.rollout.name != "native",
-            f"rollout.name={cfg.rollout.name} cannot sample image prompts: use rollout.name=native",
-        ),
-        (
-            cfg.critic.enable,
-            "critic.enable=true: the critic's value head does not take images yet; use a critic-free "
-            "estimator (algorithm.adv_estimator=grpo, rloo, ...)",
-        ),
-        (cfg.agent.enable, "agent.enable=true: agent episodes do not carry images yet"),
-        (
-            bool(cfg.reward.model.path),
-            "reward.model.path is set: a reward model would score the text without the images; use a rule "
-            "scorer or reward.custom_function_path",
-        ),
-        (
-            bool(cfg.distill.teacher_path),
-            "distill.teacher_path is set: the teacher's pass takes no images yet",
-        ),
-        (
-            cfg.async_rl.staleness > 0,
-            "async_rl.staleness >= 1: the asynchronous rollout producer does not carry images yet",
-        ),
-    )
-    for used, why in refused:
-        if used:
-            raise ConfigError(f"{why} (model.path={cfg.model.path} is a vision-language model)")
-
-
-def check_rl_config(cfg: RLConfig) -> None:
-    """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
-    check_model_dir(cfg.model.path)
-    if is_vision_language(cfg.model.path):
-        check_rl_vision_language(cfg)
-    check_context(cfg)
-    check_model_options(
-        cfg.model,
-        max(
-            cfg.data.max_prompt_length + cfg.data.max_response_length,
-            cfg.agent.max_total_tokens if cfg.agent.enable else 0,
-        ),
-        {
-            "actor.max_token_len_per_worker": cfg.actor.max_token_len_per_worker,
-            "critic.max_token_len_per_worker": cfg.critic.max_token_len_per_worker,
-        },
-    )
-    check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
-    check_files(cfg.data.train_files, "data.train_files")
-    check_agent_config(cfg)
-    check_router_replay(cfg)
-    check_distill_rl_config(cfg)
-    check_async_config(cfg)
-    if cfg.trainer.val_every or cfg.trainer.val_before_train:
-        check_files(cfg.data.val_files, "data.val_files")
-    estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-    policy_loss_options(cfg.actor, cfg.algorithm)  # unknown loss, an option the chosen loss does not take
-    check_algorithm(cfg, estimator)
-    if cfg.actor.use_kl_loss:
-        get_kl_estimator(cfg.actor.kl_loss_type)
-    if cfg.actor.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ConfigError(
-            f"unknown actor.loss_agg_mode '{cfg.actor.loss_agg_mode}'; valid: {', '.join(LOSS_AGG_MODES)}"
-        )
-    if cfg.rollout.name not in ROLLOUT_ENGINES:
-        raise ConfigError(f"unknown rollout.name '{cfg.rollout.name}'; valid: {', '.join(ROLLOUT_ENGINES)}")
-    if cfg.rollout.max_batch_size <= 0:
-        raise ConfigError(f"rollout.max_batch_size must be > 0, got {cfg.rollout.max_batch_size}")
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
-        raise ConfigError(
-            "algorithm.adv_estimator=grpo needs rollout.n >= 2 (advantages are relative to a group)"
-        )
-    check_placement(cfg)
-    samples = cfg.data.train_batch_prompts * cfg.rollout.n
-    mini = cfg.actor.mini_batch_size or samples
-    dp = data_parallel_size(cfg.model, cfg.trainer.world_size)
-    # mini-batches split over the data-parallel groups (the ranks of a sequence-parallel group share rows)
-    workers = (
-        f"{dp} data-parallel groups (workers / model.sequence_parallel_size)"
-        if dp < cfg.trainer.world_size
-        else f"{dp} workers"
-    )
-    if samples % mini:
-        raise ConfigError(
-            f"actor.mini_batch_size={mini} must divide the samples per step "
-            f"(data.train_batch_prompts * rollout.n = {samples})"
-        )
-    if mini % dp:
-        raise ConfigError(f"actor.mini_batch_size={mini} must be divisible by the {workers}")
-    if cfg.critic.enable:
-        critic_mini = cfg.critic.mini_batch_size or samples
-        if samples % critic_mini or critic_mini % dp:
-            raise ConfigError(
-                f"critic.mini_batch_size={critic_mini} must divide the samples per step ({samples}) and be "
-                f"divisible by the {workers}"
-            )
-    if cfg.actor.micro_batch_size <= 0:
-        raise ConfigError(f"actor.micro_batch_size must be > 0, got {cfg.actor.micro_batch_size}")
-    if cfg.reward.custom_function_path:
-        load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
-    check_backends(cfg.trainer.loggers, key="trainer.loggers")  # unknown names; wandb/mlflow not installed
-
-
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo")
-# inputs of an estimator that the trainer can supply (`advantage_kwargs`); any other required one is refused
-SUPPLIED_INPUTS = ("values", "reward_baselines")
 # options of particular policy losses that live in ActorConfig; one left unset (None) means the chosen
 # loss's own documented default, one that is set is passed only to a loss that takes it
 LOSS_OPTION_FIELDS = (
@@ -425,71 +158,6 @@ def reward_components(batch: Batch, names: Sequence[str]) -> torch.Tensor:
             )
         columns.append(torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32))
     return torch.stack(columns, dim=-1)
-
-
-def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
-    """Combinations that cannot work are rejected here, with the reason."""
-    algo, name = cfg.algorithm, cfg.algorithm.adv_estimator
-    params = inspect.signature(estimator).parameters
-    needs = {
-        p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and v.default is v.empty
-    }
-    unsupplied = sorted(needs - set(SUPPLIED_INPUTS))
-    if unsupplied:
-        raise ConfigError(
-            f"algorithm.adv_estimator={name} needs {', '.join(unsupplied)} per response token, which the trainer "
-            "does not supply to advantage estimators yet (the actor's forward pass returns log-probs only); "
-            "the estimator function can be called directly"
-        )
-    if "values" in needs and not cfg.critic.enable:
-        raise ConfigError(
-            f"algorithm.adv_estimator={name} needs a critic: set critic.enable=true (or algorithm=ppo)"
-        )
-    if cfg.critic.enable and "values" not in params:
-        raise ConfigError(f"critic.enable=true but algorithm.adv_estimator={name} does not use values")
-    if name in GROUP_ESTIMATORS and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={name} needs rollout.n >= 2 (advantages are relative to a group)"
-        )
-    if "reward_baselines" in needs and algo.dynamic_sampling:
-        raise ConfigError("algorithm.adv_estimator=remax cannot be combined with algorithm.dynamic_sampling")
-    if algo.dynamic_sampling and cfg.rollout.n < 2:
-        raise ConfigError(
-            "algorithm.dynamic_sampling needs rollout.n >= 2 (it filters groups by reward variance)"
-        )
-    for key, value in (("gamma", algo.gamma), ("lam", algo.lam)):
-        if value != 1.0 and key not in params:
-            raise ConfigError(f"algorithm.{key}={value} is set, but adv_estimator={name} does not use it")
-    if not algo.norm_adv_by_std_in_grpo and "norm_by_std" not in params:
-        raise ConfigError(
-            f"algorithm.norm_adv_by_std_in_grpo=false is set, but adv_estimator={name} does not use it"
-        )
-    if algo.use_kl_in_reward and cfg.actor.use_kl_loss:
-        raise ConfigError(
-            "KL is either in the reward (algorithm.use_kl_in_reward) or in the loss (actor.use_kl_loss), not both"
-        )
-    if algo.use_kl_in_reward:
-        get_kl_estimator(algo.kl_penalty)
-        if algo.kl_ctrl_type not in ("fixed", "adaptive"):
-            raise ConfigError(f"algorithm.kl_ctrl_type must be fixed or adaptive, got '{algo.kl_ctrl_type}'")
-    if algo.gdpo_reward_keys and "reward_components" not in params:
-        raise ConfigError(
-            f"algorithm.gdpo_reward_keys is set, but adv_estimator={name} does not use it (gdpo does)"
-        )
-    if algo.gdpo_reward_weights and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
-        raise ConfigError(
-            f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} values for "
-            f"{len(algo.gdpo_reward_keys)} algorithm.gdpo_reward_keys; give one weight per key (or none)"
-        )
-    if algo.max_gen_rounds < 1:
-        raise ConfigError(f"algorithm.max_gen_rounds must be >= 1, got {algo.max_gen_rounds}")
-    if cfg.reward.overlong_buffer_len >= cfg.data.max_response_length:
-        raise ConfigError(
-            f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} must be smaller than "
-            f"data.max_response_length={cfg.data.max_response_length}"
-        )
-    if cfg.reward.overlong_buffer_len < 0:
-        raise ConfigError("reward.overlong_buffer_len must be >= 0 (0 = off)")
 
 
 def optimizer_steps_per_step(cfg: RLConfig) -> int:

@@ -28,14 +28,14 @@ from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, is_vision_language, load_processor, load_tokenizer
 from posttrain.tracking.progress import RunProgress
-from posttrain.trainers.setup import (
+from posttrain.trainers.checks import (
     check_files,
     check_model_options,
     check_sequence_parallel_config,
     check_vision_language_model,
     data_parallel_size,
-    engine_config,
 )
+from posttrain.trainers.setup import engine_config
 from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec

@@ -11,9 +11,9 @@ from posttrain.config.load import from_dict, load_config, to_dict
 from posttrain.config.schema import RLConfig
 from posttrain.data.batch import Batch
 from posttrain.errors import ConfigError
+from posttrain.trainers.checks import check_algorithm
 from posttrain.trainers.setup import (
     advantage_kwargs,
-    check_algorithm,
     policy_loss_options,
     reuses_update_log_probs,
 )

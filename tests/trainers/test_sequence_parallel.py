@@ -11,10 +11,10 @@ import pytest
 from posttrain.config.load import load_config
 from posttrain.config.schema import DPOConfig, RLConfig, RMConfig, SFTConfig
 from posttrain.errors import ConfigError
+from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.dpo import check_dpo_config
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.rm import check_rm_config
-from posttrain.trainers.setup import check_rl_config
 from posttrain.trainers.sft import SFTTrainer
 
 from .test_rl_e2e import reward_file, rl_overrides
