@@ -34,12 +34,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tasks = data.add_subparsers(
         dest="task",
         required=True,
-        metavar="{arithmetic,arithmetic_pairs,long_addition,tool_multiplication,shapes,gsm8k,validate}",
+        metavar="{arithmetic,arithmetic_pairs,sampled_pairs,long_addition,tool_multiplication,shapes,gsm8k,validate}",
     )
     for name in ("arithmetic", "arithmetic_pairs", "long_addition"):
         _add_task_parser(tasks, name)
     _add_tool_task_parser(tasks)
     _add_shapes_parser(tasks)
+
+    p = tasks.add_parser(
+        "sampled_pairs",
+        help="preference pairs from a model's own samples (posttrain eval --n N's samples.jsonl)",
+    )
+    p.add_argument("--samples", required=True, help="samples.jsonl written by `posttrain eval`")
+    p.add_argument("--out", required=True, help="the parquet file to write")
+    p.add_argument(
+        "--chosen-fallback",
+        choices=("ground_truth", "skip"),
+        default="ground_truth",
+        help="a prompt with no correct sample: the ground truth is chosen, or the prompt is skipped",
+    )
+    p.set_defaults(func=_sampled_pairs)
 
     p = tasks.add_parser("gsm8k", help="GSM8K as verl-format parquet (from --src, else the Hugging Face hub)")
     p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
@@ -182,6 +196,16 @@ def _write_task(args: argparse.Namespace) -> None:
     else:
         options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}
     _print_paths(write_task(args.task, args.out, **options))
+
+
+def _sampled_pairs(args: argparse.Namespace) -> None:
+    from posttrain.data.sampled_pairs import write_sampled_pairs
+
+    counts = write_sampled_pairs(args.samples, args.out, args.chosen_fallback)
+    print(
+        f"wrote {counts['pairs']} pairs from {counts['prompts']} prompts "
+        f"({counts['chosen_sampled']} with a sampled chosen answer): {args.out}"
+    )
 
 
 def _print_paths(paths: dict[str, Path]) -> None:

@@ -207,6 +207,7 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
             "sample": j,
             "data_source": it["data_source"],
             "prompt": it["raw_prompt"],
+            "messages": it["messages"],
             "response": generated[i * args.n + j].text,
             "ground_truth": it["ground_truth"],
             "score": scores[i][j],
