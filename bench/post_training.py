@@ -6,8 +6,10 @@ held-out NLL 0.7: ~25% greedy accuracy). The preference pairs are `posttrain dat
 with the task's own problem split (four distinct wrong answers per problem), so the held-out pairs are the
 held-out problems and no stage trains on a problem it is scored on.
 
-- **dpo**: `posttrain dpo` (sigmoid loss, the frozen warm start as the reference) on the train pairs; held-out
-  greedy accuracy before and after (`posttrain eval`, the rule scorer). Target: +10 points.
+- **dpo**: `posttrain dpo` (sigmoid + sft, the frozen warm start as the reference) on on-policy pairs (the
+  warm start's own answers to the train problems: `posttrain data sampled_pairs`); held-out greedy accuracy
+  before and after (`posttrain eval`, the rule scorer), and against a control trained on the same pairs with
+  the sft term alone. Target: +10 points.
 - **rm**: `posttrain rm` (Bradley-Terry) on the train pairs; held-out pairwise accuracy. Target: >= 85%.
 - **grpo_rm**: `posttrain train` (GRPO, the demo's settings, 2 FSDP workers on Ray) with
   `reward.model.path` = that seed's reward model and no rule reward; `val/acc` is the rule scorer's, which the
@@ -41,8 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 POSTTRAIN = [sys.executable, "-m", "posttrain"]
 STAGES = ("dpo", "rm", "grpo_rm")
 
+# RPO-style DPO (Pang et al. 2024, "Iterative reasoning preference optimization"): the sigmoid DPO loss plus
+# the NLL of the chosen answer; without the NLL term the chosen answers' log-probs fall with the rejected ones
+# and held-out accuracy drops (24.2% -> 18.0% measured, one seed)
+DPO_LOSS = "dpo.loss_type=[sigmoid,sft]"
+CONTROL_LOSS = "dpo.loss_type=[sft]"  # the same pairs and steps, the chosen answers' NLL alone
 DPO_OVERRIDES = [
-    "dpo.loss_type=[sigmoid]",
     "dpo.beta=0.1",
     "optim.lr=2e-4",
     "optim.lr_schedule=cosine",
@@ -53,6 +59,7 @@ DPO_OVERRIDES = [
     "trainer.val_every=0",  # held-out pairs once, at the end (the claim is generation accuracy, below)
     "data.val_max_pairs=256",
 ]
+SAMPLES_PER_PROMPT = 4  # the warm start's samples per train problem (temperature 1) for the on-policy pairs
 RM_OVERRIDES = [
     "optim.lr=5e-4",
     "optim.lr_schedule=cosine",
@@ -147,8 +154,41 @@ def held_out_accuracy(model: Path, data: Path, out: Path) -> float:
     return float(json.loads(results.read_text())["accuracy"])
 
 
-def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str, Any]:
-    run_dir = work / f"dpo-seed{seed}"
+def sampled_pairs(paths: dict[str, Path], work: Path) -> Path:
+    """On-policy pairs: the warm start's own answers to the train problems (`posttrain eval --n`, temperature
+    1), its most frequent wrong one rejected, a correct one (else the ground truth) chosen (cached)."""
+    from posttrain.data.sampled_pairs import write_sampled_pairs
+
+    out = work / "sampled_pairs" / "train.parquet"
+    if not out.exists():
+        samples = work / "sft-train-samples"
+        samples.mkdir(parents=True, exist_ok=True)
+        run(
+            [
+                *POSTTRAIN,
+                "eval",
+                str(paths["sft"] / "hf"),
+                "--data",
+                str(paths["data"] / "train.parquet"),
+                "--out",
+                str(samples),
+                "--n",
+                str(SAMPLES_PER_PROMPT),
+                "--temperature",
+                "1.0",
+                "--max-prompt-length",
+                "128",
+                "--max-response-length",
+                "8",
+            ],
+            samples / "eval.log",
+        )
+        print("  " + json.dumps(write_sampled_pairs(samples / "samples.jsonl", out)), flush=True)
+    return out
+
+
+def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int, loss: str, name: str) -> dict[str, Any]:
+    run_dir = work / f"{name}-seed{seed}"
     if not (run_dir / "hf" / "config.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
@@ -157,8 +197,9 @@ def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str
                 *POSTTRAIN,
                 "dpo",
                 f"model.path={paths['sft'] / 'hf'}",
-                f"data.train_files=[{paths['pairs'] / 'train.parquet'}]",
+                f"data.train_files=[{sampled_pairs(paths, work)}]",
                 f"data.val_files=[{paths['pairs'] / 'test.parquet'}]",
+                loss,
                 *DPO_OVERRIDES,
                 *common_trainer(run_dir, seed, threads),
             ],
@@ -247,18 +288,28 @@ def spread(values: list[float]) -> list[float]:
 def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[str, Any]]:
     if stage == "dpo":
         accs = [r["val_acc"] for r in runs]
+        control = [r["sft_control_val_acc"] for r in runs]
+        case = "dpo (sigmoid + sft) on the warm start's own samples, arithmetic 1-2 digit, tiny"
+        row = {"metric": "held_out_accuracy", "higher_is_better": True, "repeats": len(accs)}
         return [
             {
-                "case": "dpo (sigmoid) from the SFT warm start, arithmetic 1-2 digit, tiny",
-                "metric": "held_out_accuracy",
+                **row,
+                "case": case,
                 "value": round(statistics.mean(accs), 4),
                 "baseline_name": "SFT warm start",
                 "baseline_value": round(start, 4),
                 "ratio": round(statistics.mean(accs) / max(start, 1e-9), 4),
-                "higher_is_better": True,
-                "repeats": len(accs),
                 "spread": spread(accs),
-            }
+            },
+            {
+                **row,
+                "case": case + ", against its sft term alone",
+                "value": round(statistics.mean(accs), 4),
+                "baseline_name": "the chosen answers' NLL alone (same pairs, steps, seeds)",
+                "baseline_value": round(statistics.mean(control), 4),
+                "ratio": round(statistics.mean(accs) / max(statistics.mean(control), 1e-9), 4),
+                "spread": spread(accs),
+            },
         ]
     if stage == "rm":
         accs = [r["pairwise_accuracy"] for r in runs]
@@ -344,7 +395,9 @@ def main() -> None:
         for seed in range(args.seeds):
             print(f"[{stage}] seed {seed}", flush=True)
             if stage == "dpo":
-                out = dpo(paths, work, seed, args.threads)
+                out = dpo(paths, work, seed, args.threads, DPO_LOSS, "dpo")
+                control = dpo(paths, work, seed, args.threads, CONTROL_LOSS, "sft_control")
+                out["sft_control_val_acc"] = control["val_acc"]
             elif stage == "rm":
                 out = rm(paths, work, seed, args.threads)
             else:
@@ -357,7 +410,13 @@ def main() -> None:
         "machine": machine_info(args.threads),
         "command": "python " + " ".join(sys.argv),
         "sft_start_val_acc": start,
-        "settings": {"dpo": DPO_OVERRIDES, "rm": RM_OVERRIDES, "grpo_rm_steps": args.grpo_steps},
+        "settings": {
+            "dpo": [DPO_LOSS, *DPO_OVERRIDES],
+            "dpo_control": CONTROL_LOSS,
+            "samples_per_prompt": SAMPLES_PER_PROMPT,
+            "rm": RM_OVERRIDES,
+            "grpo_rm_steps": args.grpo_steps,
+        },
         "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
         "runs": results,
