@@ -31,8 +31,8 @@ from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import is_vision_language, load_causal_lm, make_tiny_model
 from posttrain.rollout.base import GenerationResult
-from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.checks import check_rl_config
+from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.updates import balance_across_workers
 from posttrain.workers.losses import LossSpec, build_loss
