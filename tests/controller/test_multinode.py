@@ -28,6 +28,10 @@ def run_job(tiny_model_dir: Path, arithmetic_data: dict, out: Path, *modes: str)
     return json.loads((out / "report.json").read_text())
 
 
+# a two-node Ray job (~65 s) shared by the tests below: slow, run by CI's slow suite
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def report(tiny_model_dir: Path, arithmetic_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = Path(tmp_path_factory.mktemp("cluster", numbered=True))
@@ -64,7 +68,6 @@ def test_world_sizes_one_two_four_give_the_same_update(report: dict) -> None:
             assert (weights[name] - tensor).abs().mean() < 1e-6, name
 
 
-@pytest.mark.slow
 def test_split_placement_samples_on_its_own_pool(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~60 s on Ray; the bound is also checked without Ray in test_streaming.py
 def test_rollouts_run_one_step_ahead_within_the_bound(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:

@@ -83,6 +83,7 @@ def test_recipe_runs_two_steps(
     assert (tmp_path / "run" / "latest").read_text() == "step_2"
 
 
+@pytest.mark.slow  # ~95 s: PPO with a critic on Ray, checkpoint and resume
 def test_ppo_with_critic_on_two_ray_workers_resumes(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
