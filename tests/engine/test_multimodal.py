@@ -146,24 +146,32 @@ def test_image_tokens_without_their_images_are_an_error(vl_dir, batch):
     assert torch.isfinite(eng.compute_log_prob(text_row.select(None, []))).all()
 
 
-def test_masked_loss_equals_a_per_row_computation(vl_dir, batch):
+def test_masked_loss_and_gradients_equal_a_per_row_computation(vl_dir, batch):
+    """The loss, and the gradient of every parameter (the trained vision tower's included), equal those of the HF
+    model called on each row alone with its own images."""
     eng = engine(vl_dir, micro_batch_size=2)
     metrics = eng.forward_backward(batch, build_loss(LossSpec("cross_entropy"), 1))
     model = load_causal_lm(vl_dir)
     image_id = model.config.image_token_id
-    nll, tokens = 0.0, 0.0
-    with torch.no_grad():
-        for r in range(len(batch)):
-            n = int(batch[keys.ATTENTION_MASK][r].sum())
-            ids = batch[keys.INPUT_IDS][r : r + 1, :n]
-            mm = batch[MULTI_MODAL_INPUTS][r]
-            extra = dict(mm, mm_token_type_ids=(ids == image_id).int()) if mm else {}
-            logits = model(input_ids=ids, **extra).logits[0, :-1]
-            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-            mask = batch[keys.LOSS_MASK][r, 1:n]
-            nll -= float((lp * mask).sum())
-            tokens += float(mask.sum())
-    assert metrics["loss"] == pytest.approx(nll / tokens, rel=1e-5)
+    nll, tokens = torch.zeros(()), 0.0
+    for r in range(len(batch)):
+        n = int(batch[keys.ATTENTION_MASK][r].sum())
+        ids = batch[keys.INPUT_IDS][r : r + 1, :n]
+        mm = batch[MULTI_MODAL_INPUTS][r]
+        extra = dict(mm, mm_token_type_ids=(ids == image_id).int()) if mm else {}
+        logits = model(input_ids=ids, **extra).logits[0, :-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        mask = batch[keys.LOSS_MASK][r, 1:n]
+        nll = nll - (lp * mask).sum()
+        tokens += float(mask.sum())
+    (nll / tokens).backward()
+    assert metrics["loss"] == pytest.approx(float(nll) / tokens, rel=1e-5)
+    engine_grads = {n: full(p.grad) for n, p in eng.model.named_parameters() if p.grad is not None}
+    reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert engine_grads.keys() == reference.keys()
+    assert any(".visual." in f".{n}" for n in reference)  # make-model's from-scratch tower trains
+    for name, grad in reference.items():
+        torch.testing.assert_close(engine_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_images_refused_with_packing(vl_dir, batch):
