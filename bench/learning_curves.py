@@ -3,9 +3,17 @@
 All three start from the same SFT warm start (the demo's model, task and warm start) and run the same number
 of steps with the same prompts per step; the curves are plotted against cumulative generated tokens (DAPO's
 dynamic sampling and PPO's equal n generate different amounts), and the table compares held-out greedy
-accuracy at the largest token budget all three reached. Runs are repeated with different seeds.
+accuracy at the largest token budget all three reached, and after the same number of steps: the mean and
+min-max over seeds (BENCHMARKS.md: a learning claim is a mean over seeds).
 
-    python bench/learning_curves.py                 # default: 40 steps x 3 seeds (~10 min on 2 cores)
+The DAPO anomaly of an earlier run (one seed at its starting accuracy at the token budget) was a bug in what
+the curve read, not in DAPO: each run directory still held an earlier invocation's metrics.jsonl, the trainer
+(trainer.resume=false) appended the new run to it, and the curve then held two runs whose cumulative token
+counts added up, so one seed's point at the budget was the second run's step 0. The trainer now moves an
+earlier run's metrics aside when it starts from step 0 (tracking/loggers.py), and the bench clears each run
+directory before it starts.
+
+    python bench/learning_curves.py                 # default: 40 steps x 3 seeds (~12 min on 2 cores)
     python bench/learning_curves.py --steps 20 --repeats 1
 
 Writes bench/results/learning_curves.json (BENCHMARKS.md format) and bench/results/learning_curves.png.
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -112,6 +121,7 @@ def main() -> None:
     for seed in range(args.repeats):
         for algorithm in ALGORITHMS:  # alternate A B C A B C, as BENCHMARKS.md asks
             run_dir = work / f"{algorithm}-seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a curve is one run's, never an earlier one's too
             curves[algorithm].append(run(algorithm, seed, model, files, run_dir, args.steps, args.workers))
             print(
                 f"{algorithm} seed {seed}: final val acc {curves[algorithm][-1][-1]['val_acc']:.3f}",
@@ -122,23 +132,32 @@ def main() -> None:
     budget = min(c[-1]["gen_tokens"] for runs in curves.values() for c in runs)
     start_acc = curves["grpo"][0][0]["val_acc"]
     per_algo = {a: [accuracy_at(c, budget) for c in runs] for a, runs in curves.items()}
+    final = {a: [c[-1]["val_acc"] for c in runs] for a, runs in curves.items()}
     rows = []
-    for algorithm in ALGORITHMS:
-        values = per_algo[algorithm]
-        baseline = per_algo["grpo"]
-        rows.append(
-            {
-                "case": f"{algorithm} arithmetic-2digit tiny, {int(budget)} generated tokens",
-                "metric": "val_acc_at_equal_tokens",
-                "value": round(statistics.median(values), 4),
-                "baseline_name": "grpo",
-                "baseline_value": round(statistics.median(baseline), 4),
-                "ratio": round(statistics.median(values) / max(statistics.median(baseline), 1e-9), 4),
-                "higher_is_better": True,
-                "repeats": len(values),
-                "spread": [round(min(values), 4), round(max(values), 4)],
-            }
-        )
+    for metric, values_of, case in (
+        ("val_acc_at_equal_tokens", per_algo, f"arithmetic-2digit tiny, {int(budget)} generated tokens"),
+        ("val_acc_after_steps", final, f"arithmetic-2digit tiny, {args.steps} steps"),
+    ):
+        baseline = statistics.fmean(values_of["grpo"])
+        for algorithm in ALGORITHMS:
+            values = values_of[algorithm]
+            mean = statistics.fmean(values)
+            rows.append(
+                {
+                    "case": f"{algorithm} {case}",
+                    "metric": metric,
+                    "statistic": "mean",
+                    "value": round(mean, 4),
+                    "baseline_name": "grpo",
+                    "baseline_value": round(baseline, 4),
+                    "ratio": round(mean / max(baseline, 1e-9), 4),
+                    "higher_is_better": True,
+                    "repeats": len(values),
+                    "spread": [round(min(values), 4), round(max(values), 4)],
+                    "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+                    "per_seed": [round(v, 4) for v in values],
+                }
+            )
     result = {
         "bench": "learning_curves",
         "machine": machine_info(torch.get_num_threads()),
@@ -151,10 +170,16 @@ def main() -> None:
     }
     write_result("learning_curves.json", result)
     plot(curves, budget, RESULTS / "learning_curves.png")
-    print(f"\nheld-out greedy accuracy at {int(budget)} generated tokens (start {start_acc:.3f}):")
-    print(f"{'algorithm':<10}{'median':>8}{'min':>8}{'max':>8}")
-    for algorithm, row in zip(ALGORITHMS, rows, strict=True):
-        print(f"{algorithm:<10}{row['value']:>8.3f}{row['spread'][0]:>8.3f}{row['spread'][1]:>8.3f}")
+    print(f"\nheld-out greedy accuracy, mean over {args.repeats} seeds (start {start_acc:.3f}):")
+    print(
+        f"{'algorithm':<10}{'at ' + str(int(budget)) + ' tokens':>22}{'after ' + str(args.steps) + ' steps':>22}"
+    )
+    for algorithm in ALGORITHMS:
+        cells = []
+        for metric in ("val_acc_at_equal_tokens", "val_acc_after_steps"):
+            row = next(r for r in rows if r["metric"] == metric and r["case"].startswith(algorithm + " "))
+            cells.append(f"{row['value']:.3f} ({row['spread'][0]:.3f}-{row['spread'][1]:.3f})")
+        print(f"{algorithm:<10}{cells[0]:>22}{cells[1]:>22}")
     print(f"wrote {RESULTS / 'learning_curves.json'} and learning_curves.png ({result['seconds']} s)")
 
 

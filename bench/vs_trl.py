@@ -73,6 +73,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import RESULTS, machine_info, write_result
@@ -168,30 +169,173 @@ def summarize_run(run: dict, warmup: int, window: int, model_config: dict, n: in
     }
 
 
+@dataclass(frozen=True)
+class Task:
+    """A case's task and its default sizes (each overridable by a flag for every case)."""
+
+    prompts: int  # prompts per step
+    max_completion: int  # max completion tokens
+    steps: int
+    sft_steps: int | None  # None: the demo's
+
+
+TASKS = {
+    # the demo's 1-2 digit addition, answers of ~3-8 tokens
+    "arithmetic": Task(prompts=32, max_completion=8, steps=100, sft_steps=None),
+    # every column and carry written out, 5-9 digit operands: responses of ~40-110 tokens; fewer prompts so
+    # TRL's HF `generate` fits the time budget
+    "long_addition": Task(prompts=8, max_completion=160, steps=60, sft_steps=150),
+}
+
+# (metric, higher is better, statistic over seeds): speed and memory as medians (timing noise is one-sided),
+# learning as means (BENCHMARKS.md: a learning claim is a mean and spread over seeds)
 METRICS = (
-    ("seconds_per_step", False),
-    ("gen_tokens_per_s", True),
-    ("total_tokens_per_s", True),
-    ("peak_rss_mb", False),
-    ("reward_last", True),
-    ("reward_first_step", True),
-    ("model_flops_fraction_of_peak", True),
+    ("seconds_per_step", False, "median"),
+    ("gen_tokens_per_s", True, "median"),
+    ("total_tokens_per_s", True, "median"),
+    ("peak_rss_mb", False, "median"),
+    ("model_flops_fraction_of_peak", True, "median"),
+    ("reward_first_step", True, "mean"),
+    ("reward_last", True, "mean"),
+    ("heldout_accuracy", True, "mean"),
+    ("heldout_accuracy_start", True, "mean"),
 )
+
+
+def evaluate(model: str, test_file: str, max_completion: int, threads: int, out: Path) -> dict:
+    """Held-out greedy accuracy of a saved model with `posttrain eval` (the same evaluator for both
+    frameworks' final weights: posttrain's rollout engine and the task's scorer), in a fresh process."""
+    command = [
+        sys.executable, "-m", "posttrain", "eval", model, "--data", test_file, "--out", str(out),
+        "--temperature", "0", "--max-response-length", str(max_completion), "--max-prompt-length", "256",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with (out.parent / f"{out.name}.log").open("w") as log:
+        proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"posttrain eval of {model} failed (exit {proc.returncode}); log {out}.log")
+    return json.loads((out / "results.json").read_text())
+
+
+def stats(values: list[float], statistic: str) -> dict:
+    centre = statistics.median(values) if statistic == "median" else statistics.fmean(values)
+    return {
+        "value": round(centre, 4),
+        "spread": [round(min(values), 4), round(max(values), 4)],
+        "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+    }
+
+
+def run_case(case: str, args: argparse.Namespace, frameworks: list[str], seeds: list[int]) -> dict:
+    """One preset:task case: prepare, then for each seed TRL and posttrain (alternating), each run followed
+    by the held-out evaluation of its final weights; returns the raw runs and per-run summaries."""
+    preset, task_name = case.split(":")
+    task = TASKS[task_name]
+    prompts = args.prompts or task.prompts
+    max_completion = args.max_completion or task.max_completion
+    steps = args.steps or task.steps
+    sft_steps = args.sft_steps if args.sft_steps is not None else task.sft_steps
+    if sft_steps is None:
+        from posttrain.demo import SFT_OVERRIDES
+
+        sft_steps = next(
+            int(o.split("=", 1)[1]) for o in SFT_OVERRIDES if o.startswith("trainer.total_steps=")
+        )
+    if (prompts * args.n) % args.micro_batch:
+        sys.exit(f"{case}: --micro-batch {args.micro_batch} must divide prompts x n = {prompts * args.n}")
+    work = Path(args.work)
+    sft_overrides = [o.split(":", 1)[1] for o in args.sft_set if o.split(":", 1)[0] == preset]
+    prep_spec = {
+        "work": str(work), "preset": preset, "task": task_name, "sft_steps": sft_steps,
+        "sft_overrides": sft_overrides,
+    }  # fmt: skip
+    case_dir = work / case.replace(":", "-")
+    print(f"{case}: model, task and SFT warm start ({sft_steps} steps) ...", flush=True)
+    prep, error = spawn("prepare", prep_spec, case_dir / "prepare.log")
+    if prep is None:
+        sys.exit(f"{case}: preparation failed: {error}")
+    start_eval = evaluate(
+        prep["model"], prep["test_file"], max_completion, args.threads, case_dir / "eval-start"
+    )
+    print(f"{case}: warm start held-out accuracy {start_eval['accuracy']:.3f}", flush=True)
+    model_config = json.loads((Path(prep["model"]) / "config.json").read_text())
+    spec = {
+        "model": prep["model"], "train_file": prep["train_file"], "prompts": prompts, "n": args.n,
+        "max_completion": max_completion, "micro_batch": args.micro_batch, "lr": args.lr, "steps": steps,
+        "threads": args.threads, "posttrain_overrides": args.posttrain_set,
+    }  # fmt: skip
+    runs: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
+    summaries: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
+    failures = []
+    for seed in seeds:
+        for name in frameworks:  # alternate TRL, posttrain, TRL, posttrain ...
+            run_dir = case_dir / "runs" / f"{name}-seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            started_run = time.perf_counter()
+            result, error = spawn(
+                name, {**spec, "seed": seed, "run_dir": str(run_dir)}, run_dir.with_suffix(".log")
+            )
+            wall = time.perf_counter() - started_run
+            if result is None or not result["steps"]:
+                error = error or "no training step completed"
+                failures.append({"case": case, "framework": name, "seed": seed, "error": error})
+                print(f"{case} {name} seed {seed}: FAILED\n{error}", flush=True)
+                continue
+            result["wall_s"] = wall
+            result["seed"] = seed
+            heldout = evaluate(
+                result["final_model"], prep["test_file"], max_completion, args.threads, run_dir / "eval"
+            )
+            result["heldout"] = {
+                k: heldout[k] for k in ("accuracy", "mean_response_tokens", "truncated_share")
+            }
+            summary = summarize_run(result, args.warmup_steps, args.reward_window, model_config, args.n)
+            summary["heldout_accuracy"] = heldout["accuracy"]
+            summary["heldout_accuracy_start"] = start_eval["accuracy"]
+            runs[name].append(result)
+            summaries[name].append(summary)
+            for step in result["steps"]:  # per-sample lengths: only for the FLOP count
+                del step["prompt_lens"], step["response_lens"]
+            s = summary
+            print(
+                f"{case} {name} seed {seed}: {s['seconds_per_step']:.2f} s/step, "
+                f"{s['gen_tokens_per_s']:.0f} gen tok/s, {s['total_tokens_per_s']:.0f} tok/s, "
+                f"{s['peak_rss_mb']:.0f} MB, reward first {s['reward_first_step']:.3f} "
+                f"last{args.reward_window} {s['reward_last']:.3f}, held-out {heldout['accuracy']:.3f} "
+                f"(start {start_eval['accuracy']:.3f}; wall {wall:.0f} s)",
+                flush=True,
+            )
+    settings = {
+        "preset": preset, "task": task_name, "prompts_per_step": prompts, "n": args.n,
+        "max_completion_tokens": max_completion, "steps": steps, "sft_steps": sft_steps,
+        "sft_extra_overrides": sft_overrides, "heldout_problems": start_eval["n_prompts"],
+    }  # fmt: skip
+    return {
+        "settings": settings,
+        "sft_seconds": prep["sft_seconds"],
+        "start_heldout": start_eval["accuracy"],
+        "runs": runs,
+        "summaries": summaries,
+        "failures": failures,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="tiny,small", help="tiny-model presets (tiny ~1M, small ~10M)")
-    parser.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument(
+        "--cases",
+        default="tiny:arithmetic,tiny:long_addition",
+        help="preset:task pairs (presets tiny ~1M, small ~10M; tasks " + ", ".join(TASKS) + ")",
+    )
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="one run per framework per seed")
+    parser.add_argument("--steps", type=int, default=0, help="GRPO steps per run (0: the task's default)")
+    parser.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the task's default)")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (num_generations)")
-    parser.add_argument("--max-completion", type=int, default=8, help="max completion tokens")
+    parser.add_argument("--max-completion", type=int, default=0, help="max completion tokens (0: the task's)")
     parser.add_argument("--micro-batch", type=int, default=64, help="samples per forward/backward")
     parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--sft-steps", type=int, default=None, help="SFT warm-start steps (0 = none); default: the demo's"
+        "--sft-steps", type=int, default=None, help="SFT warm-start steps (0 = none); default: the task's"
     )
     parser.add_argument(
         "--sft-set",
@@ -201,7 +345,7 @@ def main() -> None:
         help="extra SFT override for one preset, e.g. small:optim.lr=1e-3 (repeatable; cached separately)",
     )
     parser.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the timing")
-    parser.add_argument("--reward-window", type=int, default=3, help="last steps the reward is averaged on")
+    parser.add_argument("--reward-window", type=int, default=10, help="last steps the reward is averaged on")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--work", default="/tmp/posttrain-bench-vs-trl", help="models, data, run dirs")
     parser.add_argument("--out", default="vs_trl.json", help="file name under bench/results")
@@ -221,23 +365,18 @@ def main() -> None:
             f"bench/vs_trl.py needs {' and '.join(missing)}, which are not installed: "
             "pip install -e '.[bench]'   (or pip install '.[bench]')"
         )
-    if args.sft_steps is None:
-        from posttrain.demo import SFT_OVERRIDES
-
-        args.sft_steps = next(
-            int(o.split("=", 1)[1]) for o in SFT_OVERRIDES if o.startswith("trainer.total_steps=")
-        )
+    cases = args.cases.split(",")
+    bad = [c for c in cases if c.count(":") != 1 or c.split(":")[1] not in TASKS]
+    if bad:
+        sys.exit(f"--cases: expected preset:task with task one of {', '.join(TASKS)}; got {bad}")
+    seeds = [int(x) for x in args.seeds.split(",")]
     frameworks = [f for f in FRAMEWORKS if f in args.frameworks.split(",")]
-    samples = args.prompts * args.n
-    if samples % args.micro_batch:
-        sys.exit(f"--micro-batch {args.micro_batch} must divide prompts x n = {samples}")
 
     import torch
     import transformers
     import trl
 
     torch.set_num_threads(args.threads)
-    work = Path(args.work)
     started = time.perf_counter()
     from posttrain.tracking.flops import measure_matmul_flops
 
@@ -245,74 +384,15 @@ def main() -> None:
         measure_matmul_flops(seconds=3.0, threads=args.threads)
     ]  # measured again at the end; the larger is used (the machine is shared)
     print(f"fp32 matmul peak (2048^2, {args.threads} threads): {peaks[0] / 1e9:.1f} GFLOP/s", flush=True)
-    failures, warnings, raw = [], [], {}
-    for preset in args.presets.split(","):
-        sft_overrides = [o.split(":", 1)[1] for o in args.sft_set if o.split(":", 1)[0] == preset]
-        prep_spec = {
-            "work": str(work),
-            "preset": preset,
-            "sft_steps": args.sft_steps,
-            "sft_overrides": sft_overrides,
-        }
-        print(f"{preset}: model, task and SFT warm start ({args.sft_steps} steps) ...", flush=True)
-        prep, error = spawn("prepare", prep_spec, work / preset / "prepare.log")
-        if prep is None:
-            sys.exit(f"{preset}: preparation failed: {error}")
-        spec = {
-            "model": prep["model"],
-            "train_file": prep["train_file"],
-            "prompts": args.prompts,
-            "n": args.n,
-            "max_completion": args.max_completion,
-            "micro_batch": args.micro_batch,
-            "lr": args.lr,
-            "seed": args.seed,
-            "steps": args.steps,
-            "threads": args.threads,
-            "posttrain_overrides": args.posttrain_set,
-        }
-        model_config = json.loads((Path(prep["model"]) / "config.json").read_text())
-        runs: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
-        summaries: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
-        for repeat in range(args.repeats):
-            for name in frameworks:  # alternate TRL, posttrain, TRL, posttrain ...
-                run_dir = work / preset / "runs" / f"{name}-{repeat}"
-                shutil.rmtree(run_dir, ignore_errors=True)
-                started_run = time.perf_counter()
-                result, error = spawn(name, {**spec, "run_dir": str(run_dir)}, run_dir.with_suffix(".log"))
-                wall = time.perf_counter() - started_run
-                if result is None or not result["steps"]:
-                    error = error or "no training step completed"
-                    failures.append({"preset": preset, "framework": name, "repeat": repeat, "error": error})
-                    print(f"{preset} {name} #{repeat}: FAILED\n{error}", flush=True)
-                    continue
-                result["wall_s"] = wall
-                runs[name].append(result)
-                summaries[name].append(
-                    summarize_run(result, args.warmup_steps, args.reward_window, model_config, args.n)
-                )
-                for step in result["steps"]:  # per-sample lengths: only for the FLOP count
-                    del step["prompt_lens"], step["response_lens"]
-                s = summaries[name][-1]
-                print(
-                    f"{preset} {name} #{repeat}: {s['seconds_per_step']:.2f} s/step, "
-                    f"{s['gen_tokens_per_s']:.0f} gen tok/s, {s['total_tokens_per_s']:.0f} tok/s, "
-                    f"{s['peak_rss_mb']:.0f} MB, reward first {s['reward_first_step']:.3f} "
-                    f"last{args.reward_window} {s['reward_last']:.3f} (wall {wall:.0f} s)",
-                    flush=True,
-                )
-        raw[preset] = {
-            "sft_seconds": prep["sft_seconds"],
-            "sft_overrides": sft_overrides,
-            "runs": runs,
-            "summaries": summaries,
-        }
-        first = [r["reward_first_step"] for f in frameworks for r in summaries[f]]
+    raw = {case: run_case(case, args, frameworks, seeds) for case in cases}
+    failures = [f for data in raw.values() for f in data.pop("failures")]
+    warnings = []
+    for case, data in raw.items():
+        first = [r["reward_first_step"] for f in frameworks for r in data["summaries"][f]]
         if first and statistics.median(first) < 0.1:
             warnings.append(
-                f"{preset}: the SFT warm start ({prep['model']}) scores {statistics.median(first):.3f} on "
-                "step 1 (the demo's is calibrated for ~0.3): most groups are all-wrong and GRPO gets little "
-                "signal; consider a larger --sft-steps"
+                f"{case}: the SFT warm start scores {statistics.median(first):.3f} on step 1: most groups are "
+                "all-wrong and GRPO gets little signal; consider a larger --sft-steps"
             )
             print(f"WARNING: {warnings[-1]}", flush=True)
 
@@ -320,40 +400,35 @@ def main() -> None:
     peak = max(peaks)
     print(f"fp32 matmul peak at the end: {peaks[1] / 1e9:.1f} GFLOP/s; using {peak / 1e9:.1f}", flush=True)
     rows, table = [], []
-    for preset, data in raw.items():
-        summaries = data["summaries"]
+    for case, data in raw.items():
+        summaries, st = data["summaries"], data["settings"]
         for runs in summaries.values():
             for summary in runs:
                 summary["model_flops_fraction_of_peak"] = summary["model_flops_per_s"] / peak
         if not summaries["posttrain"]:
             continue
-        case = f"{preset} arithmetic {args.prompts}x{args.n} t{args.max_completion} {args.steps} steps"
-
-        def med(name: str, key: str, s: dict = summaries) -> float | None:
-            return statistics.median(r[key] for r in s[name]) if s[name] else None
-
-        def spread(name: str, key: str, s: dict = summaries) -> list[float]:
-            values = [r[key] for r in s[name]]
-            return [round(min(values), 4), round(max(values), 4)]
-
-        for metric, higher in METRICS:
-            value, baseline = med("posttrain", metric), med("trl", metric)
+        label = (
+            f"{st['preset']} {st['task']} {st['prompts_per_step']}x{args.n} t{st['max_completion_tokens']} "
+            f"{st['steps']} steps"
+        )
+        values = {}
+        for metric, higher, statistic in METRICS:
+            ours = stats([r[metric] for r in summaries["posttrain"]], statistic)
+            theirs = stats([r[metric] for r in summaries["trl"]], statistic) if summaries["trl"] else None
+            base = theirs["value"] if theirs else None
             rows.append(
                 {
-                    "case": case,
-                    "metric": metric,
-                    "value": round(value, 4),
-                    "baseline_name": BASELINE,
-                    "baseline_value": round(baseline, 4) if baseline is not None else None,
-                    "ratio": round(value / baseline, 3) if baseline else None,
-                    "higher_is_better": higher,
-                    "repeats": len(summaries["posttrain"]),
-                    "baseline_repeats": len(summaries["trl"]),
-                    "spread": spread("posttrain", metric),
-                    "baseline_spread": spread("trl", metric) if summaries["trl"] else [],
+                    "case": label, "metric": metric, "statistic": statistic, "value": ours["value"],
+                    "baseline_name": BASELINE, "baseline_value": base,
+                    "ratio": round(ours["value"] / base, 3) if base else None, "higher_is_better": higher,
+                    "repeats": len(summaries["posttrain"]), "baseline_repeats": len(summaries["trl"]),
+                    "spread": ours["spread"], "std": ours["std"],
+                    "baseline_spread": theirs["spread"] if theirs else [],
+                    "baseline_std": theirs["std"] if theirs else None,
                 }
-            )
-        table.append((preset, {m: (med("posttrain", m), med("trl", m)) for m, _ in METRICS}))
+            )  # fmt: skip
+            values[metric] = (ours, theirs)
+        table.append((case, values))
 
     result = {
         "bench": "vs_trl",
@@ -363,19 +438,16 @@ def main() -> None:
         "matmul_peak_flops": peak,
         "matmul_peak_flops_start_end": peaks,
         "settings": {
-            "prompts_per_step": args.prompts,
-            "n": args.n,
-            "max_completion_tokens": args.max_completion,
+            "seeds": seeds,
+            "cases": {case: data["settings"] for case, data in raw.items()},
             "micro_batch": args.micro_batch,
             "lr": args.lr,
-            "seed": args.seed,
-            "steps": args.steps,
-            "sft_steps": args.sft_steps,
             "sft_extra_overrides": args.sft_set,
             "posttrain_extra_overrides": args.posttrain_set,
             "warmup_steps_untimed": args.warmup_steps,
             "reward_window": args.reward_window,
             "threads": args.threads,
+            "heldout": "posttrain eval, greedy, on the task's test.parquet, of each run's final weights",
             "posttrain": "trainer.backend=local n_workers_per_node=1, grpo, use_kl_loss=false, token-mean, "
             "mini_batch_size=0, ppo_epochs=1, fp32, rollout.name=native",
             "trl": "GRPOTrainer, beta=0, loss_type=dapo, scale_rewards=group, num_iterations=1, "
@@ -395,7 +467,7 @@ def main() -> None:
         print(f"\nWARNING: {warning}")
     for failure in failures:
         print(
-            f"\nFAILED: {failure['preset']} {failure['framework']} #{failure['repeat']}: {failure['error']}"
+            f"\nFAILED: {failure['case']} {failure['framework']} seed {failure['seed']}: {failure['error']}"
         )
     print(f"wrote {RESULTS / args.out} ({result['seconds']} s)")
 
@@ -406,17 +478,24 @@ def print_table(table: list[tuple[str, dict]], window: int) -> None:
         "gen_tokens_per_s": ("gen tok/s", "{:.0f}"),
         "total_tokens_per_s": ("tok/s", "{:.0f}"),
         "peak_rss_mb": ("peak MB", "{:.0f}"),
-        "reward_last": (f"reward last {window}", "{:.3f}"),
-        "reward_first_step": ("reward step 1", "{:.3f}"),
         "model_flops_fraction_of_peak": ("FLOP/peak", "{:.4f}"),
+        "reward_first_step": ("reward step 1", "{:.3f}"),
+        "reward_last": (f"reward last {window}", "{:.3f}"),
+        "heldout_accuracy": ("held-out acc", "{:.3f}"),
+        "heldout_accuracy_start": ("held-out start", "{:.3f}"),
     }
-    print(f"\n{'preset':<8}{'metric':<18}{'posttrain':>11}{'TRL':>11}{'posttrain/TRL':>15}")
-    for preset, values in table:
+    print(f"\n{'case':<22}{'metric':<18}{'posttrain':>22}{'TRL':>22}{'ratio':>8}")
+    for case, values in table:
         for metric, (ours, theirs) in values.items():
             label, fmt = labels[metric]
-            ratio = f"{ours / theirs:.2f}" if theirs else "-"
-            theirs_s = fmt.format(theirs) if theirs is not None else "-"
-            print(f"{preset:<8}{label:<18}{fmt.format(ours):>11}{theirs_s:>11}{ratio:>15}")
+
+            def cell(v: dict | None, fmt: str = fmt) -> str:
+                if v is None:
+                    return "-"
+                return f"{fmt.format(v['value'])} ({fmt.format(v['spread'][0])}-{fmt.format(v['spread'][1])})"
+
+            ratio = f"{ours['value'] / theirs['value']:.2f}" if theirs and theirs["value"] else "-"
+            print(f"{case:<22}{label:<18}{cell(ours):>22}{cell(theirs):>22}{ratio:>8}")
 
 
 if __name__ == "__main__":

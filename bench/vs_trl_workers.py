@@ -29,38 +29,57 @@ def read_rows(path: str) -> list[dict]:
 
 
 def prepare_worker(spec: dict) -> dict:
-    """Tiny model, task files and SFT warm start under <work>/<preset> (kept between runs)."""
+    """Tiny model, task files and SFT warm start under <work>/<preset>[-<task>] (kept between runs).
+
+    arithmetic: the demo's model, task and SFT recipe. long_addition: a tokenizer trained on its worked
+    solutions, 5-9 digit operands (responses of ~40-110 tokens), and a short SFT on the solutions (the
+    recipe of bench/async_rl.py)."""
     from posttrain.config.load import load_config
     from posttrain.config.schema import SFTConfig
-    from posttrain.data.tasks.arithmetic import corpus, write_arithmetic_dataset
+    from posttrain.data.tasks import arithmetic, long_addition
     from posttrain.demo import SFT_OVERRIDES, TASK
     from posttrain.models import make_tiny_model
     from posttrain.trainers.sft import SFTTrainer
     from posttrain.workers.process import quiet_transformers
 
     quiet_transformers()
-    root = Path(spec["work"]) / spec["preset"]
+    task = spec["task"]
+    root = Path(spec["work"]) / (spec["preset"] if task == "arithmetic" else f"{spec['preset']}-{task}")
     extra = list(spec.get("sft_overrides", []))
     tag = "-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
     model, data, sft = root / "model", root / "data", root / f"sft{spec['sft_steps']}{tag}"
+    if task == "arithmetic":
+        corpus = arithmetic.corpus(20000, seed=0)
+        recipe = [o for o in SFT_OVERRIDES if not o.startswith("trainer.total_steps=")]
+    else:
+        corpus = long_addition.corpus(10000, seed=0)
+        recipe = [
+            "data.response_key=extra_info.solution", "data.max_response_length=400", "optim.lr=3e-3",
+            "optim.batch_size=32", "trainer.val_every=0", "trainer.loggers=[jsonl]", "trainer.plots=false",
+        ]  # fmt: skip
     if not (model / "config.json").exists():
-        make_tiny_model(spec["preset"], model, corpus(20000, seed=0))
+        make_tiny_model(spec["preset"], model, corpus)
     if not (data / "test.parquet").exists():
-        write_arithmetic_dataset(data, **TASK)
+        if task == "arithmetic":
+            arithmetic.write_arithmetic_dataset(data, **TASK)
+        else:
+            long_addition.write_long_addition_dataset(
+                data, n_train=2000, n_test=128, min_digits=5, max_digits=9
+            )
     hf = sft / "hf"
     started = time.perf_counter()
     if spec["sft_steps"] > 0 and not (hf / "config.json").exists():
-        overrides = [o for o in SFT_OVERRIDES if not o.startswith("trainer.total_steps=")]
+        val = [f"data.val_files=[{data / 'test.parquet'}]"] if task == "arithmetic" else []
         cfg = load_config(
             SFTConfig,
             "sft",
             [
                 f"model.path={model}",
                 f"data.train_files=[{data / 'train.parquet'}]",
-                f"data.val_files=[{data / 'test.parquet'}]",
+                *val,
                 f"trainer.run_dir={sft}",
                 f"trainer.total_steps={spec['sft_steps']}",
-                *overrides,
+                *recipe,
                 *extra,
             ],
         )
@@ -68,6 +87,7 @@ def prepare_worker(spec: dict) -> dict:
     return {
         "model": str(hf if spec["sft_steps"] > 0 else model),
         "train_file": str(data / "train.parquet"),
+        "test_file": str(data / "test.parquet"),
         "sft_seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -197,6 +217,7 @@ def trl_worker(spec: dict) -> dict:
         callbacks=[timer],
     )
     trainer.train()
+    trainer.save_model(str(Path(spec["run_dir"]) / "final"))  # model and tokenizer, for the held-out eval
     steps = []
     for seconds, tokens in zip(timer.times, per_step, strict=False):
         steps.append({"seconds": seconds, **tokens})
@@ -207,6 +228,7 @@ def trl_worker(spec: dict) -> dict:
         "trl_logged_reward": [log["reward"] for log in trl_logs],
         "trl_logged_step_time": [log.get("step_time") for log in trl_logs],
         "trl_logged_num_tokens": [log.get("num_tokens") for log in trl_logs],
+        "final_model": str(Path(spec["run_dir"]) / "final"),
     }
 
 
@@ -308,7 +330,7 @@ def posttrain_worker(spec: dict) -> dict:
                 "timing": {k: v for k, v in m.items() if k.startswith(("timing/", "perf/", "throughput/"))},
             }
         )
-    return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+    return {"steps": steps, "peak_rss_mb": peak_rss_mb(), "final_model": str(run_dir)}  # its last checkpoint
 
 
 WORKERS = {"prepare": prepare_worker, "trl": trl_worker, "posttrain": posttrain_worker}

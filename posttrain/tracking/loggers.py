@@ -87,10 +87,21 @@ class ConsoleBackend:
 
 
 class JsonlBackend:
-    """`<log_dir>/metrics.jsonl`, one object per step; opened in append mode so a resumed run continues it."""
+    """`<log_dir>/metrics.jsonl`, one object per step; opened in append mode so a resumed run continues it.
 
-    def __init__(self, log_dir: Path) -> None:
+    `new_run`: this run does not continue the one whose metrics the file holds (it starts at step 0), so
+    an existing file is moved aside to `metrics.<N>.jsonl` (the first free N) rather than appended to: two
+    runs' steps in one file read as one run whose counters go back to zero (a curve drawn from it doubles
+    back, and cumulative sums such as generated tokens add both runs).
+    """
+
+    def __init__(self, log_dir: Path, new_run: bool = False) -> None:
         self.path = log_dir / METRICS_FILE
+        self.previous: Path | None = None
+        if new_run and self.path.exists() and self.path.stat().st_size > 0:
+            self.previous = _free_name(self.path)
+            self.path.rename(self.previous)
+            logger.warning("%s holds an earlier run's metrics: moved to %s", self.path, self.previous.name)
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float | int], step: int) -> None:
@@ -99,6 +110,14 @@ class JsonlBackend:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _free_name(path: Path) -> Path:
+    """`metrics.jsonl` -> the first of `metrics.1.jsonl`, `metrics.2.jsonl`, ... that does not exist."""
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    return candidate
 
 
 class TensorboardBackend:
@@ -158,6 +177,8 @@ class Tracker:
     its git commit and package versions (passed to W&B and MLflow under `run_info`).
     `plots`: when it closes, PNG figures of `<log_dir>/metrics.jsonl` in `<log_dir>/plots` (jsonl only;
     a failure to draw is a warning, never an error).
+    `new_run`: the run starts from step 0 rather than continuing the one logged in `<log_dir>` (a trainer
+    that did not resume a checkpoint); an earlier run's `metrics.jsonl` is moved aside, not appended to.
     """
 
     def __init__(
@@ -169,6 +190,7 @@ class Tracker:
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
         console_only_keys: bool = False,
         plots: bool = False,
+        new_run: bool = False,
     ) -> None:
         if isinstance(backends, str):
             backends = [backends]
@@ -202,7 +224,7 @@ class Tracker:
                 if name == "console":
                     self._backends.append(ConsoleBackend(console_keys, console_only_keys))
                 elif name == "jsonl":
-                    self._backends.append(JsonlBackend(self.log_dir))
+                    self._backends.append(JsonlBackend(self.log_dir, new_run))
                     if config_text is not None:
                         (self.log_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
                 elif name == "tensorboard":

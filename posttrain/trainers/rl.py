@@ -179,6 +179,7 @@ class RLTrainer:
             console_keys=CONSOLE_KEYS,
             console_only_keys=True,
             plots=cfg.trainer.plots,
+            new_run=not (cfg.trainer.resume and self.checkpoints.latest() is not None),
         )
         stop, finished = StopSignals(), False
         try:

@@ -96,6 +96,7 @@ class StepTrainer(ABC, Generic[GroupT]):
             run_name=self.run_name,
             config=to_dict(self.cfg),
             plots=trainer.plots,
+            new_run=True,  # these trainers always start from step 0
         )
         metrics: dict[str, float] = {}
         progress = RunProgress(trainer.total_steps, desc=self.run_name, show=self.progress_keys).start()

@@ -37,6 +37,19 @@ def test_jsonl_appends_on_resume(tmp_path):
     assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path):
+    """A run that starts from step 0 in a directory holding another run's metrics.jsonl must not append
+    to it (a bench reading the file would see steps 0..N twice and add both runs' token counts)."""
+    for loss in (1.0, 2.0):
+        with Tracker(["jsonl"], tmp_path, new_run=True) as tracker:
+            tracker.log({"loss": loss}, step=1)
+    with Tracker(["jsonl"], tmp_path, new_run=True) as tracker:
+        tracker.log({"loss": 3.0}, step=1)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]
+    assert read_jsonl(tmp_path / "metrics.1.jsonl") == [{"step": 1, "loss": 1.0}]  # nothing is lost
+    assert read_jsonl(tmp_path / "metrics.2.jsonl") == [{"step": 1, "loss": 2.0}]
+
+
 def test_non_scalars_are_skipped(tmp_path, caplog):
     with Tracker(["jsonl", "console"], tmp_path) as tracker:
         for step in (1, 2):
