@@ -1,9 +1,11 @@
 """Between tinker's types and the worker's Batch: datums in, per-datum outputs and samples out.
 
-A datum's `model_input` (token chunks) becomes one right-padded row of `input_ids`; `target_tokens` and the
-other per-token loss inputs become rows of the same width (`api_in_<key>`). Rows are padded to a multiple of
-the workers with rows that count nothing (`api_valid` 0). Everything a request can get wrong (an image chunk,
-an unknown or missing input, lengths that differ) is a ValueError naming it, raised in the caller's thread.
+A datum's `model_input` becomes one right-padded row of `input_ids` (its `InputRow`: token chunks as they are,
+image chunks expanded to the model's image tokens, client/model_inputs.py), and a row with images carries them
+in the non-tensor column `multi_modal_inputs`; `target_tokens` and the other per-token loss inputs become rows
+of the same width (`api_in_<key>`). Rows are padded to a multiple of the workers with rows that count nothing
+(`api_valid` 0). Everything a request can get wrong (an unknown or missing input, lengths that differ, an image
+the model cannot take) is a ValueError naming it, raised in the caller's thread.
 """
 
 from __future__ import annotations
@@ -15,36 +17,37 @@ import torch
 from tinker import types
 
 from posttrain.algorithms.api_losses import API_LOSSES, check_api_loss, check_input_lengths, request_config
+from posttrain.client.model_inputs import InputRow, text_row
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 
 
 def model_input_tokens(model_input: types.ModelInput) -> list[int]:
-    """The token ids of a text-only ModelInput (image chunks are for vision-language models)."""
-    try:
-        return model_input.to_ints()
-    except ValueError:
-        kinds = sorted({type(c).__name__ for c in model_input.chunks})
-        raise ValueError(
-            f"model_input holds {', '.join(kinds)}: only token chunks are supported here"
-        ) from None
+    """The token ids of a ModelInput of token chunks (image chunks need the model: ModelInputReader)."""
+    return text_row(model_input, "model_input").tokens
 
 
 def check_request(
-    data: Sequence[types.Datum], loss_fn: str, config: Mapping[str, float | str] | None
+    data: Sequence[types.Datum],
+    loss_fn: str,
+    config: Mapping[str, float | str] | None,
+    rows: Sequence[InputRow] | None = None,
 ) -> dict[str, float | str]:
     """The loss's resolved config, after checking every datum's inputs and lengths against it, with the
     totals over the whole request that the loss needs (`request_config`: `policy_loss`'s token and
-    sequence counts), computed here once because each worker sees only its split."""
+    sequence counts), computed here once because each worker sees only its split. `rows`: the datums'
+    model inputs as the model reads them (image chunks expanded); None: token chunks only."""
     if not data:
         raise ValueError("No data provided")
+    if rows is None:
+        rows = [text_row(d.model_input, f"datum {i}") for i, d in enumerate(data)]
     resolved: dict[str, float | str] = {}
-    for i, datum in enumerate(data):
+    for i, (datum, row) in enumerate(zip(data, rows, strict=True)):
         resolved = check_api_loss(loss_fn, set(datum.loss_fn_inputs), dict(config or {}))
-        length = model_input_tokens(datum.model_input)
         shapes = {k: list(v.to_numpy().shape) for k, v in datum.loss_fn_inputs.items()}
         try:
-            check_input_lengths(shapes, model_input_length=len(length))
+            check_input_lengths(shapes, model_input_length=len(row.tokens))
         except ValueError as exc:
             raise type(exc)(f"datum {i}: {exc}") from None
     needed = API_LOSSES.get(loss_fn).totals_inputs
@@ -54,46 +57,65 @@ def check_request(
     return request_config(loss_fn, inputs, resolved)
 
 
-def datums_to_batch(data: Sequence[types.Datum], multiple: int = 1) -> Batch:
+def datums_to_batch(
+    data: Sequence[types.Datum], multiple: int = 1, inputs: Sequence[InputRow] | None = None
+) -> Batch:
     """The worker's Batch of `data` (see the module docstring), padded to a multiple of `multiple` rows.
+    `inputs`: the datums' model inputs as the model reads them (None: token chunks only).
 
     Rows are sorted by their tokens, so datums with a common prefix (the n samples of one prompt) are
     neighbours and land on the same worker and micro-batch, where the engine runs the prefix once; `api_row`
     keeps each row's datum index (`forward_output` puts the results back in the caller's order).
+    With images, every pass of every worker must run the vision tower (FSDP gathers its blocks' weights
+    collectively): on several workers every datum must hold an image, and padding rows are copies of a
+    datum that count nothing.
     """
-    tokens = [model_input_tokens(d.model_input) for d in data]
-    order = sorted(range(len(data)), key=lambda i: tokens[i])
-    rows = [tokens[i] for i in order]
-    data = [data[i] for i in order]
-    extra = (-len(rows)) % multiple
-    width = max(len(r) for r in rows)
-    total = len(rows) + extra
+    if inputs is None:
+        inputs = [text_row(d.model_input, f"datum {i}") for i, d in enumerate(data)]
+    with_images = any(row.images for row in inputs)
+    if with_images and multiple > 1 and not all(row.images for row in inputs):
+        missing = [i for i, row in enumerate(inputs) if not row.images]
+        raise ValueError(
+            f"datums {missing} hold no image: on a backend of {multiple} workers every datum of a request "
+            "with images must hold one (each worker's pass runs the vision tower, whose weights the workers "
+            "gather together); send image and text-only datums in separate requests"
+        )
+    order = sorted(range(len(data)), key=lambda i: inputs[i].tokens)
+    n_real = len(order)
+    extra = (-n_real) % multiple
+    # padding rows: one token long, or with images a copy of the last row; either way api_valid 0
+    sources = order + [order[-1]] * (extra if with_images else 0)
+    width = max(len(inputs[i].tokens) for i in order)
+    total = n_real + extra
     input_ids = torch.zeros(total, width, dtype=torch.long)
     mask = torch.zeros(total, width, dtype=torch.long)
     targets = torch.zeros(total, width, dtype=torch.long)
     names = sorted({k for d in data for k in d.loss_fn_inputs} - {keys.TARGET_TOKENS})
-    inputs = {k: torch.zeros(total, width, dtype=torch.float32) for k in names}
-    for i, (tokens, datum) in enumerate(zip(rows, data, strict=True)):
+    columns = {k: torch.zeros(total, width, dtype=torch.float32) for k in names}
+    for i, source in enumerate(sources):
+        tokens, datum = inputs[source].tokens, data[source]
         n = len(tokens)
         input_ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
         mask[i, :n] = 1
         targets[i, :n] = datum.loss_fn_inputs[keys.TARGET_TOKENS].to_torch().reshape(-1).long()
         for k, value in datum.loss_fn_inputs.items():
             if k != keys.TARGET_TOKENS:
-                inputs[k][i, :n] = value.to_torch().reshape(-1).float()
-    mask[len(rows) :, 0] = 1  # a padding row is one token long and weighs nothing (api_valid 0) ...
-    for value in inputs.values():
-        value[len(rows) :, 0] = 1.0  # ... with inputs any loss accepts (gspo: a non-empty ratio mask)
+                columns[k][i, :n] = value.to_torch().reshape(-1).float()
+    mask[len(sources) :, 0] = 1  # a one-token padding row weighs nothing (api_valid 0) ...
+    for column in columns.values():
+        column[len(sources) :, 0] = 1.0  # ... with inputs any loss accepts (gspo: a non-empty ratio mask)
     tensors = {
         keys.INPUT_IDS: input_ids,
         keys.ATTENTION_MASK: mask,
         keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
         keys.TARGET_TOKENS: targets,
-        keys.API_ROW: torch.tensor(order + list(range(len(rows), total)), dtype=torch.long),
-        keys.API_VALID: (torch.arange(total) < len(rows)).float(),
-        **{keys.API_INPUT_PREFIX + k: v for k, v in inputs.items()},
+        keys.API_ROW: torch.tensor(order + list(range(n_real, total)), dtype=torch.long),
+        keys.API_VALID: (torch.arange(total) < n_real).float(),
+        **{keys.API_INPUT_PREFIX + k: v for k, v in columns.items()},
     }
-    return Batch.from_dict(tensors)
+    if not with_images:
+        return Batch.from_dict(tensors)
+    return Batch.from_dict(tensors, {MULTI_MODAL_INPUTS: [inputs[i].images for i in sources]})
 
 
 def loss_inputs(batch: Batch) -> tuple[str, ...]:
@@ -112,12 +134,13 @@ def merge_batches(batches: Sequence[Batch]) -> Batch:
     rows land among the ranks does not matter (each rank's gradient sum is averaged over ranks, and scaled
     by their number)."""
     width = max(b[keys.INPUT_IDS].shape[1] for b in batches)
-    names = sorted({k for b in batches for k in b.keys()})
+    names = sorted({k for b in batches for k in b.keys() if k not in b.non_tensors})
+    with_images = any(MULTI_MODAL_INPUTS in b for b in batches)
     parts = []
     for k, batch in enumerate(batches):
         columns: dict[str, torch.Tensor] = {}
         for name in names:
-            if name in batch:
+            if name in batch and name not in batch.non_tensors:
                 value = batch[name]
             else:  # an input this request does not have (zeros, never read)
                 value = torch.zeros(len(batch), width, dtype=torch.float32)
@@ -125,7 +148,12 @@ def merge_batches(batches: Sequence[Batch]) -> Batch:
                 value = torch.nn.functional.pad(value, (0, width - value.shape[1]))
             columns[name] = value
         columns[keys.API_ADAPTER] = torch.full((len(batch),), k, dtype=torch.long)
-        parts.append(Batch.from_dict(columns))
+        images: dict[str, list[dict[str, torch.Tensor]]] = {}
+        if with_images:  # a text-only request's rows carry no images
+            images[MULTI_MODAL_INPUTS] = (
+                list(batch[MULTI_MODAL_INPUTS]) if MULTI_MODAL_INPUTS in batch else [{}] * len(batch)
+            )
+        parts.append(Batch.from_dict(columns, images))
     return Batch.concat(parts)
 
 
@@ -145,12 +173,14 @@ def split_output(out: Batch, merged: Batch, batches: Sequence[Batch]) -> list[Ba
 
 
 def forward_output(data: Sequence[types.Datum], batch: Batch, out: Batch) -> types.ForwardBackwardOutput:
-    """Per-datum `logprobs` (float32, the shape of its `target_tokens`) and `loss:sum`, in the order of
-    `data` (`out`'s rows are in `batch`'s order, whose `api_row` says which datum each is)."""
+    """Per-datum `logprobs` (float32, the shape of its `target_tokens`: one per token of its model input,
+    image tokens included) and `loss:sum`, in the order of `data` (`out`'s rows are in `batch`'s order,
+    whose `api_row` says which datum each is)."""
     row_of = {int(d): i for i, d in enumerate(batch[keys.API_ROW].tolist())}
+    lengths = batch[keys.ATTENTION_MASK].sum(-1).tolist()
     outputs = []
-    for i, datum in enumerate(data):
-        n = datum.model_input.length
+    for i in range(len(data)):
+        n = int(lengths[row_of[i]])
         row = out[keys.API_LOGPROBS][row_of[i], :n].float()
         outputs.append({"logprobs": types.TensorData.from_torch(row)})
     loss = float(out[keys.API_LOSS][: len(data)].sum())
@@ -159,27 +189,31 @@ def forward_output(data: Sequence[types.Datum], batch: Batch, out: Batch) -> typ
     )
 
 
-def prompt_rows(prompt: Sequence[int], count: int) -> Batch:
+def prompt_rows(prompt: InputRow, count: int) -> Batch:
     """`count` copies of a prompt as rows (the layout the rollout engine reads)."""
-    return prompts_batch([list(prompt)] * count)
+    return prompts_batch([prompt] * count)
 
 
-def prompts_batch(prompts: Sequence[Sequence[int]], multiple: int = 1) -> Batch:
-    """Prompts as left-padded rows, padded with copies of the last to a multiple of `multiple` rows."""
-    rows = [list(p) for p in prompts]
-    rows += [rows[-1]] * ((-len(rows)) % multiple)
+def prompts_batch(prompts: Sequence[InputRow], multiple: int = 1) -> Batch:
+    """Prompts as left-padded rows, padded with copies of the last to a multiple of `multiple` rows; rows
+    with images carry them in `multi_modal_inputs`."""
+    prompts = list(prompts)
+    prompts += [prompts[-1]] * ((-len(prompts)) % multiple)
+    rows = [p.tokens for p in prompts]
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
         mask[i, width - len(row) :] = 1
+    images = [p.images for p in prompts]
     return Batch.from_dict(
         {
             keys.INPUT_IDS: ids,
             keys.ATTENTION_MASK: mask,
             keys.POSITION_IDS: (mask.cumsum(-1) - 1).clamp(min=0),
-        }
+        },
+        {MULTI_MODAL_INPUTS: images} if any(images) else None,
     )
 
 

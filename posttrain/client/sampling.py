@@ -13,9 +13,10 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from posttrain.client.backend import Backend, ResolvedFuture, SampleRequest
-from posttrain.client.batching import model_input_tokens, prompt_rows
+from posttrain.client.batching import prompt_rows
+from posttrain.client.model_inputs import ModelInputReader
 from posttrain.data import keys
-from posttrain.models import load_config, load_tokenizer
+from posttrain.models import load_text_config, load_tokenizer
 from posttrain.rollout.base import SamplingParams as EngineSampling
 
 
@@ -62,7 +63,8 @@ class SamplingClient(ResolvedFuture):
         self._backend = backend
         self.sampler_id = sampler_id
         self._base_model = base_model
-        self._context = int(getattr(load_config(base_model), "max_position_embeddings", 2048))
+        self._context = int(getattr(load_text_config(base_model), "max_position_embeddings", 2048))
+        self._inputs = ModelInputReader(base_model)  # image chunks through the model's own processor
         weakref.finalize(self, _close_sampler, backend, sampler_id)
 
     def get_base_model(self) -> str:
@@ -84,7 +86,9 @@ class SamplingClient(ResolvedFuture):
         prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
         """`num_samples` responses to `prompt` (tokens, the sampled tokens' log-probs, stop reason); with
-        `include_prompt_logprobs`, the prompt's own log-probs (None at position 0).
+        `include_prompt_logprobs`, the prompt's own log-probs (None at position 0). On a vision-language
+        model the prompt may hold ImageChunks (client/model_inputs.py): each is its image tokens, and the
+        sampler's model sees the image.
 
         tinker 0.38's signature; its top-k, target, alternative-token and last-n prompt log-probs are not
         implemented: asking for them (a value other than the default) is a ValueError, never ignored.
@@ -93,11 +97,11 @@ class SamplingClient(ResolvedFuture):
             num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
             prompt_alt_tokens_k, prompt_logprobs_last_n,
         )  # fmt: skip
-        tokens = model_input_tokens(prompt)
-        if not tokens:
+        row = self._inputs.row(prompt, "prompt")
+        if not row.tokens:
             raise ValueError("the prompt is empty")
-        sampling = engine_sampling(sampling_params, len(tokens), self._context)
-        request = SampleRequest(tokens, num_samples, include_prompt_logprobs, self._backend.new_id("sample"))
+        sampling = engine_sampling(sampling_params, len(row.tokens), self._context)
+        request = SampleRequest(row, num_samples, include_prompt_logprobs, self._backend.new_id("sample"))
         return self._backend.submit_sample(self.sampler_id, sampling, request)
 
     def compute_logprobs(
@@ -107,11 +111,11 @@ class SamplingClient(ResolvedFuture):
         (tinker's takes none and means 1.0: a KL between policies sampled at T != 1 needs the tempered one)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        tokens = model_input_tokens(prompt)
+        row = self._inputs.row(prompt, "prompt")
         group, sampler, rows = self._backend.group, self.sampler_id, self._backend.world_size
 
         def run() -> list[float | None]:
-            scored = group.prompt_log_probs(sampler, prompt_rows(tokens, rows), temperature)
+            scored = group.prompt_log_probs(sampler, prompt_rows(row, rows), temperature)
             values = scored[keys.API_LOGPROBS][0].tolist()
             return [None, *values[1:]]
 

@@ -7,6 +7,8 @@ posttrain/algorithms/api_losses.py), summed over tokens and datums as tinker's a
 `policy_loss`: a verl-named policy loss and loss aggregation chosen by loss_fn_config (`{"policy_loss":
 "gspo", "loss_agg_mode": "seq-mean-token-mean"}`), normalised by the whole request's totals. A bad name,
 input key, config key or length is a ValueError raised at the call, listing what is valid.
+A datum's model input may hold ImageChunks on a vision-language model: each is expanded to its image tokens
+by the model's own processor (client/model_inputs.py), and its pixels travel with the datum's row.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from posttrain.client.backend import Backend, Pass, ResolvedFuture
 from posttrain.client.batching import check_request, datums_to_batch, forward_output
 from posttrain.client.custom_loss import CustomLoss, custom_output, linearise, probe_data
+from posttrain.client.model_inputs import ModelInputReader
 from posttrain.client.sampling import SamplingClient
 from posttrain.config.schema import OptimConfig
 from posttrain.data.batch import Batch
@@ -43,13 +46,15 @@ class TrainingClient(ResolvedFuture):
         self._backend = backend
         self.model_id = model_id
         self._model = model
+        self._inputs = ModelInputReader(model.base_model)  # image chunks through the model's own processor
 
     # ---- forward / backward --------------------------------------------------------------------
     def _run(
         self, verb: str, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
-        config = check_request(data, loss_fn, loss_fn_config)
-        batch = datums_to_batch(data, self._backend.world_size)
+        rows = self._inputs.rows([d.model_input for d in data])
+        config = check_request(data, loss_fn, loss_fn_config, rows)
+        batch = datums_to_batch(data, self._backend.world_size, rows)
         data = list(data)
 
         def finish(out: Batch) -> types.ForwardBackwardOutput:
@@ -80,14 +85,15 @@ class TrainingClient(ResolvedFuture):
         `-dloss/dlp_i` puts exactly dloss/dtheta (the chain rule through the log-probs) into the gradients.
         `metrics` gets `loss:sum` (your loss) and `surrogate_loss:sum` (the linearised one's value).
         """
-        probe = probe_data(data)
+        rows = self._inputs.rows([d.model_input for d in data])
+        probe = probe_data(data, rows)
         backend, group, model_id, data = self._backend, self._backend.group, self.model_id, list(data)
 
         def run() -> types.ForwardBackwardOutput:
-            batch = datums_to_batch(probe, backend.world_size)
+            batch = datums_to_batch(probe, backend.world_size, rows)
             first = forward_output(probe, batch, group.forward(model_id, batch, ApiLossSpec("cross_entropy")))
             linear, value, metrics = linearise(data, loss_fn, first)
-            batch = datums_to_batch(linear, backend.world_size)
+            batch = datums_to_batch(linear, backend.world_size, rows)
             out = group.forward_backward(model_id, batch, ApiLossSpec("cross_entropy"))
             return custom_output(forward_output(linear, batch, out), value, metrics)
 

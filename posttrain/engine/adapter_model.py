@@ -107,6 +107,9 @@ class AdapterModel:
                         params[name].copy_(tensor)
                 model.save_pretrained(out_dir)
                 load_tokenizer(self.config.model_path).save_pretrained(out_dir)
+                image_config = Path(self.config.model_path) / "preprocessor_config.json"  # a vision model's
+                if image_config.exists():
+                    (Path(out_dir) / image_config.name).write_text(image_config.read_text())
             else:
                 self.adapter.save_peft(Path(out_dir), self.config.model_path)
         if dist.is_initialized():

@@ -337,16 +337,21 @@ class TrainEngine:
                 "model.remove_padding=true cannot train on images: packed rows would need the model's "
                 "multimodal position ids per packed sequence; set model.remove_padding=false"
             )
-        if keys.TARGET_TOKENS in mb or self.config.head != "lm":
-            raise ConfigError("images are supported in SFT / log-prob passes of the lm head only")
+        if self.config.head != "lm":
+            raise ConfigError("images are supported in passes of the lm head only")
         model = image_model(self.model, mb, self.image_token_id, self.device)
+        if keys.TARGET_TOKENS in mb:  # the explicit API's datums with image chunks
+            return self._target_log_probs(mb, temperature, model), None
         ids, mask, pos = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
         if keys.RESPONSES in mb:
             width = mb[keys.RESPONSES].shape[1]
             return response_log_probs(model, ids, mask, pos, width, temperature, with_entropy)
         return next_token_log_probs(model, ids, mask, pos), None
 
-    def _target_log_probs(self, mb: Batch, temperature: float) -> torch.Tensor:
+    def _target_log_probs(
+        self, mb: Batch, temperature: float, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """Log-probs of the given targets; `model`: the model bound to the micro-batch's images (padded rows)."""
         ids, mask, targets = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.TARGET_TOKENS]
         if self.config.head != "lm":
             raise ConfigError("target log-probs need the lm head")
@@ -361,7 +366,8 @@ class TrainEngine:
             )
         if routes is not None:
             routes.set_routes(routes.row_slots[:, None].expand_as(ids).reshape(-1), None)
-        return target_log_probs(self.model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
+        model = self.model if model is None else model
+        return target_log_probs(model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
 
     def _packing_options(self) -> PackingOptions:
         eager = self.config.attn_implementation == "eager"

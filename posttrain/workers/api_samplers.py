@@ -18,9 +18,11 @@ import torch
 
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.lora import untie_output_embeddings
 from posttrain.engine.multi_lora import MultiLora
+from posttrain.engine.multimodal import has_images, image_model
 from posttrain.engine.train_engine import DTYPES, TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
@@ -124,11 +126,13 @@ class ApiSamplers:
     def sample(self, sampler_ids: list[str], batch: Batch, samplings: list[SamplingParams]) -> Batch:
         """One response per prompt row; row i runs on sampler `sampler_ids[batch.api_adapter[i]]` with
         `samplings[...]`, seeded with `batch.api_seed[i]` if >= 0. Rows of samplers that share an engine are
-        generated together (continuous batching over all of them)."""
+        generated together (continuous batching over all of them). A row's images (`multi_modal_inputs`)
+        go with its request."""
         samplers = [self.get(s) for s in sampler_ids]
         which = batch[keys.API_ADAPTER].tolist()
         seeds = batch[keys.API_SEED].tolist()
         prompts = batch_prompts(batch)
+        images = list(batch[MULTI_MODAL_INPUTS]) if MULTI_MODAL_INPUTS in batch else [{}] * len(batch)
         by_engine: dict[int, list[int]] = {}
         for row, k in enumerate(which):
             by_engine.setdefault(id(samplers[k].engine), []).append(row)
@@ -143,7 +147,11 @@ class ApiSamplers:
                 seeded = (
                     replace(sampling, seed=seeds[row]) if seeds[row] >= 0 else replace(sampling, seed=None)
                 )
-                requests.append(GenerationRequest(prompts[row], seeded, adapter=sampler.adapter))
+                requests.append(
+                    GenerationRequest(
+                        prompts[row], seeded, adapter=sampler.adapter, images=images[row] or None
+                    )
+                )
             for row, result in zip(rows, engine.generate_requests(requests), strict=True):  # type: ignore[attr-defined]
                 if result.error is not None:
                     raise ValueError(f"sampler {sampler_ids[which[row]]}: {result.error}")
@@ -158,11 +166,15 @@ class ApiSamplers:
     @torch.no_grad()
     def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float = 1.0) -> Batch:
         """log p(token i | tokens < i) of each row's tokens under the sampler's weights, at `temperature`
-        (0 at position 0, which nothing predicts). Rows are right-padded."""
+        (0 at position 0, which nothing predicts). Rows are right-padded. Rows with images
+        (`multi_modal_inputs`) are scored with them, the model computing its multimodal positions."""
         sampler = self.get(sampler_id)
         model = getattr(sampler.engine, "model", None)
         if model is None:
             raise ConfigError("this rollout engine cannot score prompts (it exposes no model)")
+        if has_images(batch):
+            device = next(model.parameters()).device
+            model = image_model(model, batch, getattr(model.config, "image_token_id", None), device)
         ids, mask = batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK]
         if sampler.adapter is not None:
             assert self._router is not None

@@ -31,6 +31,7 @@ from posttrain.engine.multi_lora import AdapterSpec
 from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError
+from posttrain.models import is_vision_language
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
 from posttrain.workers.process import prepare_worker_process, rank_seed
@@ -111,13 +112,17 @@ class ApiWorker:
 
     # ---- models --------------------------------------------------------------------------------
     def _engine_config(self, base_model: str, **overrides: Any) -> EngineConfig:
+        """The engine of a model: packed rows sharing datums' common prefixes; a vision-language model's rows
+        are padded instead (images need the model's multimodal positions per row, as in the trainers)."""
+        packed = not is_vision_language(base_model)
         return EngineConfig(
             model_path=base_model,
             dtype=self.spec.dtype,
             attn_implementation=self.spec.attn_implementation,
             micro_batch_size=self.spec.micro_batch_size,
+            remove_padding=packed,
             pack_row_tokens=self.spec.pack_row_tokens,
-            share_prompt=self.spec.attn_implementation in MASKED_ATTENTION,  # datums' common prefixes
+            share_prompt=packed and self.spec.attn_implementation in MASKED_ATTENTION,  # common prefixes
             **overrides,
         )
 

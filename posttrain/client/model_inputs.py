@@ -1,0 +1,176 @@
+"""A tinker `ModelInput` as one row of the model: its token ids, image chunks expanded, and the row's images.
+
+tinker's chunks: an `EncodedTextChunk` is its tokens; an `ImageChunk` (png or jpeg bytes) is decoded with Pillow,
+fitted into the model's own pixel bounds and processed by the model's own image processor, exactly as the
+multimodal datasets do (`posttrain.data.images`, `posttrain.data.mm_dataset`), and becomes the model's image
+token (`<|image_pad|>` for Qwen2-VL) repeated once per merged patch. As in tinker (and its cookbook's Qwen-VL
+renderers), the chunk is the image tokens only: the text around it carries `<|vision_start|>` and
+`<|vision_end|>`. The pixels and grid sizes of a row's images are its `multi_modal_inputs` (the Batch column
+the train engine and the rollout engine read). An `ImageAssetPointerChunk` (a URL or path) is refused: nothing
+is fetched. Every failure is a ValueError naming the datum (or prompt) and the chunk, raised in the caller's
+thread before anything is queued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from tinker import types
+
+from posttrain.data.images import ImageRef, load_image, open_image
+from posttrain.data.mm_dataset import image_token_count, multi_modal_inputs, pixel_bounds
+from posttrain.errors import DataError, ModelError
+
+PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # tinker's ImageChunk.format -> the format Pillow reads
+
+
+@dataclass(frozen=True)
+class InputRow:
+    """A ModelInput as the model reads it: token ids (each image as its image tokens) and the row's images
+    (`{"pixel_values", "image_grid_thw"}`; {} without images)."""
+
+    tokens: list[int]
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def text_row(model_input: types.ModelInput, what: str) -> InputRow:
+    """The row of a ModelInput of token chunks only (no model needed); any other chunk is a ValueError."""
+    tokens: list[int] = []
+    for j, chunk in enumerate(model_input.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise ValueError(
+                f"{what}: chunk {j} is an {type(chunk).__name__}: image chunks are expanded with a "
+                "vision-language model's processor, on the local and ray backends; this call takes token "
+                "chunks only"
+            )
+        tokens.extend(int(t) for t in chunk.tokens)
+    return InputRow(tokens)
+
+
+class ModelInputReader:
+    """Rows of ModelInputs for the model in `model_dir`: token chunks as they are, image chunks through the
+    model's own image processor. The processor is loaded on the first image."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = str(model_dir)
+
+    @cached_property
+    def _config(self) -> Any:
+        from posttrain.models import load_config
+
+        return load_config(self.model_dir)
+
+    @cached_property
+    def _processor(self) -> Any:
+        from posttrain.models import load_processor
+
+        try:
+            return load_processor(self.model_dir)
+        except ModelError as exc:
+            raise ValueError(f"cannot process image chunks for {self.model_dir}: {exc}") from None
+
+    def rows(self, inputs: Sequence[types.ModelInput], what: str = "datum") -> list[InputRow]:
+        """One row per input (`what` i names input i in errors). An image that appears in several inputs
+        (the n samples of one prompt) is processed once."""
+        cache: dict[bytes, tuple[int, dict[str, torch.Tensor]]] = {}
+        return [self.row(m, f"{what} {i}", cache) for i, m in enumerate(inputs)]
+
+    def row(
+        self,
+        model_input: types.ModelInput,
+        what: str,
+        cache: dict[bytes, tuple[int, dict[str, torch.Tensor]]] | None = None,
+    ) -> InputRow:
+        """The row of one ModelInput (`what` names it in errors)."""
+        if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
+            return text_row(model_input, what)
+        cache = {} if cache is None else cache
+        image_token = self._image_token(model_input, what)
+        tokens: list[int] = []
+        images: list[dict[str, torch.Tensor]] = []
+        for j, chunk in enumerate(model_input.chunks):
+            where = f"{what}: chunk {j}"
+            if isinstance(chunk, types.EncodedTextChunk):
+                if image_token in chunk.tokens:
+                    raise ValueError(
+                        f"{where}: a token chunk holds the image token ({image_token}) as text: an image is "
+                        "an ImageChunk, which expands to its image tokens itself"
+                    )
+                tokens.extend(int(t) for t in chunk.tokens)
+            elif isinstance(chunk, types.ImageChunk):
+                count, image = self._image(chunk, where, cache)
+                tokens.extend([image_token] * count)
+                images.append(image)
+            elif isinstance(chunk, types.ImageAssetPointerChunk):
+                raise ValueError(
+                    f"{where}: an ImageAssetPointerChunk ({chunk.location!r}) is not supported: images are "
+                    "never fetched from a URL or path; send the image's bytes as an ImageChunk(data=..., "
+                    "format='png' or 'jpeg')"
+                )
+            else:
+                raise ValueError(
+                    f"{where}: {type(chunk).__name__} is not supported (token and image chunks are)"
+                )
+        return InputRow(tokens, concat_images(images))
+
+    def _image_token(self, model_input: types.ModelInput, what: str) -> int:
+        """The model's image token id; a text-only model given an image chunk is a ValueError naming it."""
+        config = self._config
+        token = getattr(config, "image_token_id", None)
+        if getattr(config, "vision_config", None) is None or token is None:
+            kinds = sorted({type(c).__name__ for c in model_input.chunks} - {"EncodedTextChunk"})
+            raise ValueError(
+                f"{what}: the model input holds {', '.join(kinds)} but {self.model_dir} "
+                f"({getattr(config, 'model_type', 'unknown type')}) has no vision tower: image chunks need a "
+                "vision-language model (the Qwen2-VL family)"
+            )
+        return int(token)
+
+    def _image(
+        self, chunk: types.ImageChunk, where: str, cache: dict[bytes, tuple[int, dict[str, torch.Tensor]]]
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """(image tokens, {pixel_values, image_grid_thw}) of an image chunk, checked against its format and
+        its expected_tokens."""
+        key = hashlib.sha256(chunk.data).digest()
+        if key not in cache:
+            cache[key] = self._process(chunk, where)
+        count, image = cache[key]
+        if chunk.expected_tokens is not None and chunk.expected_tokens != count:
+            raise ValueError(
+                f"{where}: the ImageChunk says expected_tokens={chunk.expected_tokens}, but the image is "
+                f"{count} tokens for {self.model_dir}'s image processor (its pixel bounds and patch grid)"
+            )
+        return count, image
+
+    def _process(self, chunk: types.ImageChunk, where: str) -> tuple[int, dict[str, torch.Tensor]]:
+        processor = self._processor
+        ref = ImageRef(data=chunk.data)
+        try:
+            with open_image(ref, where) as img:
+                actual = img.format
+            if actual != PIL_FORMATS[chunk.format]:
+                raise ValueError(
+                    f"{where}: the ImageChunk says format={chunk.format!r} but its bytes are {actual}"
+                )
+            lo, hi = pixel_bounds(processor)
+            image = load_image(ref, lo, hi, where)
+            count = image_token_count(processor, image.width, image.height)
+            return count, multi_modal_inputs(processor, [image], [count], where)
+        except DataError as exc:
+            raise ValueError(str(exc)) from None
+
+
+def concat_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One row's images, in order, as one `multi_modal_inputs` entry ({} for none)."""
+    if not images:
+        return {}
+    return {
+        "pixel_values": torch.cat([i["pixel_values"] for i in images]),
+        "image_grid_thw": torch.cat([i["image_grid_thw"] for i in images]),
+    }

@@ -1,0 +1,304 @@
+"""The explicit API on a vision-language model (tiny-vl) with tinker `ImageChunk`s in the model inputs: an image
+chunk is its image tokens, the log-probs are the HF model's on the processor's own inputs, the image matters,
+training moves the vision tower, sampling sees the image, and what cannot work is a clear ValueError."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from posttrain import client as tinker
+from posttrain.client import types
+from posttrain.client.batching import datums_to_batch, merge_batches
+from posttrain.client.model_inputs import ModelInputReader
+from posttrain.data import keys
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
+from posttrain.data.tasks.shapes import corpus
+from posttrain.models import load_causal_lm, load_processor, make_tiny_model
+from posttrain.models.vl import vision_tower
+from posttrain.workers.api_worker import ApiLossSpec
+
+QUESTION = (
+    "<|vision_end|>How many squares? Answer with one word or number.<|im_end|>\n<|im_start|>assistant\n"
+)
+ANSWER = "2<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(500), seed=0)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tinker.ServiceClient]:
+    with tinker.ServiceClient(backend="local", root_dir=tmp_path_factory.mktemp("api"), seed=0) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def lora(service: tinker.ServiceClient, vl_dir: Path) -> tinker.TrainingClient:
+    """A LoRA client (its B matrices zero: it computes the base model) on tiny-vl."""
+    return service.create_lora_training_client(str(vl_dir), rank=4, seed=0)
+
+
+def image_bytes(color: str, size: tuple[int, int] = (56, 56), fmt: str = "PNG") -> bytes:
+    img = Image.new("RGB", size, "white")
+    ImageDraw.Draw(img).rectangle((4, 4, 30, 30), fill=color)
+    ImageDraw.Draw(img).rectangle((34, 34, 50, 50), fill=color)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def encode(tokenizer, text: str) -> list[int]:  # noqa: ANN001
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_chunks(tokenizer, data: bytes, expected: int | None = None) -> list:  # noqa: ANN001
+    """`<|im_start|>user\\n<|vision_start|>` IMAGE `<|vision_end|>question...assistant\\n`, tinker's layout."""
+    return [
+        types.EncodedTextChunk(tokens=encode(tokenizer, "<|im_start|>user\n<|vision_start|>")),
+        types.ImageChunk(data=data, format="png", expected_tokens=expected),
+        types.EncodedTextChunk(tokens=encode(tokenizer, QUESTION)),
+    ]
+
+
+def sft_datum(tokenizer, data: bytes, n_image: int) -> types.Datum:  # noqa: ANN001
+    """Prompt (image included) and answer; the loss on the answer's tokens only. `n_image`: the image's tokens."""
+    chunks = prompt_chunks(tokenizer, data)
+    answer = encode(tokenizer, ANSWER)
+    chunks[-1] = types.EncodedTextChunk(tokens=[*chunks[-1].tokens, *answer[:-1]])
+    prompt_len = len(chunks[0].tokens) + n_image + len(encode(tokenizer, QUESTION))
+    n = prompt_len + len(answer) - 1
+    targets = [0] * (prompt_len - 1) + answer  # the prompt's targets weigh nothing
+    weights = [0.0] * (prompt_len - 1) + [1.0] * len(answer)
+    return types.Datum(
+        model_input=types.ModelInput(chunks=chunks),
+        loss_fn_inputs={"target_tokens": targets[:n], "weights": weights[:n]},
+    )
+
+
+def reference_log_probs(vl_dir: Path, text: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, log p(id i+1 | ids <= i)) from the HF model called as transformers documents it, on the
+    processor's own expansion of `<|image_pad|>` and its own pixels (fp32)."""
+    processor = load_processor(vl_dir)
+    inputs = processor(text=[text], images=[Image.open(io.BytesIO(data)).convert("RGB")])
+    model = load_causal_lm(vl_dir)
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits.float()
+    ids = inputs["input_ids"][0]
+    return ids, torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None]).squeeze(-1)
+
+
+def logprobs(out: types.ForwardBackwardOutput) -> list[torch.Tensor]:
+    return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+
+
+def test_forward_equals_the_hf_model_on_the_processed_image(lora, vl_dir: Path) -> None:
+    tok = lora.get_tokenizer()
+    data = image_bytes("red")
+    text = f"<|im_start|>user\n<|vision_start|><|image_pad|>{QUESTION}{ANSWER}"
+    ids, expected = reference_log_probs(vl_dir, text, data)
+    n_image = int((ids == tok.convert_tokens_to_ids("<|image_pad|>")).sum())
+    assert n_image == 4  # a 56x56 image: 2x2 merged patches
+    datum = sft_datum(tok, data, n_image)
+    n = len(datum.loss_fn_inputs["target_tokens"].data)
+    # the chunk is the processor's expansion of the image: its image tokens, between the text chunks
+    assert ModelInputReader(vl_dir).row(datum.model_input, "datum").tokens == ids[:-1].tolist()
+    # every position's target: the next token of the processor's own sequence
+    datum.loss_fn_inputs["target_tokens"] = types.TensorData.from_torch(ids[1:].clone())
+    out = lora.forward([datum], "cross_entropy").result()
+    (got,) = logprobs(out)
+    assert got.shape == (n,)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    weights = datum.loss_fn_inputs["weights"].to_torch()
+    assert out.metrics["loss:sum"] == pytest.approx(float(-(expected * weights).sum()), rel=1e-5)
+    # expected_tokens given and right: accepted, same result
+    chunks = list(datum.model_input.chunks)
+    chunks[1] = types.ImageChunk(data=data, format="png", expected_tokens=n_image)
+    again = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=datum.loss_fn_inputs)
+    torch.testing.assert_close(logprobs(lora.forward([again], "cross_entropy").result())[0], got)
+
+
+def test_the_image_changes_the_log_probs_after_it(lora) -> None:
+    tok = lora.get_tokenizer()
+    red, blue = (sft_datum(tok, image_bytes(c), 4) for c in ("red", "blue"))
+    out = logprobs(lora.forward([red, blue], "cross_entropy").result())
+    start = len(red.model_input.chunks[0].tokens)  # the first image token is fed at this position
+    torch.testing.assert_close(out[0][:start], out[1][:start], atol=0, rtol=0)  # before it: equal
+    assert float((out[0][start:] - out[1][start:]).abs().max()) > 1e-3
+
+
+def test_training_on_an_image_moves_the_vision_tower(
+    vl_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("full")
+    with tinker.ServiceClient(backend="local", root_dir=root, seed=0) as svc:
+        tc = svc.create_training_client(str(vl_dir), seed=0)  # tiny-vl from scratch: its tower trains (auto)
+        tok = tc.get_tokenizer()
+        data = [sft_datum(tok, image_bytes("red"), 4), sft_datum(tok, image_bytes("green", (112, 56)), 8)]
+        before = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        for _ in range(3):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        after = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        assert after < before
+        path = tc.save_weights_for_sampler("trained").result().path
+        folder = svc.backend.resolve(path, "sampler_weights")[1]
+    original, trained = (vision_tower(load_causal_lm(d)) for d in (vl_dir, folder))
+    moved = [
+        name
+        for (name, p), (_, q) in zip(original.named_parameters(), trained.named_parameters(), strict=True)
+        if not torch.equal(p, q)
+    ]
+    assert len(moved) == len(list(original.parameters()))  # every weight of the tower got a gradient
+
+
+def test_grpo_step_sample_then_train_on_an_image_prompt(lora, vl_dir: Path) -> None:
+    """An RL step through the API: sample an image prompt, score the samples with the trainer (its log-probs
+    equal the sampler's), and an importance-sampling forward_backward on them."""
+    tok = lora.get_tokenizer()
+    prompt = types.ModelInput(chunks=prompt_chunks(tok, image_bytes("red")))
+    sampler = lora.save_weights_and_get_sampling_client()
+    params = types.SamplingParams(max_tokens=5, seed=3, temperature=1.0)
+    response = sampler.sample(prompt, 4, params, include_prompt_logprobs=True).result()
+    assert len(response.sequences) == 4
+    image_token = tok.convert_tokens_to_ids("<|image_pad|>")
+    n_prompt = len(prompt.chunks[0].tokens) + 4 + len(prompt.chunks[2].tokens)
+    assert len(response.prompt_logprobs) == n_prompt and response.prompt_logprobs[0] is None
+    data = []
+    for k, seq in enumerate(response.sequences):
+        assert len(seq.tokens) == len(seq.logprobs) > 0 and image_token not in seq.tokens
+        full = types.ModelInput(chunks=[*prompt.chunks, types.EncodedTextChunk(tokens=seq.tokens[:-1])])
+        data.append(
+            types.Datum(
+                model_input=full,
+                loss_fn_inputs={
+                    "target_tokens": [0] * (n_prompt - 1) + list(seq.tokens),
+                    "logprobs": [0.0] * (n_prompt - 1) + list(seq.logprobs),
+                    "advantages": [0.0] * (n_prompt - 1) + [1.0 if k % 2 else -1.0] * len(seq.tokens),
+                },
+            )
+        )
+    out = lora.forward_backward(data, "importance_sampling").result()
+    before = logprobs(out)
+    for seq, lp in zip(response.sequences, before, strict=True):
+        torch.testing.assert_close(lp[n_prompt - 1 :], torch.tensor(seq.logprobs), atol=1e-4, rtol=0)
+    assert lora.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+    # the prompt's own log-probs (image included): the same from both calls, and the HF model's (the sampler
+    # is a snapshot of the adapter before its first step: the base model)
+    scored = sampler.compute_logprobs(prompt).result()
+    assert scored[0] is None
+    torch.testing.assert_close(torch.tensor(response.prompt_logprobs[1:]), torch.tensor(scored[1:]))
+    text = f"<|im_start|>user\n<|vision_start|><|image_pad|>{QUESTION}"
+    _, expected = reference_log_probs(vl_dir, text, image_bytes("red"))
+    torch.testing.assert_close(torch.tensor(scored[1:]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_two_adapters_in_one_shared_pass_keep_their_images(service, lora, vl_dir: Path) -> None:
+    """Requests of two LoRA tenants merged into one pass over the base carry each row's images."""
+    other = service.create_lora_training_client(str(vl_dir), rank=4, seed=1)
+    tok = lora.get_tokenizer()
+    reader = ModelInputReader(vl_dir)
+    first = [sft_datum(tok, image_bytes("red"), 4), sft_datum(tok, image_bytes("blue", (112, 56)), 8)]
+    second = [sft_datum(tok, image_bytes("green"), 4)]
+    batches = [datums_to_batch(d, 1, reader.rows([x.model_input for x in d])) for d in (first, second)]
+    merged = merge_batches(batches)
+    assert [bool(m) for m in merged[MULTI_MODAL_INPUTS]] == [True, True, True]
+    out = service.backend.group.forward_routed(
+        [lora.model_id, other.model_id], merged, [ApiLossSpec("cross_entropy")] * 2
+    )
+    alone = [logprobs(c.forward(d, "cross_entropy").result()) for c, d in ((lora, first), (other, second))]
+    expected = [lp for group in alone for lp in group]
+    order = [int(r) for r in torch.cat([b[keys.API_ROW] for b in batches]).tolist()]
+    offsets = [0, 0, len(first)]
+    for i, row in enumerate(order):
+        lp = expected[offsets[i] + row]
+        torch.testing.assert_close(out[keys.API_LOGPROBS][i, : lp.numel()], lp, atol=1e-5, rtol=1e-5)
+
+
+def test_an_expected_tokens_mismatch_names_the_datum_and_both_counts(lora) -> None:
+    tok = lora.get_tokenizer()
+    good = sft_datum(tok, image_bytes("red"), 4)
+    chunks = prompt_chunks(tok, image_bytes("red", (112, 56)), expected=4)  # 8 tokens
+    bad = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={"target_tokens": [0] * 30})
+    with pytest.raises(ValueError, match=r"datum 1: chunk 1: .*expected_tokens=4.* 8 tokens"):
+        lora.forward([good, bad], "cross_entropy")
+
+
+def test_inputs_that_cannot_work_are_refused_at_the_call(lora, service, tiny_model_dir: Path) -> None:
+    tok = lora.get_tokenizer()
+    datum = sft_datum(tok, image_bytes("red"), 4)
+    # a URL or path is never fetched
+    pointer = types.ImageAssetPointerChunk(format="png", location="https://example.com/a.png")
+    chunks = [datum.model_input.chunks[0], pointer, datum.model_input.chunks[2]]
+    pointed = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=datum.loss_fn_inputs)
+    with pytest.raises(ValueError, match=r"datum 0: chunk 1: an ImageAssetPointerChunk .*never fetched"):
+        lora.forward([pointed], "cross_entropy")
+    with pytest.raises(ValueError, match="prompt: chunk 1: an ImageAssetPointerChunk"):
+        lora.save_weights_and_get_sampling_client().sample(
+            types.ModelInput(chunks=chunks), 1, types.SamplingParams(max_tokens=2)
+        )
+    # bytes that are not the declared format
+    jpeg = types.ImageChunk(data=image_bytes("red", fmt="JPEG"), format="png")
+    mislabelled = types.ModelInput(chunks=[datum.model_input.chunks[0], jpeg, datum.model_input.chunks[2]])
+    with pytest.raises(ValueError, match="format='png' but its bytes are JPEG"):
+        lora.forward(
+            [types.Datum(model_input=mislabelled, loss_fn_inputs=datum.loss_fn_inputs)], "cross_entropy"
+        )
+    # the image token written as text
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    as_text = types.ModelInput(
+        chunks=[types.EncodedTextChunk(tokens=[pad]), types.ImageChunk(data=image_bytes("red"), format="png")]
+    )
+    with pytest.raises(ValueError, match="holds the image token"):
+        lora.forward(
+            [types.Datum(model_input=as_text, loss_fn_inputs={"target_tokens": [0] * 5})], "cross_entropy"
+        )
+    # a text-only model has no vision tower
+    with tinker.ServiceClient(backend="local", root_dir=service.backend.root) as text_svc:
+        text = text_svc.create_lora_training_client(str(tiny_model_dir), rank=2, seed=0)
+        image = types.ModelInput(chunks=[types.ImageChunk(data=image_bytes("red"), format="png")])
+        with pytest.raises(
+            ValueError, match=rf"datum 0: .*ImageChunk.*{tiny_model_dir}.*has no vision tower"
+        ):
+            text.forward(
+                [types.Datum(model_input=image, loss_fn_inputs={"target_tokens": [0] * 4})], "cross_entropy"
+            )
+        with pytest.raises(ValueError, match="has no vision tower"):
+            text.save_weights_and_get_sampling_client().sample(image, 1, types.SamplingParams(max_tokens=2))
+
+
+def test_two_ray_workers_give_the_local_log_probs_and_train(
+    service, vl_dir: Path, tmp_path: Path, ray_cluster: None
+) -> None:
+    """On 2 Ray workers (FSDP: each rank's vision blocks are gathered collectively, so every rank's passes
+    must run the vision tower): one image datum (the other rank gets a copy that counts nothing) and three,
+    the local backend's log-probs, and a training step."""
+    fresh = service.create_lora_training_client(str(vl_dir), rank=4, seed=0)  # untrained, as on Ray
+    tok = fresh.get_tokenizer()
+    data = [sft_datum(tok, image_bytes(c), 4) for c in ("red", "blue", "green")]
+    local = logprobs(fresh.forward(data, "cross_entropy").result())
+    with tinker.ServiceClient(backend="ray", n_workers=2, root_dir=tmp_path, device="cpu") as ray:
+        tc = ray.create_lora_training_client(str(vl_dir), rank=4, seed=0)
+        for part in (data[:1], data):
+            got = logprobs(tc.forward(part, "cross_entropy").result())
+            for a, b in zip(got, local, strict=False):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        loss = tc.forward_backward(data[:1], "cross_entropy").result().metrics["loss:sum"]
+        assert loss == pytest.approx(
+            float(-(local[0] * data[0].loss_fn_inputs["weights"].to_torch()).sum()), rel=1e-5
+        )
+        assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+        ids = encode(tok, "How many squares?")
+        text = types.Datum(
+            model_input=types.ModelInput.from_ints(ids),
+            loss_fn_inputs={"target_tokens": [0] * len(ids), "weights": [0.0] * len(ids)},
+        )
+        with pytest.raises(ValueError, match="every datum of a request with images"):
+            tc.forward([data[0], text], "cross_entropy")
