@@ -17,37 +17,33 @@ import torch
 from tinker import types
 
 from posttrain.algorithms.api_losses import API_LOSSES, check_api_loss, check_input_lengths, request_config
-from posttrain.client.model_inputs import InputRow, text_row
+from posttrain.client.model_inputs import InputRow, declared_length, text_row
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
-
-
-def model_input_tokens(model_input: types.ModelInput) -> list[int]:
-    """The token ids of a ModelInput of token chunks (image chunks need the model: ModelInputReader)."""
-    return text_row(model_input, "model_input").tokens
 
 
 def check_request(
     data: Sequence[types.Datum],
     loss_fn: str,
     config: Mapping[str, float | str] | None,
-    rows: Sequence[InputRow] | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, float | str]:
     """The loss's resolved config, after checking every datum's inputs and lengths against it, with the
     totals over the whole request that the loss needs (`request_config`: `policy_loss`'s token and
-    sequence counts), computed here once because each worker sees only its split. `rows`: the datums'
-    model inputs as the model reads them (image chunks expanded); None: token chunks only."""
+    sequence counts), computed here once because each worker sees only its split. `lengths`: the datums'
+    model input lengths, image chunks expanded by the model's processor; None: as the chunks declare them
+    (`declared_length`: a client without the model)."""
     if not data:
         raise ValueError("No data provided")
-    if rows is None:
-        rows = [text_row(d.model_input, f"datum {i}") for i, d in enumerate(data)]
+    if lengths is None:
+        lengths = [declared_length(d.model_input, f"datum {i}") for i, d in enumerate(data)]
     resolved: dict[str, float | str] = {}
-    for i, (datum, row) in enumerate(zip(data, rows, strict=True)):
+    for i, (datum, length) in enumerate(zip(data, lengths, strict=True)):
         resolved = check_api_loss(loss_fn, set(datum.loss_fn_inputs), dict(config or {}))
         shapes = {k: list(v.to_numpy().shape) for k, v in datum.loss_fn_inputs.items()}
         try:
-            check_input_lengths(shapes, model_input_length=len(row.tokens))
+            check_input_lengths(shapes, model_input_length=length)
         except ValueError as exc:
             raise type(exc)(f"datum {i}: {exc}") from None
     needed = API_LOSSES.get(loss_fn).totals_inputs

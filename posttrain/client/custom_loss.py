@@ -14,7 +14,6 @@ import torch
 from tinker import types
 
 from posttrain.client.batching import check_request
-from posttrain.client.model_inputs import InputRow
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -30,9 +29,9 @@ def with_weights(datum: types.Datum, weights: torch.Tensor) -> types.Datum:
     )
 
 
-def probe_data(data: Sequence[types.Datum], rows: Sequence[InputRow] | None = None) -> list[types.Datum]:
-    """The first pass's datums (weights 0: log-probs only), after checking the request at the call. `rows`:
-    the datums' model inputs as the model reads them (None: token chunks only)."""
+def probe_data(data: Sequence[types.Datum], lengths: Sequence[int] | None = None) -> list[types.Datum]:
+    """The first pass's datums (weights 0: log-probs only), after checking the request at the call.
+    `lengths`: the datums' model input lengths (check_request's)."""
     if not data:
         raise ValueError("No data provided")
     for datum in data:
@@ -40,7 +39,7 @@ def probe_data(data: Sequence[types.Datum], rows: Sequence[InputRow] | None = No
             raise ValueError("forward_backward_custom needs target_tokens in every datum")
     # one weight per target (an image chunk's length is known only once the model's processor has run)
     probe = [with_weights(d, torch.zeros(d.loss_fn_inputs["target_tokens"].to_numpy().shape)) for d in data]
-    check_request(probe, "cross_entropy", None, rows)
+    check_request(probe, "cross_entropy", None, lengths)
     return probe
 
 

@@ -16,8 +16,8 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.proto.response_conv import deserialize_sample_response
 
 from posttrain.client.backend import ResolvedFuture
-from posttrain.client.batching import model_input_tokens
 from posttrain.client.http_transport import Connection
+from posttrain.client.model_inputs import declared_length
 from posttrain.client.sampling import check_sample_options
 
 T = TypeVar("T")
@@ -107,7 +107,7 @@ class HttpSamplingClient(ResolvedFuture):
             num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
             prompt_alt_tokens_k, prompt_logprobs_last_n,
         )  # fmt: skip
-        if not model_input_tokens(prompt):
+        if not declared_length(prompt, "prompt"):
             raise ValueError("the prompt is empty")
         conn, seq_id = self._conn, next(self._seq)
 

@@ -8,7 +8,8 @@ renderers), the chunk is the image tokens only: the text around it carries `<|vi
 `<|vision_end|>`. The pixels and grid sizes of a row's images are its `multi_modal_inputs` (the Batch column
 the train engine and the rollout engine read). An `ImageAssetPointerChunk` (a URL or path) is refused: nothing
 is fetched. Every failure is a ValueError naming the datum (or prompt) and the chunk, raised in the caller's
-thread before anything is queued.
+thread before anything is queued. A client without the model (http) checks lengths as the chunks declare
+them (`declared_length`: an image chunk's `expected_tokens`); the server processes the images.
 """
 
 from __future__ import annotations
@@ -46,11 +47,42 @@ def text_row(model_input: types.ModelInput, what: str) -> InputRow:
         if not isinstance(chunk, types.EncodedTextChunk):
             raise ValueError(
                 f"{what}: chunk {j} is an {type(chunk).__name__}: image chunks are expanded with a "
-                "vision-language model's processor, on the local and ray backends; this call takes token "
-                "chunks only"
+                "vision-language model's processor (ModelInputReader); this call takes token chunks only"
             )
         tokens.extend(int(t) for t in chunk.tokens)
     return InputRow(tokens)
+
+
+def declared_length(model_input: types.ModelInput, what: str) -> int:
+    """The length of a ModelInput as its chunks declare it, for a client that does not hold the model (http):
+    an image chunk counts its `expected_tokens`, which must then be set (the server checks it against the
+    image). A URL or path pointer is a ValueError, as on every backend."""
+    length = 0
+    for j, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, types.EncodedTextChunk):
+            length += len(chunk.tokens)
+        elif isinstance(chunk, types.ImageChunk):
+            if chunk.expected_tokens is None:
+                raise ValueError(
+                    f"{what}: chunk {j}: an ImageChunk needs expected_tokens on this backend: the server counts "
+                    "a request's tokens before it processes the images (tinker's cookbook sets it; "
+                    "ModelInputReader(model_dir).row(model_input) computes it where the model is)"
+                )
+            length += chunk.expected_tokens
+        elif isinstance(chunk, types.ImageAssetPointerChunk):
+            raise ValueError(pointer_refusal(chunk, f"{what}: chunk {j}"))
+        else:
+            raise ValueError(
+                f"{what}: chunk {j}: {type(chunk).__name__} is not supported (token and image chunks are)"
+            )
+    return length
+
+
+def pointer_refusal(chunk: types.ImageAssetPointerChunk, where: str) -> str:
+    return (
+        f"{where}: an ImageAssetPointerChunk ({chunk.location!r}) is not supported: images are never fetched "
+        "from a URL or path; send the image's bytes as an ImageChunk(data=..., format='png' or 'jpeg')"
+    )
 
 
 class ModelInputReader:
@@ -108,11 +140,7 @@ class ModelInputReader:
                 tokens.extend([image_token] * count)
                 images.append(image)
             elif isinstance(chunk, types.ImageAssetPointerChunk):
-                raise ValueError(
-                    f"{where}: an ImageAssetPointerChunk ({chunk.location!r}) is not supported: images are "
-                    "never fetched from a URL or path; send the image's bytes as an ImageChunk(data=..., "
-                    "format='png' or 'jpeg')"
-                )
+                raise ValueError(pointer_refusal(chunk, where))
             else:
                 raise ValueError(
                     f"{where}: {type(chunk).__name__} is not supported (token and image chunks are)"

@@ -53,7 +53,7 @@ class TrainingClient(ResolvedFuture):
         self, verb: str, data: Sequence[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         rows = self._inputs.rows([d.model_input for d in data])
-        config = check_request(data, loss_fn, loss_fn_config, rows)
+        config = check_request(data, loss_fn, loss_fn_config, [len(r.tokens) for r in rows])
         batch = datums_to_batch(data, self._backend.world_size, rows)
         data = list(data)
 
@@ -86,7 +86,7 @@ class TrainingClient(ResolvedFuture):
         `metrics` gets `loss:sum` (your loss) and `surrogate_loss:sum` (the linearised one's value).
         """
         rows = self._inputs.rows([d.model_input for d in data])
-        probe = probe_data(data, rows)
+        probe = probe_data(data, [len(r.tokens) for r in rows])
         backend, group, model_id, data = self._backend, self._backend.group, self.model_id, list(data)
 
         def run() -> types.ForwardBackwardOutput:

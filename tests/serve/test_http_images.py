@@ -1,0 +1,99 @@
+"""Image chunks over `backend="http"` against a real `posttrain serve` of tiny-vl: the client checks lengths
+with the chunks' `expected_tokens`, the server processes the images, and the answers are the local backend's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+
+from posttrain import client as tinker
+from posttrain.client import types
+from posttrain.client.http_transport import HttpApiError
+from posttrain.data.tasks.shapes import corpus
+from posttrain.models import make_tiny_model
+from posttrain.serve.app import make_app
+from posttrain.serve.server import build_state
+from posttrain.serve.tenants import ApiKeys
+
+from ..client.test_image_chunks import image_bytes, logprobs, prompt_chunks, sft_datum
+from .conftest import KEYS, Running, free_port
+
+ALICE = next(iter(KEYS))
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(500), seed=0)
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    state = build_state(
+        str(vl_dir), "tiny-vl", ApiKeys(KEYS), str(tmp_path_factory.mktemp("serve")), poll_timeout_s=5
+    )
+    port = free_port()
+    config = uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not running.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield Running(f"http://127.0.0.1:{port}", state, "tiny-vl")
+    state.begin_stop()
+    running.should_exit = True
+    thread.join(timeout=30)
+    state.service.close()
+
+
+def with_expected(datum: types.Datum, expected: int) -> types.Datum:
+    chunks = list(datum.model_input.chunks)
+    chunks[1] = types.ImageChunk(data=chunks[1].data, format="png", expected_tokens=expected)
+    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=datum.loss_fn_inputs)
+
+
+def test_image_chunks_over_http_give_the_local_answers(
+    vl_server: Running, vl_dir: Path, tmp_path: Path
+) -> None:
+    remote = tinker.ServiceClient(backend="http", base_url=vl_server.url, api_key=ALICE)
+    request = remote.create_lora_training_client(vl_server.model_name, rank=4, seed=0)
+    try:
+        check_over_http(request, vl_dir, tmp_path)
+    finally:
+        remote.close()
+
+
+def check_over_http(training: tinker.TrainingClient, vl_dir: Path, tmp_path: Path) -> None:
+    tok = training.get_tokenizer()
+    data = [with_expected(sft_datum(tok, image_bytes(c), 4), 4) for c in ("red", "blue")]
+    on_http = logprobs(training.forward(data, "cross_entropy").result())
+    with tinker.ServiceClient(backend="local", root_dir=tmp_path) as local:
+        here = local.create_lora_training_client(str(vl_dir), rank=4, seed=0)
+        expected = logprobs(here.forward(data, "cross_entropy").result())
+    for a, b in zip(on_http, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+    sampler = training.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput(chunks=prompt_chunks(tok, image_bytes("red"), expected=4))
+    out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=0)).result()
+    assert [len(s.tokens) for s in out.sequences] == [3, 3]
+    assert all(len(s.logprobs) == 3 for s in out.sequences)
+    # the client cannot count an image without expected_tokens: refused at the call, naming the datum
+    with pytest.raises(ValueError, match="datum 0: chunk 1: an ImageChunk needs expected_tokens"):
+        training.forward([sft_datum(tok, image_bytes("red"), 4)], "cross_entropy")
+    # a wrong count: the server's refusal, with both numbers
+    wrong = prompt_chunks(tok, image_bytes("red", (112, 56)), expected=4)  # 8 tokens
+    n = sum(c.length for c in wrong)
+    datum = types.Datum(
+        model_input=types.ModelInput(chunks=wrong),
+        loss_fn_inputs={"target_tokens": [0] * n, "weights": [0.0] * n},
+    )
+    with pytest.raises((ValueError, HttpApiError), match=r"expected_tokens=4.* 8 tokens"):
+        training.forward([datum], "cross_entropy").result()
