@@ -121,19 +121,19 @@ class ModelInputReader:
     ) -> InputRow:
         """The row of one ModelInput (`what` names it in errors)."""
         if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
-            return text_row(model_input, what)
+            row = text_row(model_input, what)
+            token = getattr(self._config, "image_token_id", None)
+            if token is not None and getattr(self._config, "vision_config", None) is not None:
+                check_no_image_token(model_input, int(token), what)
+            return row
         cache = {} if cache is None else cache
         image_token = self._image_token(model_input, what)
+        check_no_image_token(model_input, image_token, what)
         tokens: list[int] = []
         images: list[dict[str, torch.Tensor]] = []
         for j, chunk in enumerate(model_input.chunks):
             where = f"{what}: chunk {j}"
             if isinstance(chunk, types.EncodedTextChunk):
-                if image_token in chunk.tokens:
-                    raise ValueError(
-                        f"{where}: a token chunk holds the image token ({image_token}) as text: an image is "
-                        "an ImageChunk, which expands to its image tokens itself"
-                    )
                 tokens.extend(int(t) for t in chunk.tokens)
             elif isinstance(chunk, types.ImageChunk):
                 count, image = self._image(chunk, where, cache)
@@ -192,6 +192,16 @@ class ModelInputReader:
             return count, multi_modal_inputs(processor, [image], [count], where)
         except DataError as exc:
             raise ValueError(str(exc)) from None
+
+
+def check_no_image_token(model_input: types.ModelInput, image_token: int, what: str) -> None:
+    """A token chunk must not hold the image token: the model would look for an image that is not there."""
+    for j, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, types.EncodedTextChunk) and image_token in chunk.tokens:
+            raise ValueError(
+                f"{what}: chunk {j}: a token chunk holds the image token ({image_token}) as text: an image is "
+                "an ImageChunk, which expands to its image tokens itself"
+            )
 
 
 def concat_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -256,9 +256,13 @@ def test_inputs_that_cannot_work_are_refused_at_the_call(lora, service, tiny_mod
     as_text = types.ModelInput(
         chunks=[types.EncodedTextChunk(tokens=[pad]), types.ImageChunk(data=image_bytes("red"), format="png")]
     )
-    with pytest.raises(ValueError, match="holds the image token"):
+    with pytest.raises(ValueError, match="datum 0: chunk 0: a token chunk holds the image token"):
         lora.forward(
             [types.Datum(model_input=as_text, loss_fn_inputs={"target_tokens": [0] * 5})], "cross_entropy"
+        )
+    with pytest.raises(ValueError, match=r"prompt: chunk 0: a token chunk holds the image token"):
+        lora.save_weights_and_get_sampling_client().sample(
+            types.ModelInput.from_ints([pad, pad]), 1, types.SamplingParams(max_tokens=2)
         )
     # a text-only model has no vision tower
     with tinker.ServiceClient(backend="local", root_dir=service.backend.root) as text_svc:
