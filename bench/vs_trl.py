@@ -1,16 +1,20 @@
 """posttrain GRPO against TRL's `GRPOTrainer`: same model, prompts, reward and hyper-parameters, on CPU.
 
-Both frameworks start from the same SFT warm-started directory (the demo's recipe: tiny-model factory ->
-built-in arithmetic task -> `posttrain sft`), read the same prompts in the same order (the task's
-train.parquet, unshuffled, so step k of both sees the same 32 problems) with the same chat template, score
-with the same function (posttrain's built-in `arithmetic` scorer, wrapped as a TRL reward function), and
-take one optimizer step per generation batch:
+Cases are preset:task pairs. `arithmetic` is the demo's task (1-2 digit addition, answers of 3-8 tokens,
+32 prompts per step); `long_addition` writes every column and carry out (5-9 digit operands, responses of
+~40-110 tokens, 8 prompts per step so that TRL's runs fit the time budget). For each case both frameworks
+start from the same SFT warm-started directory (tiny-model factory with a tokenizer trained on the task ->
+the task's files -> `posttrain sft`: the demo's recipe for arithmetic, a longer one on the worked solutions
+for long_addition), read the same prompts in the same order (the task's train.parquet, unshuffled, so step k
+of both sees the same problems) with the same chat template, score with the same function (posttrain's
+built-in scorer of the task's data source, wrapped as a TRL reward function), and take one optimizer step
+per generation batch:
 
 | setting                     | posttrain                                  | TRL (`GRPOConfig`)                         |
 |-----------------------------|--------------------------------------------|--------------------------------------------|
-| prompts per step            | data.train_batch_prompts=32                | generation_batch_size = 64 x 4 = 256       |
+| prompts per step (32 or 8)  | data.train_batch_prompts=32                | generation_batch_size = 64 x 4 = 256       |
 | samples per prompt          | rollout.n=8                                | num_generations=8                          |
-| max completion tokens       | data.max_response_length=8                 | max_completion_length=8                    |
+| max completion (8 or 160)   | data.max_response_length=8                 | max_completion_length=8                    |
 | sampling                    | rollout.temperature=1.0, top_p=1, top_k=0  | temperature=1.0, top_p=1.0, top_k=0        |
 | advantages                  | grpo, norm_adv_by_std_in_grpo=true         | scale_rewards="group"                      |
 | KL                          | actor.use_kl_loss=false (no reference)     | beta=0.0 (no reference model)              |
@@ -37,27 +41,33 @@ same rollout engine); Ray with n_workers=1 adds a driver<->worker hop (pickling 
 several helper processes whose memory a per-process peak RSS would not see, so its figures would be neither
 comparable nor complete. The Ray path is measured by the demo and bench/learning_curves.py.
 
-Each framework runs in a fresh subprocess (its peak RSS is its own), alternating TRL / posttrain, repeated;
-the table gives medians and the min-max spread. Step time excludes model loading and start-up: TRL's is
-timed by a TrainerCallback from on_step_begin to on_step_end (generation, reward, forward/backward,
-optimizer step), posttrain's is its own `timing/step` metric (generation, reward, log-prob pass,
-advantages, update, weight sync). The first `--warmup-steps` steps of each run are left out of the
-throughput figures (first-call allocations). Tokens counted per step: completion tokens (eos included, as
-both frameworks train on it) and prompt tokens (each of the 8 samples counts its prompt). Rewards: the mean
-training reward of step 1 (same weights and prompts in both: the check that the set-up matches) and of the
-last `--reward-window` steps. Model FLOP/s is counted the same way for both with posttrain.tracking.flops
-(generation with each prompt's prefill once per group, plus one training pass over every sample's prompt and
-completion) and given as a fraction of this machine's fp32 matmul peak, measured at the start and at the end
-(the larger is used). It is the same unit of work for both, not the work done: posttrain's training pass
-runs each group's prompt once (model.share_prompt), so its fraction can approach or pass 1.
+Each framework runs in a fresh subprocess (its peak RSS is its own), alternating TRL / posttrain, once per
+seed (`--seeds`, five by default: BENCHMARKS.md asks for five where two frameworks' learning is compared).
+Speed and memory are medians over the seeds' runs with the min-max spread; learning figures are means with
+the spread and standard deviation. Step time excludes model loading and start-up: TRL's is timed by a
+TrainerCallback from on_step_begin to on_step_end (generation, reward, forward/backward, optimizer step),
+posttrain's is its own `timing/step` metric (generation, reward, log-prob pass, advantages, update, weight
+sync). The first `--warmup-steps` steps of each run are left out of the throughput figures (first-call
+allocations). Tokens counted per step: completion tokens (eos included, as both frameworks train on it) and
+prompt tokens (each of the 8 samples counts its prompt). Rewards: the mean training reward of step 1 (same
+weights and prompts in both: the check that the set-up matches) and of the last `--reward-window` steps.
+Held-out accuracy: after each run its final weights (TRL's `save_model`, posttrain's last checkpoint) are
+scored greedily on the task's test.parquet by `posttrain eval` in a fresh process: one evaluator for both,
+the same one that scores the warm start (`heldout_accuracy_start`). Model FLOP/s is counted the same way for
+both with posttrain.tracking.flops (generation with each prompt's prefill once per group, plus one training
+pass over every sample's prompt and completion) and given as a fraction of this machine's fp32 matmul peak,
+measured at the start and at the end (the larger is used). It is the same unit of work for both, not the
+work done: posttrain's training pass runs each group's prompt once (model.share_prompt), so its fraction can
+approach or pass 1.
 
     pip install -e '.[bench]'                        # TRL; the script installs nothing
-    python bench/vs_trl.py                           # tiny and small presets, 10 steps, 3 repeats
-    python bench/vs_trl.py --presets tiny --steps 2 --repeats 1 --out vs_trl_trial.json
+    python bench/vs_trl.py                           # both cases on the ~1M preset, 5 seeds
+    python bench/vs_trl.py --cases tiny:arithmetic --seeds 0 --steps 3 --out vs_trl_trial.json
+    python bench/vs_trl.py --cases small:arithmetic --sft-set small:optim.lr=1e-3     # the ~10M preset
     python bench/vs_trl.py --frameworks posttrain --posttrain-set model.share_prompt=false   # a variant
 
-The default run is estimated (from 2-3 step trials) at ~12 min on 2 cores once the SFT warm starts are
-cached under --work, a few minutes more the first time (the small preset's SFT).
+The default run (arithmetic 100 steps and long_addition 60 steps, 5 seeds each) takes ~40 min on 2 cores
+once the SFT warm starts are cached under --work, ~10 min more the first time.
 
 Writes bench/results/vs_trl.json (BENCHMARKS.md format).
 """
@@ -184,7 +194,7 @@ TASKS = {
     "arithmetic": Task(prompts=32, max_completion=8, steps=100, sft_steps=None),
     # every column and carry written out, 5-9 digit operands: responses of ~40-110 tokens; fewer prompts so
     # TRL's HF `generate` fits the time budget
-    "long_addition": Task(prompts=8, max_completion=160, steps=60, sft_steps=150),
+    "long_addition": Task(prompts=8, max_completion=160, steps=60, sft_steps=1500),
 }
 
 # (metric, higher is better, statistic over seeds): speed and memory as medians (timing noise is one-sided),

@@ -22,6 +22,7 @@ from posttrain.engine.varlen_attention import (
     Run,
     Segments,
     check_varlen_support,
+    padded_length,
     segments_from_position_ids,
     uses_varlen,
 )
@@ -79,6 +80,35 @@ def test_shared_prompt_layout_equals_its_explicit_mask_in_float64() -> None:
     batch = grouped_rl_batch(prompts=3, n=4, seed=7)
     shared = pack_shared_prompts(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], 7, row_tokens=40)
     assert any(run.context_end > run.context_start for runs in shared.segments.rows for run in runs)
+    weights = torch.randn((shared.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
+    ids, pos = shared.input_ids, shared.position_ids
+    ref, ref_grads = outputs_and_grads(masked, ids, pos, weights, attention_mask=shared.attention_mask)
+    out, grads = outputs_and_grads(varlen, ids, pos, weights, segments=shared.segments)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
+
+
+def test_padded_length_buckets() -> None:
+    assert [padded_length(n) for n in (1, 8, 9, 10, 15, 16, 17, 33, 70, 100, 128)] == [
+        1, 8, 10, 10, 16, 16, 20, 40, 80, 112, 128
+    ]  # fmt: skip
+    assert all(n <= padded_length(n) < 1.25 * n + 1 for n in range(1, 600))
+
+
+def test_runs_of_scattered_lengths_share_calls_and_equal_the_masked_path_in_float64() -> None:
+    """Long responses of many lengths (and shared prompts of several lengths, so contexts are padded
+    too): attended in a few padded SDPA calls, with the masked path's logits and gradients."""
+    masked, varlen = models(torch.float64)
+    batch = grouped_rl_batch(prompts=4, n=6, prompt_width=30, response_width=60, seed=3)
+    shared = pack_shared_prompts(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], 60, row_tokens=400)
+    runs = [run for row in shared.segments.rows for run in row]
+    lengths = {run.end - run.start for run in runs}
+    contexts = {run.context_end - run.context_start for run in runs} - {0}
+    plan = shared.segments.plan(shared.input_ids.shape[1], torch.device("cpu"))
+    assert len(lengths) >= 15 and len(contexts) >= 2
+    assert len(plan.groups) < len(lengths)  # padded into shared calls
+    assert any(group.keep is not None for group in plan.groups)
+    assert any(group.mask is not None and group.mask.dim() == 4 for group in plan.groups)  # padded context
     weights = torch.randn((shared.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
     ids, pos = shared.input_ids, shared.position_ids
     ref, ref_grads = outputs_and_grads(masked, ids, pos, weights, attention_mask=shared.attention_mask)
