@@ -28,7 +28,7 @@ soft-capping) is an error, never a silent fallback to another path.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -60,17 +60,20 @@ class Segments:
     """The attention layout of packed rows: per row, the runs that tile it from column 0 to its width."""
 
     rows: tuple[tuple[Run, ...], ...]
-    _plans: dict[tuple[int, str], RunPlan] = field(
-        default_factory=dict, init=False, compare=False, hash=False, repr=False
-    )
+
+    def __post_init__(self) -> None:
+        # the plan cache is an attribute, not a dataclass field: FSDP2's mixed precision casts forward
+        # kwargs by rebuilding dataclasses with `dataclasses.replace`, which refuses init=False fields
+        object.__setattr__(self, "_plans", {})
 
     def plan(self, width: int, device: torch.device) -> RunPlan:
         """The runs grouped by shape (length, context length), each group as flat column indices into the
         (rows * width) tokens, computed once per layout and device and reused by every layer."""
+        plans: dict[tuple[int, str], RunPlan] = self._plans  # type: ignore[attr-defined]
         plan_key = (width, str(device))
-        if plan_key not in self._plans:
-            self._plans[plan_key] = _group_runs(self.rows, width, device)
-        return self._plans[plan_key]
+        if plan_key not in plans:
+            plans[plan_key] = _group_runs(self.rows, width, device)
+        return plans[plan_key]
 
     @property
     def lengths(self) -> list[int]:
