@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
@@ -108,6 +109,22 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> PeftModel:
     """Wrap `model` with fresh adapters (B = 0, so the output is unchanged); base weights are frozen."""
     check_target_modules(model, lora)
     return get_peft_model(model, peft_config(lora))
+
+
+@torch.no_grad()
+def same_adapters_on_every_rank(model: nn.Module) -> None:
+    """Rank 0's fresh adapter weights on every rank (a collective; nothing to do on one rank or without a
+    process group).
+
+    Each rank initialises its adapters from its own seed, and FSDP keeps each rank's shard of its own copy, so
+    the sharded adapters would be a mix of the ranks' draws and a run's result would depend on its world size.
+    After this, the adapters of an n-rank run are those of a one-rank run with rank 0's seed.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for param in model.parameters():
+        if param.requires_grad:  # the adapters; the frozen base was loaded from the same files
+            dist.broadcast(param.data, src=0)
 
 
 def hf_name(peft_name: str) -> str:

@@ -120,6 +120,7 @@ class RewardEngine(TrainEngine):
         self.sp = None
         self.image_token_id = None
         self.vision_tower_trained = False
+        self.vision_pass = None
         self.router_aux = None
         self.router_aux_loss_coef = 0.0
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None

@@ -36,7 +36,12 @@ from posttrain.engine.log_probs import (
     response_values,
     target_log_probs,
 )
-from posttrain.engine.lora import apply_lora, export_peft_model, merged_lora_weights
+from posttrain.engine.lora import (
+    apply_lora,
+    export_peft_model,
+    merged_lora_weights,
+    same_adapters_on_every_rank,
+)
 from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
 from posttrain.engine.moe import RouterAuxLoss, resolve_aux_loss_coef
 from posttrain.engine.multi_lora import MultiLora
@@ -53,6 +58,7 @@ from posttrain.engine.routing_replay import RoutingReplay
 from posttrain.engine.sequence_parallel import SequenceParallel, check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
+from posttrain.engine.vision_pass import VisionPass
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_config, load_value_model
 from posttrain.models.vl import vision_tower, vision_tower_trained
@@ -190,10 +196,12 @@ class TrainEngine:
         self.lora = config.lora.rank > 0
         self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
         self.vision_tower_trained = self._set_vision_tower(model) if config.trainable else False
+        has_vision_tower = vision_tower(model) is not None
         if self.lora:
             if config.head != "lm":
                 raise ConfigError("LoRA is supported for the policy (lm head) only; the critic trains fully")
             model = apply_lora(model, config.lora)
+            same_adapters_on_every_rank(model)  # each rank drew its own; FSDP would shard a mix of them
         self.router_aux: RouterAuxLoss | None = None  # set for a trained MoE policy with a coefficient > 0
         self.routing_replay: RoutingReplay | None = (
             None  # built by the first pass with routed_experts (_replay)
@@ -210,6 +218,10 @@ class TrainEngine:
             self.router_aux = RouterAuxLoss(model, int(model.config.num_experts_per_tok))
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
+        # several ranks shard the vision tower: text-only passes run it too (engine.vision_pass)
+        self.vision_pass: VisionPass | None = (
+            VisionPass(self.model, self.device) if has_vision_tower and self.mesh.size() > 1 else None
+        )
         self.adapters: MultiLora | None = None  # tenants' LoRA adapters over a frozen base (attach_adapters)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -305,6 +317,14 @@ class TrainEngine:
                 f"the micro-batch's rows hold image tokens but it carries no images ({MULTI_MODAL_INPUTS} "
                 "missing or empty): a caller dropped the column that keeps each row's images"
             )
+        # on several ranks a text-only pass still runs the sharded vision tower, adding exactly zero
+        with self.vision_pass.text_only() if self.vision_pass is not None else contextlib.nullcontext():
+            return self._text_log_probs(mb, temperature, with_entropy)
+
+    def _text_log_probs(
+        self, mb: Batch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows without images: packed or padded, lm or value head."""
         if keys.TARGET_TOKENS in mb:  # the explicit API: given targets, not the next input tokens
             return self._target_log_probs(mb, temperature), None
         if self.config.remove_padding:
