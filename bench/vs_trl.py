@@ -43,8 +43,9 @@ comparable nor complete. The Ray path is measured by the demo and bench/learning
 
 Each framework runs in a fresh subprocess (its peak RSS is its own), alternating TRL / posttrain, once per
 seed (`--seeds`, five by default: BENCHMARKS.md asks for five where two frameworks' learning is compared).
-Speed and memory are medians over the seeds' runs with the min-max spread; learning figures are means with
-the spread and standard deviation. Step time excludes model loading and start-up: TRL's is timed by a
+Speed and memory are medians over the seeds' runs with the min-max spread, each run's speed itself the median
+over its steps (robust to bursts of other work on a shared machine; the mean is kept as
+`seconds_per_step_mean`); learning figures are means with the spread and standard deviation. Step time excludes model loading and start-up: TRL's is timed by a
 TrainerCallback from on_step_begin to on_step_end (generation, reward, forward/backward, optimizer step),
 posttrain's is its own `timing/step` metric (generation, reward, log-prob pass, advantages, update, weight
 sync). The first `--warmup-steps` steps of each run are left out of the throughput figures (first-call
@@ -156,24 +157,36 @@ def step_flops(model_config: dict, step: dict, n: int) -> float:
 
 
 def summarize_run(run: dict, warmup: int, window: int, model_config: dict, n: int) -> dict:
-    """Throughput over the steps after `warmup`, reward over the last `window` steps, first-step reward."""
+    """Speed over the steps after `warmup`, reward over the last `window` steps, first-step reward.
+
+    Speed figures are medians over the timed steps (seconds per step, and each step's tokens and model FLOPs
+    over its seconds): this machine is shared, and a burst of other work slows some steps several-fold; a
+    median over steps ignores such bursts where a total over the run would carry them. Both frameworks see
+    the same prompts at each step, so their steps' work is alike. Each step keeps its FLOP count
+    (`model_flops`) in the raw results."""
     steps = run["steps"]
+    for step in steps:
+        if "model_flops" not in step:
+            step["model_flops"] = step_flops(model_config, step, n)
     timed = steps[warmup:] if len(steps) > warmup else steps[-1:]
-    seconds = sum(s["seconds"] for s in timed)
-    gen = sum(s["completion_tokens"] for s in timed)
-    total = gen + sum(s["prompt_tokens"] for s in timed)
-    flops = sum(step_flops(model_config, s, n) for s in timed)
     last = steps[-window:]
+
+    def per_second(key: str) -> float:
+        return statistics.median(s[key] / s["seconds"] for s in timed)
+
+    for s in timed:
+        s["all_tokens"] = s["completion_tokens"] + s["prompt_tokens"]
     return {
-        "seconds_per_step": seconds / len(timed),
-        "gen_tokens_per_s": gen / seconds,
-        "total_tokens_per_s": total / seconds,
+        "seconds_per_step": statistics.median(s["seconds"] for s in timed),
+        "seconds_per_step_mean": sum(s["seconds"] for s in timed) / len(timed),
+        "gen_tokens_per_s": per_second("completion_tokens"),
+        "total_tokens_per_s": per_second("all_tokens"),
         "peak_rss_mb": run["peak_rss_mb"],
         "reward_last": sum(s["reward"] for s in last) / len(last),
         "reward_first_step": steps[0]["reward"],
         "mean_completion_tokens": sum(s["completion_tokens"] for s in steps)
         / sum(s["samples"] for s in steps),
-        "model_flops_per_s": flops / seconds,
+        "model_flops_per_s": per_second("model_flops"),
         "steps_run": len(steps),
         "steps_timed": len(timed),
     }
