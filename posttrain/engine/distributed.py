@@ -68,3 +68,20 @@ def init_distributed(info: DistInfo) -> tuple[DeviceMesh, torch.device]:
         )
     mesh = init_device_mesh(device.type, (info.world_size,), mesh_dim_names=("dp",))
     return mesh, device
+
+
+@torch.no_grad()
+def same_head_on_every_rank(model: torch.nn.Module) -> None:
+    """Rank 0's task head (every parameter outside the backbone `model.base_model_prefix`, e.g. a critic's
+    freshly initialised `score`) on every rank; a collective, nothing to do on one rank.
+
+    Each rank seeds its own stream before loading (workers.process.rank_seed), so a head missing from the
+    checkpoint is drawn differently on each rank, and FSDP would shard a mix of the draws: a critic's values
+    would then depend on the world size. The backbone is loaded from the same files everywhere.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    for name, param in model.named_parameters():
+        if not name.startswith(prefix):
+            dist.broadcast(param.data, src=0)

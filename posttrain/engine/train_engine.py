@@ -28,7 +28,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.partition import first_fit_decreasing, split_to_count
-from posttrain.engine.distributed import DistInfo, init_distributed
+from posttrain.engine.distributed import DistInfo, init_distributed, same_head_on_every_rank
 from posttrain.engine.fsdp import apply_fsdp, full_named_tensors, reshard_all
 from posttrain.engine.log_probs import (
     next_token_log_probs,
@@ -182,6 +182,8 @@ class TrainEngine:
         if self._attention() == VARLEN:
             check_varlen_support(model)
         model.to(self.device)
+        if config.head == "value":
+            same_head_on_every_rank(model)  # a fresh head is drawn per rank; FSDP would shard a mix of them
         if not config.trainable:
             model.requires_grad_(False)
             model.eval()
