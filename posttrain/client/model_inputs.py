@@ -136,6 +136,13 @@ class ModelInputReader:
             if isinstance(chunk, types.EncodedTextChunk):
                 tokens.extend(int(t) for t in chunk.tokens)
             elif isinstance(chunk, types.ImageChunk):
+                if j and isinstance(model_input.chunks[j - 1], types.ImageChunk):
+                    # the model's position ids take one image per run of image tokens: two images back to
+                    # back would read as one (a shape error mid-pass, a hang for the other FSDP ranks)
+                    raise ValueError(
+                        f"{where}: an ImageChunk right after another; put text between them (the model's "
+                        "<|vision_end|><|vision_start|> tokens, as its chat template does)"
+                    )
                 count, image = self._image(chunk, where, cache)
                 tokens.extend([image_token] * count)
                 images.append(image)

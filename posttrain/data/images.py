@@ -64,16 +64,31 @@ def parse_image_refs(row: dict, key: str, base_dir: Path, where: str) -> list[Im
     return refs
 
 
+# The most pixels an image may have before it is decoded (its header says how many): a few hundred KB of
+# PNG can declare a canvas that takes gigabytes to decode, before it is resized to the model's bounds.
+# 50M pixels is 150 MB as RGB, far above any vision model's input (Qwen2-VL's max_pixels is ~12.8M).
+MAX_SOURCE_PIXELS = 50_000_000
+
+
 def open_image(ref: ImageRef, where: str) -> Image.Image:
-    """Open an image lazily (Pillow reads the header; pixels are decoded on first use)."""
+    """Open an image lazily (Pillow reads the header; pixels are decoded on first use). One whose header
+    declares more than MAX_SOURCE_PIXELS is refused before anything is decoded."""
     try:
         if ref.path is not None:
-            return Image.open(ref.path)
-        return Image.open(io.BytesIO(ref.data or b""))
+            img = Image.open(ref.path)
+        else:
+            img = Image.open(io.BytesIO(ref.data or b""))
     except FileNotFoundError as e:
         raise DataError(f"{where}: image file not found: {ref.describe()}") from e
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
         raise DataError(f"{where}: cannot read image {ref.describe()}: {e}") from e
+    if img.width * img.height > MAX_SOURCE_PIXELS:
+        img.close()
+        raise DataError(
+            f"{where}: image {ref.describe()} is {img.width}x{img.height} pixels, more than the "
+            f"{MAX_SOURCE_PIXELS:,} decoded before resizing (posttrain.data.images.MAX_SOURCE_PIXELS)"
+        )
+    return img
 
 
 def fit_pixels(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -251,6 +251,15 @@ def test_inputs_that_cannot_work_are_refused_at_the_call(lora, service, tiny_mod
         lora.forward(
             [types.Datum(model_input=mislabelled, loss_fn_inputs=datum.loss_fn_inputs)], "cross_entropy"
         )
+    # two images back to back would read as one image to the model's position ids
+    red = types.ImageChunk(data=image_bytes("red"), format="png")
+    adjacent = types.ModelInput(chunks=[datum.model_input.chunks[0], red, red, datum.model_input.chunks[2]])
+    with pytest.raises(ValueError, match=r"datum 0: chunk 2: an ImageChunk right after another"):
+        lora.forward(
+            [types.Datum(model_input=adjacent, loss_fn_inputs=datum.loss_fn_inputs)], "cross_entropy"
+        )
+    with pytest.raises(ValueError, match=r"prompt: chunk 2: an ImageChunk right after another"):
+        lora.save_weights_and_get_sampling_client().sample(adjacent, 1, types.SamplingParams(max_tokens=2))
     # the image token written as text
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     as_text = types.ModelInput(

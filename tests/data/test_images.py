@@ -14,6 +14,7 @@ from posttrain.data.images import (
     ImageRef,
     fit_pixels,
     load_image,
+    open_image,
     parse_image_refs,
     split_image_placeholders,
 )
@@ -197,3 +198,14 @@ def test_data_layer_imports_no_model_code():
             and m.startswith("posttrain.")
             and m != "posttrain.errors"
         ]
+
+
+def test_an_image_declaring_too_many_pixels_is_refused_before_decoding() -> None:
+    """A small file can declare a huge canvas (a decompression bomb): refused from its header."""
+    buf = io.BytesIO()
+    Image.new("1", (8000, 7000)).save(buf, format="PNG")  # 56M pixels, a few KB of PNG
+    assert len(buf.getvalue()) < 100_000
+    with pytest.raises(
+        DataError, match=r"row 3: image <\d+ bytes> is 8000x7000 pixels, more than the 50,000,000"
+    ):
+        open_image(ImageRef(data=buf.getvalue()), "row 3")
