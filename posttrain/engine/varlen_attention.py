@@ -28,7 +28,6 @@ soft-capping) is an error, never a silent fallback to another path.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -55,25 +54,35 @@ class Run(NamedTuple):
     context_end: int = 0
 
 
-@dataclass(frozen=True)
 class Segments:
-    """The attention layout of packed rows: per row, the runs that tile it from column 0 to its width."""
+    """The attention layout of packed rows: per row, the runs that tile it from column 0 to its width.
 
-    rows: tuple[tuple[Run, ...], ...]
+    A plain class, not a dataclass: FSDP2's mixed precision casts a module's forward kwargs by rebuilding
+    every dataclass among them (`dataclasses.replace`, recursively), which at each wrapped layer would make
+    a new Segments and drop its plan cache. Immutable by convention; equal when the rows are."""
 
-    def __post_init__(self) -> None:
-        # the plan cache is an attribute, not a dataclass field: FSDP2's mixed precision casts forward
-        # kwargs by rebuilding dataclasses with `dataclasses.replace`, which refuses init=False fields
-        object.__setattr__(self, "_plans", {})
+    __slots__ = ("_plans", "rows")
+
+    def __init__(self, rows: tuple[tuple[Run, ...], ...]) -> None:
+        self.rows = rows
+        self._plans: dict[tuple[int, str], RunPlan] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Segments) and self.rows == other.rows
+
+    def __hash__(self) -> int:
+        return hash(self.rows)
+
+    def __repr__(self) -> str:
+        return f"Segments(rows={self.rows!r})"
 
     def plan(self, width: int, device: torch.device) -> RunPlan:
         """The runs grouped by shape (length, context length), each group as flat column indices into the
         (rows * width) tokens, computed once per layout and device and reused by every layer."""
-        plans: dict[tuple[int, str], RunPlan] = self._plans  # type: ignore[attr-defined]
         plan_key = (width, str(device))
-        if plan_key not in plans:
-            plans[plan_key] = _group_runs(self.rows, width, device)
-        return plans[plan_key]
+        if plan_key not in self._plans:
+            self._plans[plan_key] = _group_runs(self.rows, width, device)
+        return self._plans[plan_key]
 
     @property
     def lengths(self) -> list[int]:
@@ -139,13 +148,14 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> to
 
 
 def _group_runs(rows: tuple[tuple[Run, ...], ...], width: int, device: torch.device) -> RunPlan:
-    # grouped by padded length, and whether the runs see a context; a group's contexts are padded to its
-    # longest (suffixes of different prompts then share calls: the keys added are a prompt's few columns)
-    shapes: dict[tuple[int, bool], list[tuple[int, Run]]] = defaultdict(list)
+    # grouped by padded length and by the context's length within a factor of two (bit length; 0 = none);
+    # a group's contexts are padded to its longest, so suffixes of different prompts share calls while a
+    # long prompt never makes the suffixes of short ones attend to its length
+    shapes: dict[tuple[int, int], list[tuple[int, Run]]] = defaultdict(list)
     for b, runs in enumerate(rows):
         for run in runs:
-            shape = (padded_length(run.end - run.start), run.context_end > run.context_start)
-            shapes[shape].append((b * width, run))
+            context = run.context_end - run.context_start
+            shapes[(padded_length(run.end - run.start), context.bit_length())].append((b * width, run))
     groups, real_columns = [], []
     for (n, _), members in shapes.items():
         c = max(r.context_end - r.context_start for _, r in members)

@@ -88,6 +88,19 @@ def test_shared_prompt_layout_equals_its_explicit_mask_in_float64() -> None:
     torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
 
 
+def test_segments_pass_through_fsdp_input_casting_with_their_plans() -> None:
+    """FSDP2's mixed precision rebuilds every dataclass among a layer's kwargs (dataclasses.replace): a
+    Segments must pass through as itself, or its plan would be recomputed at every layer."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    segments = Segments(((Run(0, 3), Run(3, 5, 0, 3)),))
+    plan = segments.plan(5, torch.device("cpu"))
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16), {SEGMENTS_KWARG: segments, "x": torch.ones(2)})
+    assert cast[SEGMENTS_KWARG] is segments and cast["x"].dtype == torch.bfloat16
+    assert segments.plan(5, torch.device("cpu")) is plan
+    assert segments == Segments(((Run(0, 3), Run(3, 5, 0, 3)),))
+
+
 def test_padded_length_buckets() -> None:
     assert [padded_length(n) for n in (1, 8, 9, 10, 15, 16, 17, 33, 70, 100, 128)] == [
         1, 8, 10, 10, 16, 16, 20, 40, 80, 112, 128
