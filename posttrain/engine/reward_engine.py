@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.distributed import DistInfo, init_distributed
+from posttrain.engine.distributed import DistInfo, init_distributed, same_head_on_every_rank
 from posttrain.engine.fsdp import apply_fsdp
 from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine, check_device_support, lr_factor
 from posttrain.errors import ConfigError, ModelError
@@ -105,6 +105,7 @@ class RewardEngine(TrainEngine):
         model = load_reward_model(config.model_path, DTYPES[config.dtype], config.attn_implementation)
         self.pad_token_id = int(model.config.pad_token_id)
         model.to(self.device)
+        same_head_on_every_rank(model)  # a fresh score head is drawn per rank (as the critic's)
         if config.trainable:
             model.train()
             for module in model.modules():  # scores of a pair must come from the same function

@@ -170,7 +170,8 @@ class RLTrainer:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         owns_ray = cfg.trainer.backend == "ray" and not ray_is_running()
-        self._start_workers()
+        # before the workers start: a stale `latest` pointer or an unwritable run directory stops nothing
+        resumes = cfg.trainer.resume and self.checkpoints.latest() is not None
         tracker = Tracker(
             cfg.trainer.loggers,
             self.run_dir,
@@ -179,8 +180,13 @@ class RLTrainer:
             console_keys=CONSOLE_KEYS,
             console_only_keys=True,
             plots=cfg.trainer.plots,
-            new_run=not (cfg.trainer.resume and self.checkpoints.latest() is not None),
+            new_run=not resumes,
         )
+        try:
+            self._start_workers()
+        except BaseException:
+            tracker.close()
+            raise
         stop, finished = StopSignals(), False
         try:
             with stop:
