@@ -108,6 +108,24 @@ class JsonlBackend:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()  # a crashed run keeps every step it logged
 
+    def rewind(self, keep_through: int) -> None:
+        """Keep the rows of steps <= `keep_through`; later ones (a failed attempt's, about to be logged
+        again from a checkpoint) move to `metrics.<N>.jsonl`, so a step appears once and nothing is lost."""
+        self._file.close()
+        keep, later = [], []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                step = keep_through  # an unreadable line stays where it is (plots skip it)
+            (keep if step <= keep_through else later).append(line)
+        if later:
+            moved = _free_name(self.path)
+            moved.write_text("\n".join(later) + "\n", encoding="utf-8")
+            self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+            logger.warning("%d rows after step %d moved to %s", len(later), keep_through, moved.name)
+        self._file = self.path.open("a", encoding="utf-8")
+
     def close(self) -> None:
         self._file.close()
 
@@ -237,6 +255,13 @@ class Tracker:
             for backend in self._backends:  # the ones already open: files closed, runs ended
                 backend.close()
             raise
+
+    def rewind(self, keep_through: int) -> None:
+        """The run continues from step `keep_through` (a resumed checkpoint; -1: from scratch): the jsonl
+        file keeps only the steps up to it (JsonlBackend.rewind). Other backends keep what they logged."""
+        for backend in self._backends:
+            if isinstance(backend, JsonlBackend):
+                backend.rewind(keep_through)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Write the scalar values of `metrics` for training step `step` to every backend."""

@@ -191,6 +191,8 @@ class RLTrainer:
         try:
             with stop:
                 self._maybe_resume()
+                if self.step_count:  # rows a crashed run logged after its last checkpoint are redone
+                    tracker.rewind(self.step_count)
                 total = cfg.trainer.total_steps
                 self.progress = RunProgress(total, self.step_count, "rl", PROGRESS_KEYS).start()
                 run_with_restarts(
@@ -221,6 +223,7 @@ class RLTrainer:
         if self.actor is None:  # after a worker failure: new workers, the state of the last checkpoint
             self._start_workers(wait_s=cfg.trainer.restart_wait_s)
             self._maybe_resume(after_failure=True)
+            tracker.rewind(self.step_count if self.step_count else -1)  # the failed attempt's later rows
         if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
             with self.progress.stage("validate"):
                 self._log_validation(tracker)

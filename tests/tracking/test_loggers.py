@@ -50,6 +50,22 @@ def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path):
     assert read_jsonl(tmp_path / "metrics.2.jsonl") == [{"step": 1, "loss": 2.0}]
 
 
+def test_rewind_keeps_each_step_once_and_moves_the_rest_aside(tmp_path):
+    """A resume from the checkpoint of step 2 after a crash at step 4: steps 3-4 are logged again, once."""
+    with Tracker(["jsonl"], tmp_path) as tracker:
+        for step in range(5):
+            tracker.log({"loss": float(step)}, step=step)
+        tracker.rewind(2)
+        tracker.log({"loss": 30.0}, step=3)
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["loss"] == 30.0
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.1.jsonl")] == [3, 4]
+    with Tracker(["jsonl"], tmp_path) as tracker:  # a restart from scratch: everything aside
+        tracker.rewind(-1)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == []
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.2.jsonl")] == [0, 1, 2, 3]
+
+
 def test_non_scalars_are_skipped(tmp_path, caplog):
     with Tracker(["jsonl", "console"], tmp_path) as tracker:
         for step in (1, 2):

@@ -203,7 +203,11 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(
     assert trainer.step_count == 3
     assert not (run / ".tmp-step_2").exists()
     train_steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
-    assert train_steps.count(2) == 2, "step 2 was redone from step 1's checkpoint"
+    assert train_steps.count(2) == 1, "each step once in the run's metrics"
+    killed_attempt = [r["step"] for r in map(json.loads, (run / "metrics.1.jsonl").read_text().splitlines())]
+    assert killed_attempt == [2], (
+        "step 2 was redone from step 1's checkpoint; the killed attempt's row set aside"
+    )
     assert (run / "latest").read_text() == "step_3"
 
 
