@@ -171,16 +171,14 @@ def summarize_run(run: dict, warmup: int, window: int, model_config: dict, n: in
     timed = steps[warmup:] if len(steps) > warmup else steps[-1:]
     last = steps[-window:]
 
-    def per_second(key: str) -> float:
-        return statistics.median(s[key] / s["seconds"] for s in timed)
+    def per_second(*keys: str) -> float:
+        return statistics.median(sum(s[k] for k in keys) / s["seconds"] for s in timed)
 
-    for s in timed:
-        s["all_tokens"] = s["completion_tokens"] + s["prompt_tokens"]
     return {
         "seconds_per_step": statistics.median(s["seconds"] for s in timed),
         "seconds_per_step_mean": sum(s["seconds"] for s in timed) / len(timed),
         "gen_tokens_per_s": per_second("completion_tokens"),
-        "total_tokens_per_s": per_second("all_tokens"),
+        "total_tokens_per_s": per_second("completion_tokens", "prompt_tokens"),
         "peak_rss_mb": run["peak_rss_mb"],
         "reward_last": sum(s["reward"] for s in last) / len(last),
         "reward_first_step": steps[0]["reward"],

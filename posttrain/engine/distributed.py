@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -71,17 +72,22 @@ def init_distributed(info: DistInfo) -> tuple[DeviceMesh, torch.device]:
 
 
 @torch.no_grad()
-def same_head_on_every_rank(model: torch.nn.Module) -> None:
-    """Rank 0's task head (every parameter outside the backbone `model.base_model_prefix`, e.g. a critic's
-    freshly initialised `score`) on every rank; a collective, nothing to do on one rank.
-
-    Each rank seeds its own stream before loading (workers.process.rank_seed), so a head missing from the
-    checkpoint is drawn differently on each rank, and FSDP would shard a mix of the draws: a critic's values
-    would then depend on the world size. The backbone is loaded from the same files everywhere.
-    """
+def broadcast_from_rank0(params: Iterable[torch.nn.Parameter]) -> None:
+    """Rank 0's values of `params` on every rank (a collective: every rank passes the same parameters in the
+    same order); nothing to do on one rank or without a process group. For weights a rank draws itself
+    (a fresh head, LoRA adapters) before FSDP shards them: each rank keeps its shard of its own copy, so
+    without this the sharded weights would be a mix of the ranks' draws."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    for param in params:
+        dist.broadcast(param.data, src=0)
+
+
+def same_head_on_every_rank(model: torch.nn.Module) -> None:
+    """Rank 0's task head (every parameter outside the backbone `model.base_model_prefix`, e.g. a critic's
+    freshly initialised `score`) on every rank. Each rank seeds its own stream before loading
+    (workers.process.rank_seed), so a head missing from the checkpoint is drawn differently on each rank;
+    the backbone is loaded from the same files everywhere. (A (1, hidden) head lands whole on rank 0 under
+    FSDP's dim-0 sharding; this makes any head shape safe.)"""
     prefix = getattr(model, "base_model_prefix", "") + "."
-    for name, param in model.named_parameters():
-        if not name.startswith(prefix):
-            dist.broadcast(param.data, src=0)
+    broadcast_from_rank0(p for name, p in model.named_parameters() if not name.startswith(prefix))

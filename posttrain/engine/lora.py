@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
@@ -24,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import LoraConfig
+from posttrain.engine.distributed import broadcast_from_rank0
 from posttrain.errors import ConfigError
 
 ADAPTER = "default"
@@ -111,20 +111,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> PeftModel:
     return get_peft_model(model, peft_config(lora))
 
 
-@torch.no_grad()
 def same_adapters_on_every_rank(model: nn.Module) -> None:
-    """Rank 0's fresh adapter weights on every rank (a collective; nothing to do on one rank or without a
-    process group).
-
-    Each rank initialises its adapters from its own seed, and FSDP keeps each rank's shard of its own copy, so
-    the sharded adapters would be a mix of the ranks' draws and a run's result would depend on its world size.
-    After this, the adapters of an n-rank run are those of a one-rank run with rank 0's seed.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for param in model.parameters():
-        if param.requires_grad:  # the adapters; the frozen base was loaded from the same files
-            dist.broadcast(param.data, src=0)
+    """Rank 0's fresh adapter weights on every rank (engine.distributed.broadcast_from_rank0): each rank
+    initialises its adapters from its own seed, so without this a run's result would depend on its world
+    size. After it, the adapters of an n-rank run are those of a one-rank run with rank 0's seed."""
+    broadcast_from_rank0(p for p in model.parameters() if p.requires_grad)  # the frozen base: same files
 
 
 def hf_name(peft_name: str) -> str:

@@ -52,6 +52,16 @@ def outputs_and_grads(
     return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+def assert_shared_layout_equals_its_mask(masked: torch.nn.Module, varlen: torch.nn.Module, shared) -> None:
+    """A shared-prompt layout through posttrain_varlen has the masked path's logits and gradients (float64)."""
+    weights = torch.randn((shared.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
+    ids, pos = shared.input_ids, shared.position_ids
+    ref, ref_grads = outputs_and_grads(masked, ids, pos, weights, attention_mask=shared.attention_mask)
+    out, grads = outputs_and_grads(varlen, ids, pos, weights, segments=shared.segments)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
+
+
 def test_segments_from_position_ids_restart_at_every_sequence() -> None:
     pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]])
     segments = segments_from_position_ids(pos)
@@ -80,12 +90,7 @@ def test_shared_prompt_layout_equals_its_explicit_mask_in_float64() -> None:
     batch = grouped_rl_batch(prompts=3, n=4, seed=7)
     shared = pack_shared_prompts(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], 7, row_tokens=40)
     assert any(run.context_end > run.context_start for runs in shared.segments.rows for run in runs)
-    weights = torch.randn((shared.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
-    ids, pos = shared.input_ids, shared.position_ids
-    ref, ref_grads = outputs_and_grads(masked, ids, pos, weights, attention_mask=shared.attention_mask)
-    out, grads = outputs_and_grads(varlen, ids, pos, weights, segments=shared.segments)
-    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
-    torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
+    assert_shared_layout_equals_its_mask(masked, varlen, shared)
 
 
 def test_segments_pass_through_fsdp_input_casting_with_their_plans() -> None:
@@ -122,12 +127,7 @@ def test_runs_of_scattered_lengths_share_calls_and_equal_the_masked_path_in_floa
     assert len(plan.groups) < len(lengths)  # padded into shared calls
     assert any(group.keep is not None for group in plan.groups)
     assert any(group.mask is not None and group.mask.dim() == 4 for group in plan.groups)  # padded context
-    weights = torch.randn((shared.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
-    ids, pos = shared.input_ids, shared.position_ids
-    ref, ref_grads = outputs_and_grads(masked, ids, pos, weights, attention_mask=shared.attention_mask)
-    out, grads = outputs_and_grads(varlen, ids, pos, weights, segments=shared.segments)
-    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
-    torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
+    assert_shared_layout_equals_its_mask(masked, varlen, shared)
 
 
 @pytest.mark.parametrize("share_prompt", [False, True])

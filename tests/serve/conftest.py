@@ -47,6 +47,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_in_thread(state: Any, model_name: str) -> Iterator[Running]:
+    """`state` served by uvicorn on a free loopback port in a thread, until the generator is closed."""
+    port = free_port()
+    config = uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not running.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield Running(f"http://127.0.0.1:{port}", state, model_name)
+    state.begin_stop()
+    running.should_exit = True
+    thread.join(timeout=30)
+    state.service.close()
+
+
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     state = build_state(
@@ -57,20 +75,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         poll_timeout_s=5,
         limits=Limits(adapters_per_tenant=16, adapters_total=32),  # the session's tests share the server
     )
-    port = free_port()
-    config = uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning")
-    running = uvicorn.Server(config)
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not running.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield Running(f"http://127.0.0.1:{port}", state, "tiny")
-    state.begin_stop()
-    running.should_exit = True
-    thread.join(timeout=30)
-    state.service.close()
+    yield from serve_in_thread(state, "tiny")
 
 
 # ---- requests by hand (httpx), for the tests that look at the protocol itself ------------------------

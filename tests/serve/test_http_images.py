@@ -3,26 +3,22 @@ with the chunks' `expected_tokens`, the server processes the images, and the ans
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
 
 from posttrain import client as tinker
 from posttrain.client import types
 from posttrain.client.http_transport import HttpApiError
 from posttrain.data.tasks.shapes import corpus
 from posttrain.models import make_tiny_model
-from posttrain.serve.app import make_app
 from posttrain.serve.server import build_state
 from posttrain.serve.tenants import ApiKeys
 
 from ..client.test_image_chunks import image_bytes, logprobs, prompt_chunks, sft_datum
-from .conftest import KEYS, Running, free_port
+from .conftest import KEYS, Running, serve_in_thread
 
 ALICE = next(iter(KEYS))
 
@@ -37,20 +33,7 @@ def vl_server(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     state = build_state(
         str(vl_dir), "tiny-vl", ApiKeys(KEYS), str(tmp_path_factory.mktemp("serve")), poll_timeout_s=5
     )
-    port = free_port()
-    config = uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning")
-    running = uvicorn.Server(config)
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not running.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield Running(f"http://127.0.0.1:{port}", state, "tiny-vl")
-    state.begin_stop()
-    running.should_exit = True
-    thread.join(timeout=30)
-    state.service.close()
+    yield from serve_in_thread(state, "tiny-vl")
 
 
 def with_expected(datum: types.Datum, expected: int) -> types.Datum:
