@@ -152,7 +152,7 @@ def _add_shapes_parser(tasks: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     p.add_argument("--kind", choices=KINDS, default=defaults["kind"], help="count squares or name the colour")
-    for key in ("n_train", "n_test", "max_squares", "size", "seed"):
+    for key in ("n_train", "n_test", "max_squares", "size", "seed", "square_side"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=defaults[key])
     p.set_defaults(func=_write_shapes)
 
@@ -162,7 +162,7 @@ def _write_shapes(args: argparse.Namespace) -> None:
 
     paths = write_shapes_dataset(
         args.out, n_train=args.n_train, n_test=args.n_test, kind=args.kind, max_squares=args.max_squares,
-        size=args.size, seed=args.seed,
+        size=args.size, seed=args.seed, square_side=args.square_side,
     )  # fmt: skip
     for split, path in paths.items():
         print(f"wrote {split}: {path}")

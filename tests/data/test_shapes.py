@@ -17,7 +17,7 @@ from posttrain.models.tokenizer import VISION_TOKENS, VL_CHAT_TEMPLATE, train_to
 from posttrain.models.vl import VLProcessor, make_image_processor
 
 
-def squares_in(img: Image.Image, side: int = 11) -> list[tuple[int, int, int]]:
+def squares_in(img: Image.Image, side: int = 28) -> list[tuple[int, int, int]]:
     """Colours at the centres of the grid cells that are not white."""
     a = np.asarray(img.convert("RGB"))
     cells = a.shape[0] // side
@@ -51,6 +51,27 @@ def test_images_match_the_answers_and_load_as_prompts(tmp_path, kind):
     assert len(ds) == 30
     assert ds[0][MULTI_MODAL_INPUTS]["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert ds[0]["input_ids"].count(processor.image_token_id) == 4
+
+
+def test_cells_follow_square_side_and_a_bad_side_is_refused(tmp_path):
+    """84-pixel images with 28-pixel cells: 9 cells (one per tiny-vl image token), up to 6 squares; 14-pixel
+    cells on 56 pixels: 16 cells. A side that fits no cell, or more squares than cells, is a DataError."""
+    for size, side, max_squares in ((84, 28, 6), (56, 14, 9)):
+        paths = write_shapes_dataset(
+            tmp_path / f"{size}-{side}", n_train=40, n_test=2, size=size, square_side=side,
+            max_squares=max_squares, seed=2,
+        )  # fmt: skip
+        counts = []
+        for row in pq.read_table(paths["train"]).to_pylist():
+            img = Image.open(io.BytesIO(row["images"][0]["bytes"]))
+            assert img.size == (size, size)
+            counts.append(len(squares_in(img, side)))
+            assert counts[-1] == int(row["reward_model"]["ground_truth"])
+        assert max(counts) > 4  # more squares than a 2x2 grid could hold
+    with pytest.raises(DataError, match="square_side=2"):
+        write_shapes_dataset(tmp_path / "bad", n_train=2, n_test=1, square_side=2)
+    with pytest.raises(DataError, match="do not fit"):
+        write_shapes_dataset(tmp_path / "full", n_train=20, n_test=1, max_squares=5)
 
 
 def test_same_seed_same_data_and_unknown_kind(tmp_path):
