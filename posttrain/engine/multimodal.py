@@ -3,10 +3,11 @@ that takes them.
 
 A multimodal Batch carries each row's images in the non-tensor column `multi_modal_inputs` (one dict per row:
 `pixel_values` (patches, features), `image_grid_thw` (images, 3)), so every row operation (chunk over ranks,
-micro-batch split, select) keeps a row's pixels with its tokens. Here a micro-batch's rows are concatenated in
-row order, the order in which the model's `masked_scatter` fills the image tokens. Multimodal position ids
-(M-RoPE) are not computed here: the model derives them from input_ids, `mm_token_type_ids` and image_grid_thw
-(transformers' `get_rope_index`), so they always match the model's own implementation.
+micro-batch split, select) keeps a row's pixels with its tokens. Here a micro-batch's padded rows are
+concatenated in row order, the order in which the model's `masked_scatter` fills the image tokens. Multimodal
+position ids (M-RoPE) are not computed here: the model derives them from input_ids, `mm_token_type_ids` and
+image_grid_thw (transformers' `get_rope_index`), so they always match the model's own implementation. Packed
+rows take their images and positions from engine.packed_images.
 Pure tensor code; no optimizer, no distributed logic.
 """
 
@@ -80,6 +81,21 @@ class WithImages(nn.Module):
         )
 
 
+def check_image_tokens(
+    model: nn.Module, mb: Batch, rows: Sequence[dict[str, torch.Tensor]], image_token_id: int
+) -> None:
+    """Each row's image tokens must number what its own grids give (one per merged patch): an image
+    separated from its row would otherwise feed another row's image tokens."""
+    merge = int(getattr(model.config.vision_config, "spatial_merge_size", 1)) ** 2
+    tokens = ((mb[keys.INPUT_IDS] == image_token_id) & mb[keys.ATTENTION_MASK].bool()).sum(1).tolist()
+    for r, (row, n_tokens) in enumerate(zip(rows, tokens, strict=True)):
+        expected = int(row["image_grid_thw"].prod(dim=-1).sum()) // merge if row else 0
+        if n_tokens != expected:
+            raise DataError(
+                f"row {r} of the micro-batch has {n_tokens} image tokens but its images give {expected}"
+            )
+
+
 def image_model(model: nn.Module, mb: Batch, image_token_id: int | None, device: torch.device) -> nn.Module:
     """`model` itself for a batch without images, else `model` bound to the batch's images (`WithImages`)."""
     rows = list(mb[MULTI_MODAL_INPUTS]) if MULTI_MODAL_INPUTS in mb else []
@@ -90,13 +106,6 @@ def image_model(model: nn.Module, mb: Batch, image_token_id: int | None, device:
         raise DataError(
             "the batch has images but the model has no image_token_id: not a vision-language model"
         )
-    merge = int(getattr(model.config.vision_config, "spatial_merge_size", 1)) ** 2
-    tokens = ((mb[keys.INPUT_IDS] == image_token_id) & mb[keys.ATTENTION_MASK].bool()).sum(1).tolist()
-    for r, (row, n_tokens) in enumerate(zip(rows, tokens, strict=True)):
-        expected = int(row["image_grid_thw"].prod(dim=-1).sum()) // merge if row else 0
-        if n_tokens != expected:  # an image separated from its row would feed another row's image tokens
-            raise DataError(
-                f"row {r} of the micro-batch has {n_tokens} image tokens but its images give {expected}"
-            )
+    check_image_tokens(model, mb, rows, image_token_id)
     pixel_values, grid = (t.to(device) for t in images)
     return WithImages(model, pixel_values, grid, image_token_id)

@@ -46,6 +46,7 @@ from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
 from posttrain.engine.moe import RouterAuxLoss, resolve_aux_loss_coef
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.multimodal import has_images, image_model
+from posttrain.engine.packed_images import packed_image_model, vision_attention_apart
 from posttrain.engine.packing import (
     PackingOptions,
     Routes,
@@ -181,6 +182,7 @@ class TrainEngine:
         model = load(config.model_path, dtype=DTYPES[config.dtype], attn_implementation=self._attention())
         if self._attention() == VARLEN:
             check_varlen_support(model)
+            vision_attention_apart(model)  # image patches attend both ways, within their image
         model.to(self.device)
         if config.head == "value":
             same_head_on_every_rank(model)  # a fresh head is drawn per rank; FSDP would shard a mix of them
@@ -328,9 +330,9 @@ class TrainEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows without images: packed or padded, lm or value head."""
         if keys.TARGET_TOKENS in mb:  # the explicit API: given targets, not the next input tokens
-            return self._target_log_probs(mb, temperature), None
+            return self._target_log_probs(mb, temperature, self._packed_vl_model(mb)), None
         if self.config.remove_padding:
-            return self._packed_log_probs(mb, temperature, with_entropy)
+            return self._packed_log_probs(mb, temperature, with_entropy, self._packed_vl_model(mb))
         if self.config.head == "value":
             width = mb[keys.RESPONSES].shape[1]
             ids, mask, pos = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.POSITION_IDS]
@@ -352,15 +354,16 @@ class TrainEngine:
     def _image_log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows with images, padded (not packed): the model gets the micro-batch's pixels and grids and
-        computes its multimodal position ids (M-RoPE) itself (engine.multimodal)."""
-        if self.config.remove_padding:
-            raise ConfigError(
-                "model.remove_padding=true cannot train on images: packed rows would need the model's "
-                "multimodal position ids per packed sequence; set model.remove_padding=false"
-            )
+        """Rows with images. Packed: each packed sequence with its own images and M-RoPE positions
+        (engine.packed_images). Padded: the model gets the micro-batch's pixels and grids and computes its
+        multimodal position ids (M-RoPE) itself (engine.multimodal)."""
         if self.config.head != "lm":
             raise ConfigError("images are supported in passes of the lm head only")
+        if self.config.remove_padding:
+            packed = self._packed_vl_model(mb)
+            if keys.TARGET_TOKENS in mb:
+                return self._target_log_probs(mb, temperature, packed), None
+            return self._packed_log_probs(mb, temperature, with_entropy, packed)
         model = image_model(self.model, mb, self.image_token_id, self.device)
         if keys.TARGET_TOKENS in mb:  # the explicit API's datums with image chunks
             return self._target_log_probs(mb, temperature, model), None
@@ -370,10 +373,32 @@ class TrainEngine:
             return response_log_probs(model, ids, mask, pos, width, temperature, with_entropy)
         return next_token_log_probs(model, ids, mask, pos), None
 
+    def _packed_vl_model(self, mb: Batch) -> torch.nn.Module | None:
+        """For packed rows of a vision-language model (lm head), the model bound to the micro-batch's packed
+        layout, images and M-RoPE positions (engine.packed_images), text-only micro-batches included: their
+        position ids then reach the model in the packed form from which eager attention builds its
+        block-diagonal mask. None for any other model."""
+        if self.image_token_id is None or self.config.head != "lm" or not self.config.remove_padding:
+            return None
+        if self.config.share_prompt:
+            raise ConfigError(
+                "model.share_prompt=true is not supported for a vision-language model: shared prompts are packed "
+                "without their images' multimodal positions; set model.share_prompt=false"
+            )
+        if self.sp is not None:
+            raise ConfigError(
+                "model.sequence_parallel_size > 1 is not supported for a vision-language model: set "
+                "model.sequence_parallel_size=1"
+            )
+        return packed_image_model(
+            self.model, mb, self.image_token_id, self.config.pack_row_tokens, self.device
+        )
+
     def _target_log_probs(
         self, mb: Batch, temperature: float, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
-        """Log-probs of the given targets; `model`: the model bound to the micro-batch's images (padded rows)."""
+        """Log-probs of the given targets; `model`: the model bound to the micro-batch's images (padded rows) or
+        to its packed layout (a vision-language model's packed rows)."""
         ids, mask, targets = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK], mb[keys.TARGET_TOKENS]
         if self.config.head != "lm":
             raise ConfigError("target log-probs need the lm head")
@@ -382,13 +407,13 @@ class TrainEngine:
             if keys.API_ADAPTER not in mb:
                 raise ConfigError(f"a routed pass needs each row's adapter ({keys.API_ADAPTER})")
             routes = Routes(mb[keys.API_ADAPTER], self.adapters.set_routes)
+        model = self.model if model is None else model
         if self.config.remove_padding:
             return packed_target_log_probs(
-                self.model, ids, mask, targets, self._packing_options(), temperature, routes
+                model, ids, mask, targets, self._packing_options(), temperature, routes
             )
         if routes is not None:
             routes.set_routes(routes.row_slots[:, None].expand_as(ids).reshape(-1), None)
-        model = self.model if model is None else model
         return target_log_probs(model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
 
     def _packing_options(self) -> PackingOptions:
@@ -412,18 +437,20 @@ class TrainEngine:
         return self.routing_replay.replaying(mb)
 
     def _packed_log_probs(
-        self, mb: Batch, temperature: float, with_entropy: bool
+        self, mb: Batch, temperature: float, with_entropy: bool, model: torch.nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed rows; `model`: the model bound to a vision-language micro-batch's packed layout."""
+        model = self.model if model is None else model
         ids, mask = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK]
         if keys.RESPONSES not in mb:
             rows = self.config.pack_row_tokens
             real_tokens = self.router_aux.real_tokens if self.router_aux is not None else None
-            return packed_next_token_log_probs(self.model, ids, mask, rows, self.sp, real_tokens), None
+            return packed_next_token_log_probs(model, ids, mask, rows, self.sp, real_tokens), None
         width = mb[keys.RESPONSES].shape[1]
         if self.config.head == "value":
-            return packed_response_values(self.model, ids, mask, width, self._packing_options()), None
+            return packed_response_values(model, ids, mask, width, self._packing_options()), None
         return packed_response_log_probs(
-            self.model,
+            model,
             ids,
             mask,
             response_width=width,

@@ -147,21 +147,16 @@ def check_context(cfg: RLConfig) -> None:
 
 
 def check_vision_language_model(model: ModelConfig) -> None:
-    """What training a vision-language model on image rows needs (SFT and RL): padded rows, one rank per row.
+    """What training a vision-language model on image rows needs (SFT and RL): one rank per row.
 
-    Packed rows would need the model's multimodal position ids (M-RoPE) per packed sequence, and sequence
-    parallelism splits packed rows; both are refused naming the key."""
-    if model.remove_padding:
-        raise ConfigError(
-            f"model.remove_padding=true is not supported for the vision-language model {model.path}: "
-            "packed rows would need the model's multimodal position ids per packed sequence; set "
-            "model.remove_padding=false (rows are then padded, images kept with their rows)"
-        )
+    Packed rows (`model.remove_padding=true`) and padded rows both work (engine.packed_images gives each packed
+    sequence its own images and multimodal positions); sequence parallelism, which splits a packed row's
+    columns over ranks, would separate image tokens from their images, and is refused naming the key."""
     if model.sequence_parallel_size > 1:
         raise ConfigError(
             f"model.sequence_parallel_size={model.sequence_parallel_size} is not supported for the "
-            f"vision-language model {model.path}: sequence parallelism splits packed rows, and image rows are "
-            "padded; set model.sequence_parallel_size=1"
+            f"vision-language model {model.path}: sequence parallelism splits packed rows over ranks, which "
+            "would separate image tokens from their images; set model.sequence_parallel_size=1"
         )
 
 
@@ -172,8 +167,8 @@ def check_rl_vision_language(cfg: RLConfig) -> None:
     check_vision_language_model(cfg.model)
     if cfg.model.share_prompt:
         raise ConfigError(
-            "model.share_prompt=true works on packed rows, which a vision-language model does not use: set "
-            "model.share_prompt=false (with model.remove_padding=false)"
+            "model.share_prompt=true is not supported for a vision-language model: shared prompts are packed "
+            "without their images' multimodal positions; set model.share_prompt=false"
         )
     refused = (
         (

@@ -1,6 +1,7 @@
 """Tests for posttrain/engine/multimodal.py and the train engine's image path (tiny Qwen2-VL, padded rows):
 images stay with their rows through micro-batching, the SFT loss equals a per-row computation with the model
-called as transformers documents it, and `vision_tower` freezes or trains the vision encoder."""
+called as transformers documents it, and `vision_tower` freezes or trains the vision encoder. Packed rows equal
+these padded ones: tests/engine/test_packed_images.py (which reuses this file's rows and engine)."""
 
 from __future__ import annotations
 
@@ -172,12 +173,6 @@ def test_masked_loss_and_gradients_equal_a_per_row_computation(vl_dir, batch):
     assert any(".visual." in f".{n}" for n in reference)  # make-model's from-scratch tower trains
     for name, grad in reference.items():
         torch.testing.assert_close(engine_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_images_refused_with_packing(vl_dir, batch):
-    eng = engine(vl_dir, remove_padding=True)
-    with pytest.raises(ConfigError, match="model.remove_padding=true"):
-        eng.compute_log_prob(batch)
 
 
 def visual_params(eng: TrainEngine) -> dict[str, torch.Tensor]:

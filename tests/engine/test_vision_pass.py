@@ -136,10 +136,10 @@ def test_text_pass_with_the_tower_is_exactly_the_text_pass(vl_dir, mixed, lora):
         assert visual and all(not g1[n].any() for n in visual)
 
 
-def spec(vl_dir: Path, lora: int, max_token_len: int) -> ActorRolloutRefSpec:
+def spec(vl_dir: Path, lora: int, max_token_len: int, remove_padding: bool = False) -> ActorRolloutRefSpec:
     engine = EngineConfig(
         model_path=str(vl_dir),
-        remove_padding=False,
+        remove_padding=remove_padding,
         share_prompt=False,
         micro_batch_size=1,
         max_token_len=max_token_len,
@@ -159,13 +159,14 @@ def step(group: RayWorkerGroup, batch: Batch) -> tuple[dict, torch.Tensor, torch
     return metrics, actor, ref
 
 
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
 def test_two_workers_with_text_only_micro_batches_equal_one_worker(
-    vl_dir, mixed, all_images, tmp_path, ray_cluster
+    vl_dir, mixed, all_images, tmp_path, ray_cluster, remove_padding
 ):
     """2 FSDP workers on Ray against 1, full weights (the from-scratch tower trains) and LoRA (tower frozen):
     mixed rows, rank 1 text only (2 micro-batches against rank 0's 2), then all-image rows where the token
     budget gives rank 0 one micro-batch and rank 1 two (split to two each). Same log-probs, loss, gradient
-    norm and weights after the steps."""
+    norm and weights after the steps; padded rows and packed rows (engine.packed_images)."""
     budget = lengths(mixed)[1]  # rank 0: two micro-batches; rank 1's text rows fit in one
     assert sum(lengths(mixed)[2:]) <= budget < sum(lengths(mixed)[:2])
     a = lengths(all_images)
@@ -176,7 +177,7 @@ def test_two_workers_with_text_only_micro_batches_equal_one_worker(
         for world in (1, 2):
             group = RayWorkerGroup(
                 ActorRolloutRefWorker,
-                spec(vl_dir, lora, budget),
+                spec(vl_dir, lora, budget, remove_padding),
                 world_size=world,
                 role="actor",
                 device="cpu",

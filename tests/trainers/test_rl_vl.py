@@ -38,7 +38,7 @@ from posttrain.trainers.updates import balance_across_workers
 from posttrain.workers.losses import LossSpec, build_loss
 from posttrain.workers.sampling import results_batch
 
-# what a vision-language policy needs in RL: padded rows (images stay with them), no shared-prompt packing
+# the RL tests' rows are padded (packed rows equal them: tests/engine/test_packed_images.py); no shared prompts
 PADDED = ["model.remove_padding=false", "model.share_prompt=false"]
 
 
@@ -168,14 +168,15 @@ def per_row_log_probs(model: torch.nn.Module, batch: Batch, image_id: int) -> to
     return out
 
 
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("split", ["micro_batch_size", "token_budget"])
 def test_images_stay_with_their_rows_through_the_update_split(
-    vl_dir: Path, rows_file: Path, tmp_path: Path, split: str
+    vl_dir: Path, rows_file: Path, tmp_path: Path, split: str, remove_padding: bool
 ) -> None:
     """The step's rows as the trainer builds them (prompts repeated for the n samples, responses appended, rows
     balanced over 2 workers), updated in 2 mini-batches of micro-batches of 2 rows (or of a token budget that
-    regroups rows): every mini-batch carries its rows' images, and the log-probs the update computes equal
-    a per-row HF computation (`rollout/logprob_diff_max`)."""
+    regroups rows), padded or packed: every mini-batch carries its rows' images, and the log-probs the update
+    computes equal a per-row HF computation (`rollout/logprob_diff_max`)."""
     trainer = RLTrainer(rl_config(vl_dir, rows_file, tmp_path, "actor.mini_batch_size=5"))
     prompts = trainer.loader.next_batch()
     rows = prompts.repeat(trainer.cfg.rollout.n, interleave=True)
@@ -197,7 +198,7 @@ def test_images_stay_with_their_rows_through_the_update_split(
     if split == "token_budget":
         budget = {"micro_batch_size": 64, "max_token_len": 2 * int(batch[keys.ATTENTION_MASK].sum(1).max())}
     engine = TrainEngine(
-        EngineConfig(model_path=str(vl_dir), remove_padding=False, share_prompt=False, **budget)
+        EngineConfig(model_path=str(vl_dir), remove_padding=remove_padding, share_prompt=False, **budget)
     )
     actor = EngineActor(engine)
     trainer.actor, trainer.rollout = actor, object()  # type: ignore[assignment]
@@ -218,8 +219,11 @@ def test_images_stay_with_their_rows_through_the_update_split(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ([], "model.remove_padding=true is not supported for the vision-language model"),
-        (["model.remove_padding=false"], "model.share_prompt=true works on packed rows"),
+        ([], "model.share_prompt=true is not supported for a vision-language model"),
+        (
+            ["model.remove_padding=false"],
+            "model.share_prompt=true is not supported for a vision-language model",
+        ),
         ([*PADDED, "model.sequence_parallel_size=2"], "model.sequence_parallel_size=2 is not supported"),
         ([*PADDED, "rollout.name=hf"], "rollout.name=hf cannot sample image prompts"),
         ([*PADDED, "algorithm=ppo"], "critic.enable=true: the critic's value head does not take images"),
@@ -235,6 +239,37 @@ def test_what_does_not_carry_images_is_refused(
     cfg = load_config(RLConfig, "rl", [f"model.path={vl_dir}", f"data.train_files=[{rows_file}]", *overrides])
     with pytest.raises(ConfigError, match=message):
         check_rl_config(cfg)
+
+
+def test_grpo_steps_on_packed_rows(vl_dir: Path, rows_file: Path, tmp_path: Path) -> None:
+    """`posttrain train` with packed rows (`model.remove_padding=true`, the default; shared prompts off), one
+    in-process worker: 2 GRPO steps on image prompts, the trainer's packed log-probs equal the sampler's."""
+    run = tmp_path / "run"
+    args = [
+        f"model.path={vl_dir}",
+        f"data.train_files=[{rows_file}]",
+        f"trainer.run_dir={run}",
+        "model.share_prompt=false",
+        "trainer.backend=local",
+        "trainer.threads_per_worker=1",
+        "trainer.total_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.val_every=0",
+        "trainer.plots=false",
+        "trainer.loggers=[jsonl]",
+        "data.train_batch_prompts=5",
+        "data.max_prompt_length=128",
+        "data.max_response_length=4",
+        "rollout.n=2",
+        "actor.micro_batch_size=4",
+    ]
+    assert main(["train", *args]) == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/logprob_diff_max"] < 1e-5
+        assert math.isfinite(r["actor/loss"]) and r["actor/skipped_nonfinite"] == 0
 
 
 # ---- end to end ---------------------------------------------------------------------------------------

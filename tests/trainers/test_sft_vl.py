@@ -1,13 +1,16 @@
 """`posttrain sft` on the shapes task's verl multimodal rows with the tiny-vl preset (FSDP2, one worker): the
-loss goes down, the result is a vision-language HF directory; LoRA on the language model; packing refused."""
+loss goes down, the result is a vision-language HF directory; LoRA on the language model; packed rows from the
+CLI; sequence parallelism refused."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from posttrain.cli import main
 from posttrain.config.load import load_config
 from posttrain.config.schema import SFTConfig
 from posttrain.data.tasks.shapes import corpus, write_shapes_dataset
@@ -31,24 +34,24 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_shapes_dataset(tmp_path_factory.mktemp("shapes"), n_train=256, n_test=32, seed=0)
 
 
+def sft_args(vl_dir: Path, shapes: dict, run_dir: Path) -> list[str]:
+    return [
+        f"model.path={vl_dir}",
+        f"data.train_files=[{shapes['train']}]",
+        f"data.val_files=[{shapes['test']}]",
+        f"trainer.run_dir={run_dir}",
+        "trainer.threads_per_worker=1",
+        "trainer.plots=false",
+        "trainer.loggers=[jsonl]",
+        "optim.batch_size=16",
+        "optim.micro_batch_size=8",
+        "optim.warmup_steps=3",
+    ]
+
+
 def sft_config(vl_dir: Path, shapes: dict, run_dir: Path, *extra: str) -> SFTConfig:
     return load_config(
-        SFTConfig,
-        "sft",
-        [
-            f"model.path={vl_dir}",
-            f"data.train_files=[{shapes['train']}]",
-            f"data.val_files=[{shapes['test']}]",
-            f"trainer.run_dir={run_dir}",
-            "model.remove_padding=false",
-            "trainer.threads_per_worker=1",
-            "trainer.plots=false",
-            "trainer.loggers=[jsonl]",
-            "optim.batch_size=16",
-            "optim.micro_batch_size=8",
-            "optim.warmup_steps=3",
-            *extra,
-        ],
+        SFTConfig, "sft", [*sft_args(vl_dir, shapes, run_dir), "model.remove_padding=false", *extra]
     )
 
 
@@ -79,8 +82,18 @@ def test_vl_sft_with_lora(vl_dir, shapes, tmp_path):
     assert is_vision_language(trainer.hf_dir) and (trainer.hf_dir / "preprocessor_config.json").is_file()
 
 
-def test_vl_sft_refuses_packing(vl_dir, shapes, tmp_path):
+def test_vl_sft_with_packed_rows(vl_dir, shapes, tmp_path):
+    """`posttrain sft` with packed rows (`model.remove_padding=true`): the images reach their tokens in the packed
+    rows (the engine's equality with padded rows: tests/engine/test_packed_images.py), and the run trains."""
+    args = [*sft_args(vl_dir, shapes, tmp_path), "model.remove_padding=true", "trainer.total_steps=2"]
+    assert main(["sft", *args]) == 0
+    loss = losses(tmp_path)
+    assert len(loss) == 2 and all(math.isfinite(x) for x in loss)
+    assert is_vision_language(tmp_path / "hf")
+
+
+def test_vl_sft_refuses_sequence_parallelism(vl_dir, shapes, tmp_path):
     with pytest.raises(
-        ConfigError, match="model.remove_padding=true is not supported for the vision-language"
+        ConfigError, match="model.sequence_parallel_size=2 is not supported for the vision-language"
     ):
-        SFTTrainer(sft_config(vl_dir, shapes, tmp_path, "model.remove_padding=true"))
+        SFTTrainer(sft_config(vl_dir, shapes, tmp_path, "model.sequence_parallel_size=2"))
