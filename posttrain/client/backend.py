@@ -42,7 +42,6 @@ from posttrain.controller.roles import ApiGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_worker import ApiLossSpec, ApiWorker, ApiWorkerSpec, ModelSpec
 
@@ -151,13 +150,11 @@ class Backend:
         return AwaitableConcurrentFuture(self.calls.submit(fn, model_id))
 
     def submit_pass(self, request: Pass) -> AwaitableConcurrentFuture[Any]:
-        """Queue a forward pass; a LoRA adapter's may share one pass with other adapters' waiting ones (on
-        several workers, requests with images only with requests with images: every worker's rows then hold
-        images, and every worker's pass runs the vision tower, as FSDP's collective gathers need)."""
+        """Queue a forward pass; a LoRA adapter's may share one pass with other adapters' waiting ones
+        (with or without images: a worker whose rows hold none still runs the vision tower, as FSDP's
+        collective gathers need, engine/vision_pass.py)."""
         lora = self.models[request.model_id].lora_rank > 0
         kind = request.verb if lora else f"{request.verb}:{request.model_id}"  # full weights: alone
-        if self.world_size > 1 and MULTI_MODAL_INPUTS in request.batch:
-            kind += ":images"
         tokens = int(request.batch[keys.ATTENTION_MASK].sum())
         return AwaitableConcurrentFuture(
             self.calls.submit_shared(SharedCall(kind, request.model_id, tokens, request))

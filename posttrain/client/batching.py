@@ -62,25 +62,15 @@ def datums_to_batch(
     Rows are sorted by their tokens, so datums with a common prefix (the n samples of one prompt) are
     neighbours and land on the same worker and micro-batch, where the engine runs the prefix once; `api_row`
     keeps each row's datum index (`forward_output` puts the results back in the caller's order).
-    With images, every pass of every worker must run the vision tower (FSDP gathers its blocks' weights
-    collectively): on several workers every datum must hold an image, and padding rows are copies of a
-    datum that count nothing.
+    Image and text-only datums mix freely, on any number of workers: a worker whose rows hold no image still
+    runs the vision tower, whose sharded weights the workers gather together (engine/vision_pass.py).
     """
     if inputs is None:
         inputs = [text_row(d.model_input, f"datum {i}") for i, d in enumerate(data)]
     with_images = any(row.images for row in inputs)
-    if with_images and multiple > 1 and not all(row.images for row in inputs):
-        missing = [i for i, row in enumerate(inputs) if not row.images]
-        raise ValueError(
-            f"datums {missing} hold no image: on a backend of {multiple} workers every datum of a request "
-            "with images must hold one (each worker's pass runs the vision tower, whose weights the workers "
-            "gather together); send image and text-only datums in separate requests"
-        )
     order = sorted(range(len(data)), key=lambda i: inputs[i].tokens)
     n_real = len(order)
-    extra = (-n_real) % multiple
-    # padding rows: one token long, or with images a copy of the last row; either way api_valid 0
-    sources = order + [order[-1]] * (extra if with_images else 0)
+    extra = (-n_real) % multiple  # padding rows: one token long, no image, api_valid 0
     width = max(len(inputs[i].tokens) for i in order)
     total = n_real + extra
     input_ids = torch.zeros(total, width, dtype=torch.long)
@@ -88,7 +78,7 @@ def datums_to_batch(
     targets = torch.zeros(total, width, dtype=torch.long)
     names = sorted({k for d in data for k in d.loss_fn_inputs} - {keys.TARGET_TOKENS})
     columns = {k: torch.zeros(total, width, dtype=torch.float32) for k in names}
-    for i, source in enumerate(sources):
+    for i, source in enumerate(order):
         tokens, datum = inputs[source].tokens, data[source]
         n = len(tokens)
         input_ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
@@ -97,9 +87,9 @@ def datums_to_batch(
         for k, value in datum.loss_fn_inputs.items():
             if k != keys.TARGET_TOKENS:
                 columns[k][i, :n] = value.to_torch().reshape(-1).float()
-    mask[len(sources) :, 0] = 1  # a one-token padding row weighs nothing (api_valid 0) ...
+    mask[n_real:, 0] = 1  # a one-token padding row weighs nothing (api_valid 0) ...
     for column in columns.values():
-        column[len(sources) :, 0] = 1.0  # ... with inputs any loss accepts (gspo: a non-empty ratio mask)
+        column[n_real:, 0] = 1.0  # ... with inputs any loss accepts (gspo: a non-empty ratio mask)
     tensors = {
         keys.INPUT_IDS: input_ids,
         keys.ATTENTION_MASK: mask,
@@ -111,7 +101,7 @@ def datums_to_batch(
     }
     if not with_images:
         return Batch.from_dict(tensors)
-    return Batch.from_dict(tensors, {MULTI_MODAL_INPUTS: [inputs[i].images for i in sources]})
+    return Batch.from_dict(tensors, {MULTI_MODAL_INPUTS: [inputs[i].images for i in order] + [{}] * extra})
 
 
 def loss_inputs(batch: Batch) -> tuple[str, ...]:

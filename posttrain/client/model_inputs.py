@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tinker import types
 
-from posttrain.data.images import ImageRef, load_image, open_image
+from posttrain.data.images import ImageRef, image_size, load_image, open_image
 from posttrain.data.mm_dataset import image_token_count, multi_modal_inputs, pixel_bounds
 from posttrain.errors import DataError, ModelError
 
@@ -153,6 +153,34 @@ class ModelInputReader:
                     f"{where}: {type(chunk).__name__} is not supported (token and image chunks are)"
                 )
         return InputRow(tokens, concat_images(images))
+
+    def length(self, model_input: types.ModelInput, what: str) -> int:
+        """The ModelInput's length without processing its images: an image chunk counts its `expected_tokens`,
+        or when that is unset (tinker calls it advisory) the tokens its size gives, read from the image's header
+        alone. What a server counts against its limits before the request is queued; `row` still checks every
+        image in full (its format, its pixels, the count)."""
+        length = 0
+        for j, chunk in enumerate(model_input.chunks):
+            where = f"{what}: chunk {j}"
+            if isinstance(chunk, types.EncodedTextChunk):
+                length += len(chunk.tokens)
+            elif isinstance(chunk, types.ImageChunk) and chunk.expected_tokens is not None:
+                length += chunk.expected_tokens
+            elif isinstance(chunk, types.ImageChunk):
+                self._image_token(model_input, what)  # a text-only model: the ValueError that names it
+                lo, hi = pixel_bounds(self._processor)
+                try:
+                    width, height = image_size(ImageRef(data=chunk.data), lo, hi, where)
+                except DataError as exc:
+                    raise ValueError(str(exc)) from None
+                length += image_token_count(self._processor, width, height)
+            elif isinstance(chunk, types.ImageAssetPointerChunk):
+                raise ValueError(pointer_refusal(chunk, where))
+            else:
+                raise ValueError(
+                    f"{where}: {type(chunk).__name__} is not supported (token and image chunks are)"
+                )
+        return length
 
     def _image_token(self, model_input: types.ModelInput, what: str) -> int:
         """The model's image token id; a text-only model given an image chunk is a ValueError naming it."""

@@ -74,6 +74,10 @@ class Adapters:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self._lock = threading.Lock()
+        # Requests start here, never on the event loop: starting a forward_backward processes its image
+        # chunks (Pillow decoding, the image processor), which would stall every tenant's requests. One
+        # thread, first in first out, so a model's requests reach the backend in the order they start.
+        self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-serve-start")
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def add(
@@ -110,7 +114,8 @@ class Adapters:
     def run(
         self, model: TrainingModel, start: Callable[[TrainingClient], Any]
     ) -> concurrent.futures.Future[Any]:
-        """`start(client)` once the model's adapter is loaded (loading it again if released); its future."""
+        """`start(client)` once the model's adapter is loaded (loading it again if released), on the starter
+        thread (see __init__); its future."""
         gate = self._acquire(model)
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
@@ -118,7 +123,7 @@ class Adapters:
             if ready.exception() is not None:
                 out.set_exception(ready.exception())
             else:
-                chain(lambda: start(ready.result()), out)
+                self._starter.submit(chain, lambda: start(ready.result()), out)
 
         out.add_done_callback(lambda _: self._done(model))
         gate.add_done_callback(go)

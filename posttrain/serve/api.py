@@ -3,12 +3,16 @@ request model, the request id handed out, and a training model's requests run in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pydantic
 from fastapi import HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+from tinker import types
 
+from posttrain.client.model_inputs import ModelInputReader
 from posttrain.client.training import TrainingClient
 from posttrain.serve.adapters import TrainingModel
 from posttrain.serve.futures import Encoder
@@ -20,6 +24,16 @@ MAX_SEQ_ID = 2**62  # seq_ids are journaled as SQLite integers
 
 def as_json(model: Any) -> dict[str, Any]:
     return model.model_dump(mode="json", exclude_none=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _reader(base_dir: str) -> ModelInputReader:
+    """One reader per served model, so its image processor is loaded once."""
+    return ModelInputReader(base_dir)
+
+
+def _unsized_image(model_input: Any) -> bool:
+    return any(isinstance(c, types.ImageChunk) and c.expected_tokens is None for c in model_input.chunks)
 
 
 class Api:
@@ -47,6 +61,24 @@ class Api:
             return int(model_input.length)
         except ValueError as exc:
             raise HTTPException(400, f"model_input: {exc}") from None
+
+    def base_dir(self, base_name: str) -> str:
+        """The directory of a model's or sampler's base model (the first served one for a name it lacks: a
+        model loaded from a checkpoint whose base is not found by name)."""
+        return self.state.served.get(base_name) or next(iter(self.state.served.values()))
+
+    async def input_tokens(self, inputs: Mapping[str, Any], base_dir: str) -> int:
+        """Tokens in these ModelInputs (keyed by the name errors give them). An image chunk without
+        expected_tokens (tinker calls it advisory, and its SDK sends none unless told) counts the tokens its
+        size gives for the model in `base_dir`, read from the image's header in a worker thread, off the
+        event loop; an input that cannot be counted is a 400 naming it."""
+        if not any(_unsized_image(m) for m in inputs.values()):
+            return sum(self.length(m) for m in inputs.values())
+        reader = _reader(base_dir)
+        try:
+            return await run_in_threadpool(lambda: sum(reader.length(m, k) for k, m in inputs.items()))
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
 
     def tokens(self, tenant: str, tokens: int) -> None:
         """A request's tokens against tokens_per_request (413) and the tenant's tokens_per_second (429)."""

@@ -1,11 +1,13 @@
 """The sampling endpoints of `posttrain serve`: sampling sessions (on a base model or on a tenant's own
-sampler weights) and `asample`, whose result is protobuf. Sampling sessions live in memory only."""
+sampler weights) and `asample`, whose result is protobuf. Sampling sessions live in memory only. A sample's
+prompt (its image chunks decoded and processed) is read in a worker thread, off the event loop."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from posttrain.serve.api import Api, as_json
@@ -58,17 +60,20 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         }  # fmt: skip
         named = [k for k, v in unsupported.items() if v]
         # every sample counts at least one token, so num_samples is bounded by tokens_per_request too
-        api.tokens(
-            tenant, api.length(body.prompt) + body.num_samples * max(1, body.sampling_params.max_tokens or 1)
-        )
-        future: Any
-        try:
+        prompt_tokens = await api.input_tokens({"prompt": body.prompt}, api.base_dir(sampler.base_name))
+        api.tokens(tenant, prompt_tokens + body.num_samples * max(1, body.sampling_params.max_tokens or 1))
+
+        def start() -> Any:
             if named:
                 raise ValueError(f"sample options not supported here: {', '.join(named)}")
-            future = sampler.client.sample(
+            return sampler.client.sample(
                 body.prompt, body.num_samples, body.sampling_params,
                 include_prompt_logprobs=bool(body.prompt_logprobs), topk_prompt_logprobs=body.topk_prompt_logprobs,
             )  # fmt: skip
+
+        future: Any
+        try:  # in a worker thread: `sample` processes the prompt's image chunks, which would stall the loop
+            future = await run_in_threadpool(start)
         except Exception as exc:  # noqa: BLE001 - a request the sampler refuses is that request's error
             future = failed(exc)
         answer = api.submitted(tenant, "sample", future, encode_sample_response)

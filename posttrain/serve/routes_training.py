@@ -1,6 +1,7 @@
 """The training endpoints of `posttrain serve`: create_model, get_info, forward(_backward), optim_step,
 save_weights, save_weights_for_sampler, load_weights. Each training model's requests run in seq_id order
-on its adapter (loaded again first if it was released: adapters.py)."""
+on its adapter (loaded again first if it was released: adapters.py), started off the event loop (a
+forward_backward's image chunks are processed when it starts)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         tenant = await api.tenant(request)
         body = await api.body(request, types.GetInfoRequest)
         model = state.model(body.model_id, tenant)
-        base_dir = state.served.get(model.base_name) or next(iter(state.served.values()))
+        base_dir = api.base_dir(model.base_name)
         data = types.ModelData(arch=_arch(base_dir), model_name=model.base_name, tokenizer_id=base_dir)
         info = types.GetInfoResponse(
             model_data=data, model_id=model.model_id, is_lora=True, lora_rank=model.lora.get("rank"),
@@ -81,7 +82,8 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         except WireError as exc:
             raise HTTPException(400, str(exc)) from None
         model = state.model(call.model_id, tenant)
-        api.tokens(tenant, sum(api.length(d.model_input) for d in call.data))
+        inputs = {f"datum {i}": d.model_input for i, d in enumerate(call.data)}
+        api.tokens(tenant, await api.input_tokens(inputs, api.base_dir(model.base_name)))
 
         def start(client: TrainingClient) -> Any:
             verb = client.forward if call.forward_only else client.forward_backward

@@ -291,8 +291,9 @@ def test_two_ray_workers_give_the_local_log_probs_and_train(
     service, vl_dir: Path, tmp_path: Path, ray_cluster: None
 ) -> None:
     """On 2 Ray workers (FSDP: each rank's vision blocks are gathered collectively, so every rank's passes
-    must run the vision tower): one image datum (the other rank gets a copy that counts nothing) and three,
-    the local backend's log-probs, and a training step."""
+    run the vision tower): one image datum (the other rank gets a padding row that counts nothing) and three,
+    the local backend's log-probs, and a training step; then a request mixing image and text-only datums,
+    one worker's rows text only, trains as on the local backend."""
     fresh = service.create_lora_training_client(str(vl_dir), rank=4, seed=0)  # untrained, as on Ray
     tok = fresh.get_tokenizer()
     data = [sft_datum(tok, image_bytes(c), 4) for c in ("red", "blue", "green")]
@@ -308,10 +309,60 @@ def test_two_ray_workers_give_the_local_log_probs_and_train(
             float(-(local[0] * data[0].loss_fn_inputs["weights"].to_torch()).sum()), rel=1e-5
         )
         assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
-        ids = encode(tok, "How many squares?")
-        text = types.Datum(
-            model_input=types.ModelInput.from_ints(ids),
-            loss_fn_inputs={"target_tokens": [0] * len(ids), "weights": [0.0] * len(ids)},
-        )
-        with pytest.raises(ValueError, match="every datum of a request with images"):
-            tc.forward([data[0], text], "cross_entropy")
+        check_mixed_request(service, ray, vl_dir, data[:2], lora=True)
+    # full weights: the from-scratch tower trains, so its backward's gradient collectives must pair up too
+    # (a full-weight client has its backend to itself)
+    with (
+        tinker.ServiceClient(backend="local", root_dir=tmp_path / "full_local", seed=0) as local_full,
+        tinker.ServiceClient(
+            backend="ray", n_workers=2, root_dir=tmp_path / "full_ray", device="cpu"
+        ) as ray_full,
+    ):
+        check_mixed_request(local_full, ray_full, vl_dir, data[:2], lora=False)
+
+
+def text_datum(tokenizer, text: str) -> types.Datum:  # noqa: ANN001
+    """A text-only datum whose every next token carries loss."""
+    ids = encode(tokenizer, text)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+
+
+def check_mixed_request(
+    local: tinker.ServiceClient,
+    ray: tinker.ServiceClient,
+    vl_dir: Path,
+    images: list[types.Datum],
+    lora: bool,
+) -> None:
+    """Image and text-only datums in one request (before: refused on several workers): its rows split so that
+    one worker's are text only (that worker runs the vision tower on a blank image, engine/vision_pass.py);
+    forward_backward, a step and forward give the local backend's loss, gradient norm and log-probs. `lora`:
+    LoRA clients (frozen tower), else full-weight clients (the tower trains)."""
+    clients = [
+        c.create_lora_training_client(str(vl_dir), rank=4, seed=0)
+        if lora
+        else c.create_training_client(str(vl_dir), seed=0)
+        for c in (local, ray)
+    ]
+    tok = clients[0].get_tokenizer()
+    texts = [text_datum(tok, t) for t in ("How many squares? 2", "How many squares are there? 3")]
+    mixed = [images[0], texts[0], images[1], texts[1]]
+    batch = datums_to_batch(mixed, 2, ModelInputReader(vl_dir).rows([d.model_input for d in mixed]))
+    halves = [[bool(row) for row in part[MULTI_MODAL_INPUTS]] for part in batch.chunk(2)]
+    assert sorted(halves) == [[False, False], [True, True]]  # one worker's rows hold no image
+    results = []
+    for client in clients:
+        fb = client.forward_backward(mixed, "cross_entropy").result()
+        step = client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after = client.forward(mixed, "cross_entropy").result()
+        results.append((fb, step.metrics["grad_norm:mean"], after))
+    (fb1, norm1, after1), (fb2, norm2, after2) = results
+    for out1, out2 in ((fb1, fb2), (after1, after2)):
+        for a, b in zip(logprobs(out2), logprobs(out1), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"lora={lora}")
+        assert out2.metrics["loss:sum"] == pytest.approx(out1.metrics["loss:sum"], rel=1e-5), lora
+    assert norm2 == pytest.approx(norm1, rel=1e-5) and norm1 > 0, lora
+    assert after2.metrics["loss:sum"] < fb2.metrics["loss:sum"]
