@@ -33,6 +33,15 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-vl preset (Qwen2-VL, ~0.7M parameters) with a tokenizer trained on the shapes task."""
+    from posttrain.data.tasks.shapes import corpus
+    from posttrain.models import make_tiny_model
+
+    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("models") / "tiny-vl", corpus(2000), seed=0)
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from posttrain.data.tasks.arithmetic import write_arithmetic_dataset
 

@@ -10,6 +10,10 @@ One wave is sampled with its largest token budget; a request with a smaller budg
 `max_tokens` tokens of its completion, which is exactly a sample with that budget (generation is
 autoregressive, so a prefix does not depend on how long sampling would have gone on), and is marked
 `length` when cut.
+
+Observations with images are read by the sampler's `ObservationReader` (the loop's, so each image is
+processed once) and each request carries its images to the generator, which puts them in the sampled
+Batch's `multi_modal_inputs` column.
 """
 
 from __future__ import annotations
@@ -17,20 +21,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
+import torch
 from tinker import types
 
-from posttrain.agents.types import Completion
+from posttrain.agents.observations import ObservationReader
+from posttrain.agents.types import Completion, Observation
+from posttrain.client.model_inputs import InputRow
 from posttrain.errors import ConfigError
 
-# (prompts, max_tokens, stop token ids) -> one completion per prompt; blocking (it runs in a thread)
-GenerateFn = Callable[[list[list[int]], int, list[int]], list[Completion]]
+# (prompts, their images ({} for none), max_tokens, stop token ids) -> one completion per prompt; blocking
+# (it runs in a thread)
+GenerateFn = Callable[[list[list[int]], list[dict[str, torch.Tensor]], int, list[int]], list[Completion]]
 
 
 @dataclass
 class _Request:
     prompt: list[int]
+    images: dict[str, torch.Tensor]
     max_tokens: int
     stop: tuple[int, ...]
     future: asyncio.Future[Completion]
@@ -42,14 +52,16 @@ class WaveSampler:
 
     generate: GenerateFn
     settle_s: float = 0.002  # how long a wave waits for requests that are about to arrive
+    reader: ObservationReader = field(default_factory=ObservationReader)
     waves: int = 0
     requests: int = 0
     _pending: list[_Request] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
 
-    async def sample(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Completion:
+    async def sample(self, prompt: Observation, max_tokens: int, stop: list[int]) -> Completion:
+        row = self.reader.row(prompt, "prompt")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt), max_tokens, tuple(stop), future))
+        self._pending.append(_Request(list(row.tokens), row.images, max_tokens, tuple(stop), future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.ensure_future(self._drain())
         return await future
@@ -70,7 +82,7 @@ class WaveSampler:
         self.requests += len(requests)
         try:
             completions = await asyncio.to_thread(
-                self.generate, [r.prompt for r in requests], budget, list(stop)
+                self.generate, [r.prompt for r in requests], [r.images for r in requests], budget, list(stop)
             )
             if len(completions) != len(requests):
                 raise RuntimeError(
@@ -104,6 +116,7 @@ class BatchedSamplingClient:
     asking for other ones, for a seed, or for stop strings is refused rather than silently sampled with
     the trainer's. Stop token ids and `max_tokens` are per call."""
 
+    accepts_input_rows: ClassVar[bool] = True  # an observation already read (InputRow) is a valid prompt
     waves: WaveSampler
     temperature: float
     top_p: float
@@ -132,14 +145,20 @@ class BatchedSamplingClient:
         return list(stop)
 
     async def sample_async(
-        self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams, **_: object
+        self,
+        prompt: types.ModelInput | InputRow,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        **_: object,
     ) -> types.SampleResponse:
+        """`num_samples` completions of `prompt` (its ImageChunks processed by the waves' reader; an InputRow,
+        already read, is taken too)."""
         stop = self._check(sampling_params)
         if sampling_params.max_tokens is None:
             raise ConfigError("sampling_params.max_tokens is required")
-        tokens = prompt.to_ints()
+        row = self.waves.reader.row(prompt, "prompt")
         completions = await asyncio.gather(
-            *(self.waves.sample(tokens, sampling_params.max_tokens, stop) for _ in range(num_samples))
+            *(self.waves.sample(row, sampling_params.max_tokens, stop) for _ in range(num_samples))
         )
         self._calls += 1
         return types.SampleResponse(
@@ -155,7 +174,11 @@ class BatchedSamplingClient:
         )
 
     def sample(
-        self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams, **kw: object
+        self,
+        prompt: types.ModelInput | InputRow,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        **kw: object,
     ) -> asyncio.Task[types.SampleResponse]:
         """Awaitable result (call from the agent loop's event loop)."""
         return asyncio.ensure_future(self.sample_async(prompt, num_samples, sampling_params, **kw))

@@ -41,6 +41,11 @@ class ChatRenderer:
     def after_assistant(self, history: list[Message], new: list[Message]) -> list[int]:
         """The tokens that follow the end-of-turn token of `history`'s last (assistant) message when `new`
         messages (tool responses, a user turn) come next, up to the next assistant header."""
+        return self.encode(self.suffix_text(history, new))
+
+    def suffix_text(self, history: list[Message], new: list[Message]) -> str:
+        """The text of `after_assistant` (an image part of `new` renders as the template's image token: see
+        observations.chat_model_input)."""
         if not history or history[-1].get("role") != "assistant":
             raise PosttrainError("after_assistant: the history must end with the assistant's turn")
         before = self.render(history, generation_prompt=False)
@@ -58,4 +63,4 @@ class ChatRenderer:
                 "observation cannot extend the sampled tokens (a template that rewrites history, e.g. one "
                 "that drops earlier reasoning, needs an environment that starts a new sequence)"
             )
-        return self.encode(after[cut:])
+        return after[cut:]

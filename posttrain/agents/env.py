@@ -1,12 +1,13 @@
 """Environments: what an agent acts in, one episode each, and the groups GRPO compares.
 
-    ob = await env.initial_observation()            # token ids: the first context
+    ob = await env.initial_observation()            # the first context: token ids (or with images)
     result = await env.step(action_tokens)         # reward, done, the next context, why it stopped
 
 A single-turn task is the degenerate case: one `step` that scores the answer and says done
 (`SingleTurnEnv`), so the trainer has one code path for both. A group builder makes the `n` environments of
 one task (a GRPO group: the same prompt, independent episodes) and may score the finished group together
-(`group_rewards`, e.g. a pairwise judge or a bonus shared by the group).
+(`group_rewards`, e.g. a pairwise judge or a bonus shared by the group). An observation may show the model
+images (`types.Observation`: a ModelInput with ImageChunks, or a read InputRow); `image_env.py` is an example.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from posttrain.agents.types import StepResult, Trajectory
+from posttrain.agents.types import Observation, StepResult, Trajectory
 
 # (response text, ground truth) -> reward
 Scorer = Callable[[str, str], float]
@@ -24,7 +25,7 @@ Scorer = Callable[[str, str], float]
 class Env(Protocol):
     """One episode. `step` may run tools (async: other episodes generate meanwhile)."""
 
-    async def initial_observation(self) -> list[int]: ...
+    async def initial_observation(self) -> Observation: ...
 
     async def step(self, action: list[int]) -> StepResult: ...
 
@@ -45,16 +46,17 @@ class EnvGroupBuilder(Protocol):
 
 @dataclass
 class SingleTurnEnv:
-    """A prompt, one answer, a scorer: today's RL task as an episode of one step."""
+    """A prompt, one answer, a scorer: today's RL task as an episode of one step (the prompt may carry
+    images: a multimodal dataset row's InputRow)."""
 
-    prompt: list[int]
+    prompt: Observation
     decode: Callable[[list[int]], str]
     scorer: Scorer
     ground_truth: str
     eos_ids: tuple[int, ...] = ()
 
-    async def initial_observation(self) -> list[int]:
-        return list(self.prompt)
+    async def initial_observation(self) -> Observation:
+        return list(self.prompt) if isinstance(self.prompt, list) else self.prompt
 
     async def step(self, action: list[int]) -> StepResult:
         reward = float(self.scorer(self.decode(action), self.ground_truth))
@@ -68,7 +70,7 @@ class SingleTurnEnv:
 class SingleTurnGroup:
     """`n` copies of one single-turn task; no group reward."""
 
-    prompt: list[int]
+    prompt: Observation
     decode: Callable[[list[int]], str]
     scorer: Scorer
     ground_truth: str

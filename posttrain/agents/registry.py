@@ -3,7 +3,8 @@
 A row is verl's: `prompt` (chat messages), `data_source`, `reward_model.ground_truth`, `extra_info` (with
 `tools_kwargs`, the per-row arguments of each tool, passed to the tools of that row's episodes) and
 optionally `agent_name`; without one, `single_turn`. A factory turns a row into the group builder of its
-`n` episodes.
+`n` episodes. A multimodal dataset row (a vision-language model's) also holds its `input_ids` (image tokens
+expanded) and `multi_modal_inputs` (the processed images): `row_observation` is its prompt with its images.
 
     @register_agent("my_agent")
     def my_agent(row: dict, setup: AgentSetup) -> EnvGroupBuilder: ...
@@ -17,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from posttrain.agents.chat_render import ChatRenderer
 from posttrain.agents.env import EnvGroupBuilder, Scorer, SingleTurnGroup
+from posttrain.agents.types import Observation
+from posttrain.client.model_inputs import InputRow
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.errors import ConfigError, DataError
 from posttrain.rewards import default_compute_score
 
@@ -91,14 +95,33 @@ def chat_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def dataset_row(item: Mapping[str, Any]) -> dict[str, Any]:
-    """A PromptDataset item (posttrain/data/dataset.py) as verl's row, what the factories read."""
-    return {
+    """A PromptDataset item (posttrain/data/dataset.py) as verl's row, what the factories read; a
+    MultimodalPromptDataset item's row keeps its `input_ids` and `multi_modal_inputs`."""
+    row = {
         "prompt": item["messages"],
         "agent_name": item.get("agent_name"),
         "data_source": item["data_source"],
         "reward_model": {"ground_truth": item["ground_truth"]},
         "extra_info": item["extra_info"],
     }
+    if item.get(MULTI_MODAL_INPUTS):
+        row["input_ids"], row[MULTI_MODAL_INPUTS] = list(item["input_ids"]), item[MULTI_MODAL_INPUTS]
+    return row
+
+
+def row_images(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The row's processed images ({} for a row without images)."""
+    return dict(row.get(MULTI_MODAL_INPUTS) or {})
+
+
+def row_observation(row: Mapping[str, Any], tokenizer: Any) -> Observation:
+    """The row's chat up to the assistant's header: with images, the dataset's own prompt (its image tokens
+    expanded as the dataset counted them) and images, so an episode samples what single-turn RL would."""
+    images = row_images(row)
+    if images:
+        return InputRow([int(t) for t in row["input_ids"]], images)
+    text = tokenizer.apply_chat_template(chat_messages(row), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def group_builder(row: Mapping[str, Any], setup: AgentSetup, index: int = 0) -> EnvGroupBuilder:
@@ -116,13 +139,12 @@ def group_builder(row: Mapping[str, Any], setup: AgentSetup, index: int = 0) -> 
 
 @register_agent(DEFAULT_AGENT)
 def single_turn(row: Mapping[str, Any], setup: AgentSetup) -> EnvGroupBuilder:
-    """One answer per episode, scored by the row's data_source scorer."""
+    """One answer per episode, scored by the row's data_source scorer (a row with images: sampled with them)."""
     tok = setup.tokenizer
-    text = tok.apply_chat_template(chat_messages(row), add_generation_prompt=True, tokenize=False)
-    prompt = list(tok.encode(text, add_special_tokens=False))
+    prompt = row_observation(row, tok)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     return SingleTurnGroup(prompt, decode, setup.row_scorer(row), ground_truth(row), (tok.eos_token_id,))
 
 
 # agents defined in their own modules register on import (after this module's names exist)
-from posttrain.agents import tool_env  # noqa: E402, F401
+from posttrain.agents import image_env, tool_env  # noqa: E402, F401

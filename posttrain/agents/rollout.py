@@ -8,6 +8,10 @@ sampler batches the requests that wait together (a `SamplingClient` generates al
 one batch). Limits end an episode with a recorded reason: `max_turns`, `context_overflow` (no room left for
 another action within `max_total_tokens`), `max_tokens` (an action hit its token budget without ending
 its turn). The environment reports its own (tool timeouts, parse errors, too many tool calls).
+
+Observations may carry images (`types.Observation`); the loop reads each one with an `ObservationReader`
+(the model's processor: each image becomes its image tokens) to count its tokens against the limits and to
+record the tokens and images sampled from, and hands the sampler the observation as the environment gave it.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from posttrain.agents.env import Env, EnvGroupBuilder
-from posttrain.agents.types import STOP_REASONS, Completion, StepResult, Trajectory, Transition
+from posttrain.agents.observations import ObservationReader
+from posttrain.agents.types import STOP_REASONS, Completion, Observation, StepResult, Trajectory, Transition
 from posttrain.errors import ConfigError, PosttrainError
 
 
 class TokenSampler(Protocol):
-    """Samples one action: `max_tokens` at most, ending at an end-of-sequence id or one of `stop`."""
+    """Samples one action: `max_tokens` at most, ending at an end-of-sequence id or one of `stop`. The prompt
+    is the observation as the environment gave it (token ids for a text environment)."""
 
-    async def sample(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Completion: ...
+    async def sample(self, prompt: Observation, max_tokens: int, stop: list[int]) -> Completion: ...
 
 
 @dataclass(frozen=True)
@@ -53,15 +59,22 @@ class EpisodeTimes:
 
 
 async def run_episode(
-    env: Env, sampler: TokenSampler, limits: EpisodeLimits, times: EpisodeTimes | None = None
+    env: Env,
+    sampler: TokenSampler,
+    limits: EpisodeLimits,
+    times: EpisodeTimes | None = None,
+    reader: ObservationReader | None = None,
 ) -> Trajectory:
-    """One episode to its end (the environment's `done` or a limit)."""
+    """One episode to its end (the environment's `done` or a limit). `reader` reads observations with images
+    (None: text observations only)."""
     times = times if times is not None else EpisodeTimes()
+    reader = reader if reader is not None else ObservationReader()
     observation = await env.initial_observation()
     transitions: list[Transition] = []
     stop = env.stop_tokens()
     for turn in range(limits.max_turns):
-        room = limits.max_total_tokens - len(observation)
+        row = reader.row(observation, f"observation {turn}")
+        room = limits.max_total_tokens - len(row.tokens)
         if room < 1:
             return Trajectory(transitions, "context_overflow")
         start = time.perf_counter()
@@ -73,7 +86,7 @@ async def run_episode(
         except Exception as exc:
             raise PosttrainError(f"environment step {turn} failed: {type(exc).__name__}: {exc}") from exc
         times.env += time.perf_counter() - start
-        transitions.append(Transition(observation, action, result.reward, result.metrics))
+        transitions.append(Transition(row.tokens, action, result.reward, result.metrics, row.images))
         if result.done:
             return Trajectory(transitions, result.stop_reason)
         if action.stop_reason == "length":
@@ -83,11 +96,18 @@ async def run_episode(
 
 
 async def run_group(
-    builder: EnvGroupBuilder, n: int, sampler: TokenSampler, limits: EpisodeLimits, times: EpisodeTimes
+    builder: EnvGroupBuilder,
+    n: int,
+    sampler: TokenSampler,
+    limits: EpisodeLimits,
+    times: EpisodeTimes,
+    reader: ObservationReader | None = None,
 ) -> list[Trajectory]:
     """The `n` episodes of one task, concurrently; then the group's reward hook."""
     trajectories = list(
-        await asyncio.gather(*(run_episode(env, sampler, limits, times) for env in builder.make_envs(n)))
+        await asyncio.gather(
+            *(run_episode(env, sampler, limits, times, reader) for env in builder.make_envs(n))
+        )
     )
     rewards = builder.group_rewards(trajectories)
     if len(rewards) != len(trajectories):
@@ -100,12 +120,17 @@ async def run_group(
 
 
 async def run_groups(
-    builders: Sequence[EnvGroupBuilder], n: int, sampler: TokenSampler, limits: EpisodeLimits
+    builders: Sequence[EnvGroupBuilder],
+    n: int,
+    sampler: TokenSampler,
+    limits: EpisodeLimits,
+    reader: ObservationReader | None = None,
 ) -> tuple[list[list[Trajectory]], dict[str, float]]:
-    """Every group's episodes at once; the groups and the step's agent metrics."""
+    """Every group's episodes at once; the groups and the step's agent metrics. `reader`: as `run_episode`'s
+    (the sampler's own, so that each image is processed once)."""
     times = EpisodeTimes()
     start = time.perf_counter()
-    groups = list(await asyncio.gather(*(run_group(b, n, sampler, limits, times) for b in builders)))
+    groups = list(await asyncio.gather(*(run_group(b, n, sampler, limits, times, reader) for b in builders)))
     wall = time.perf_counter() - start
     return groups, agent_metrics(groups, times, wall)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from posttrain.agents.chat_render import ChatRenderer, Message
 from posttrain.agents.env import Env, Scorer
-from posttrain.agents.registry import AgentSetup, chat_messages, ground_truth, register_agent
+from posttrain.agents.registry import AgentSetup, chat_messages, ground_truth, register_agent, row_images
 from posttrain.agents.tools import ToolCall, ToolCallParser, ToolOutput, ToolRunner
 from posttrain.agents.types import StepResult, StopReason, Trajectory
 from posttrain.errors import ConfigError, DataError
@@ -172,6 +172,11 @@ def tool_agent(row: Mapping[str, Any], setup: AgentSetup) -> ToolChatGroup:
     if setup.tool_runner is None or setup.tool_parser is None:
         raise ConfigError(
             f"agent_name {TOOL_AGENT!r} needs tools: set agent.tools (or agent.tool_config_path)"
+        )
+    if row_images(row):
+        raise DataError(
+            f"agent_name {TOOL_AGENT!r} does not take rows with images yet (its prompt is rendered with the "
+            "tool schemas); use single_turn or an environment whose observations carry the images"
         )
     info = row.get("extra_info") or {}
     tools_kwargs = info.get("tools_kwargs") or {} if isinstance(info, Mapping) else {}

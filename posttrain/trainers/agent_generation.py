@@ -8,6 +8,12 @@ Each finished episode becomes one training row with exactly the sampled ids: `re
 model's tokens, 0 on tool responses and template headers (agents/training_data.py). Its reward (the
 episode's, with the final answer's score and the tool-use bonus) sits on its last model token, so every
 outcome-based advantage estimator (GRPO, RLOO, REINFORCE++, ...) works unchanged.
+
+With a vision-language model, observations may show images (a multimodal row's prompt, an environment's
+ModelInput with ImageChunks, in the first or a later turn): the run's `ObservationReader` reads each one with
+the model's own processor, once; each wave's requests carry their images to the rollout group in the
+`multi_modal_inputs` column (rollout.name=native), and each training row carries its episode's images, in
+order, in the same column, so the actor's and the reference's passes see the tokens and images sampled.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from tinker import types
 
 from posttrain.agents.batching import BatchedSamplingClient, WaveSampler
+from posttrain.agents.observations import ObservationReader
 from posttrain.agents.registry import AgentSetup, dataset_row, group_builder
 from posttrain.agents.rollout import EpisodeLimits, run_groups
 from posttrain.agents.samplers import ClientSampler
@@ -36,7 +43,9 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import IndexedDataset
 from posttrain.data.dataset import position_ids_from_mask
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.errors import ConfigError
+from posttrain.models import is_vision_language
 from posttrain.rewards.manager import RewardResult
 from posttrain.rollout.base import SamplingParams
 from posttrain.trainers.rewarding import RewardStage
@@ -102,6 +111,9 @@ class AgentStage:
             max_tokens_per_turn=cfg.data.max_response_length,
             max_total_tokens=agent.max_total_tokens,
         )
+        # observations with images, read with the model's processor; a text model refuses image chunks
+        self.reader = ObservationReader(cfg.model.path)
+        self.images = is_vision_language(cfg.model.path)  # rows carry `multi_modal_inputs` (maybe {})
         self.loop = asyncio.new_event_loop()  # one loop for the run: the tool pool's semaphore lives in it
         self._results: list[RewardResult] = []
 
@@ -132,10 +144,12 @@ class AgentStage:
         rollout: Rollout,
         sampling: SamplingParams,
         prompts: list[list[int]],
+        images: list[dict[str, torch.Tensor]],
         max_tokens: int,
         stop: list[int],
     ) -> list[Completion]:
-        """One wave: every waiting prompt in one `sample` call (rows padded to a multiple of the world size)."""
+        """One wave: every waiting prompt in one `sample` call (rows padded to a multiple of the world size),
+        each with its images."""
         rows = len(prompts) + (-len(prompts)) % rollout.world_size
         padded = prompts + [prompts[-1]] * (rows - len(prompts))
         width = max(len(p) for p in padded)
@@ -144,12 +158,14 @@ class AgentStage:
         for i, p in enumerate(padded):
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p) :] = 1
+        with_images = any(images)
         batch = Batch.from_dict(
             {
                 keys.INPUT_IDS: input_ids,
                 keys.ATTENTION_MASK: attention,
                 keys.POSITION_IDS: position_ids_from_mask(attention),
-            }
+            },
+            {MULTI_MODAL_INPUTS: images + [images[-1]] * (rows - len(prompts))} if with_images else None,
         )
         stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *stop]))
         out = rollout.sample(batch, replace(sampling, max_tokens=max_tokens, stop_token_ids=stops))
@@ -170,7 +186,8 @@ class AgentStage:
     ) -> tuple[list[list[Trajectory]], dict[str, float]]:
         """`n` episodes per item (a dataset item), run to their ends; the groups and the agent metrics."""
         builders = [group_builder(dataset_row(item), self.setup, int(item["index"])) for item in items]
-        waves = WaveSampler(partial(self._generate, rollout, sampling))
+        self.reader.clear()  # the previous run's images
+        waves = WaveSampler(partial(self._generate, rollout, sampling), reader=self.reader)
         # the same sampler as on the explicit API: a SamplingClient, here over the trainer's rollout group
         client = BatchedSamplingClient(waves, sampling.temperature, sampling.top_p, sampling.top_k)
         params = types.SamplingParams(
@@ -178,8 +195,9 @@ class AgentStage:
         )
         start = time.perf_counter()
         groups, metrics = self.loop.run_until_complete(
-            run_groups(builders, n, ClientSampler(client, params), self.limits)
+            run_groups(builders, n, ClientSampler(client, params), self.limits, self.reader)
         )
+        self.reader.clear()
         metrics["agent/generate_waves"] = float(waves.waves)
         metrics["agent/requests_per_wave"] = waves.requests / max(waves.waves, 1)
         metrics["timing/agent_episodes"] = time.perf_counter() - start
@@ -199,7 +217,7 @@ class AgentStage:
         uids = list(prompts[keys.UID])
         groups, metrics = self.run(rollout, items, self.cfg.rollout.n, sampling)
         self.rewards.count(self._scored())
-        batch = trajectories_batch(groups, items, uids, self.tokenizer.pad_token_id)
+        batch = trajectories_batch(groups, items, uids, self.tokenizer.pad_token_id, self.images)
         metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
         metrics.update(self.rewards.end_step())
         return batch, metrics
@@ -240,9 +258,11 @@ def trajectories_batch(
     items: Sequence[Mapping[str, Any]],
     uids: Sequence[str],
     pad_id: int,
+    images: bool | None = None,
 ) -> Batch:
     """One row per training sequence of every episode (one per episode when its turns extend each other),
-    with the episode's reward on the sequence's last model token and the group's uid."""
+    with the episode's reward on the sequence's last model token and the group's uid; with `images` (None:
+    when a sequence has some) each row's images in `multi_modal_inputs`."""
     sequences: list[TokenSequence] = []
     rewards: list[float] = []
     columns: dict[str, list[Any]] = {
@@ -265,7 +285,7 @@ def trajectories_batch(
                 columns[keys.GROUND_TRUTH].append(item["ground_truth"])
                 columns[keys.EXTRA_INFO].append(item["extra_info"])
                 columns[keys.INDEX].append(item["index"])
-    batch = sequences_batch(sequences, pad_id)
+    batch = sequences_batch(sequences, pad_id, images)
     mask = batch[keys.RESPONSE_MASK]
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values

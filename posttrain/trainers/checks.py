@@ -180,7 +180,6 @@ def check_rl_vision_language(cfg: RLConfig) -> None:
             "critic.enable=true: the critic's value head does not take images yet; use a critic-free "
             "estimator (algorithm.adv_estimator=grpo, rloo, ...)",
         ),
-        (cfg.agent.enable, "agent.enable=true: agent episodes do not carry images yet"),
         (
             bool(cfg.reward.model.path),
             "reward.model.path is set: a reward model would score the text without the images; use a rule "

@@ -20,7 +20,9 @@ class CountingGenerator:
         self.seconds, self.fail = seconds, fail
         self.threads: set[int] = set()
 
-    def __call__(self, prompts: list[list[int]], max_tokens: int, stop: list[int]) -> list[Completion]:
+    def __call__(
+        self, prompts: list[list[int]], images: list[dict], max_tokens: int, stop: list[int]
+    ) -> list[Completion]:
         self.threads.add(threading.get_ident())
         self.calls.append((len(prompts), max_tokens, tuple(stop)))
         if self.fail:
@@ -104,7 +106,7 @@ def test_a_failed_generation_fails_every_request_of_its_wave() -> None:
 
 
 def test_a_wrong_number_of_completions_is_an_error() -> None:
-    sampler = WaveSampler(lambda prompts, n, stop: [])
+    sampler = WaveSampler(lambda prompts, images, n, stop: [])
 
     async def main() -> Completion:
         return await sampler.sample([1], 2, [])

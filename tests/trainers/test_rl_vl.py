@@ -20,16 +20,17 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from posttrain.agents.image_env import look_and_answer_rows
 from posttrain.cli import main
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset
-from posttrain.data.tasks.shapes import corpus, write_shapes_dataset
+from posttrain.data.tasks.shapes import write_shapes_dataset
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError, DataError
-from posttrain.models import is_vision_language, load_causal_lm, make_tiny_model
+from posttrain.models import is_vision_language, load_causal_lm
 from posttrain.rollout.base import GenerationResult
 from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.rl import RLTrainer
@@ -37,14 +38,15 @@ from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.updates import balance_across_workers
 from posttrain.workers.losses import LossSpec, build_loss
 from posttrain.workers.sampling import results_batch
+from tests.agents.test_image_observations import ONE_TOKEN_TURNS
 
 # the RL tests' rows are padded (packed rows equal them: tests/engine/test_packed_images.py); no shared prompts
 PADDED = ["model.remove_padding=false", "model.share_prompt=false"]
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(2000), seed=0)
+def vl_dir(tiny_vl_dir: Path) -> Path:
+    return tiny_vl_dir
 
 
 def png(size: tuple[int, int], color: str, box: tuple[int, int, int, int]) -> dict:
@@ -227,7 +229,6 @@ def test_images_stay_with_their_rows_through_the_update_split(
         ([*PADDED, "model.sequence_parallel_size=2"], "model.sequence_parallel_size=2 is not supported"),
         ([*PADDED, "rollout.name=hf"], "rollout.name=hf cannot sample image prompts"),
         ([*PADDED, "algorithm=ppo"], "critic.enable=true: the critic's value head does not take images"),
-        ([*PADDED, "agent.enable=true"], "agent.enable=true: agent episodes do not carry images"),
         ([*PADDED, "reward.model.path=/x"], "reward.model.path is set"),
         ([*PADDED, "distill.teacher_path=/x"], "distill.teacher_path is set"),
         ([*PADDED, "async_rl.staleness=1"], "async_rl.staleness >= 1"),
@@ -270,6 +271,75 @@ def test_grpo_steps_on_packed_rows(vl_dir: Path, rows_file: Path, tmp_path: Path
     for r in steps:
         assert r["rollout/logprob_diff_max"] < 1e-5
         assert math.isfinite(r["actor/loss"]) and r["actor/skipped_nonfinite"] == 0
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_grpo_on_agent_episodes_that_show_images(
+    vl_dir: Path, rows_file: Path, tmp_path: Path, remove_padding: bool
+) -> None:
+    """`agent.enable=true`: the shapes rows' image prompts run as single-turn episodes, the look-and-answer rows
+    (posttrain/agents/image_env.py) as 2-turn episodes whose first and second observations each show an image.
+    2 GRPO steps on padded and on packed rows: every training row carries its episode's images (its image
+    tokens, never trained, number what its own images give), and the trainer's log-probs equal the sampler's."""
+    looks = [dict(r, agent_name=ONE_TOKEN_TURNS, images=[]) for r in look_and_answer_rows(2, turns=2)]
+    train = tmp_path / "agent_rows.parquet"
+    shapes = [dict(r, agent_name=None) for r in pq.read_table(rows_file).to_pylist()[:2]]  # single_turn
+    pq.write_table(pa.Table.from_pylist(shapes + looks), train)
+    # the untrained model's one-token answers are rarely right: a reward by the answer's parity gives the groups
+    # rewards that differ, so the update has a gradient on the image rows
+    scorer = tmp_path / "parity.py"
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 2)\n"
+    )
+    run = tmp_path / "run"
+    cfg = rl_config(
+        vl_dir,
+        train,
+        run,
+        f"reward.custom_function_path={scorer}",
+        f"model.remove_padding={str(remove_padding).lower()}",
+        "data.train_batch_prompts=4",
+        "agent.enable=true",
+        "agent.max_turns=3",
+        "agent.max_total_tokens=256",
+        "trainer.total_steps=2",
+        "trainer.threads_per_worker=1",
+        "trainer.loggers=[jsonl]",
+        "trainer.plots=false",
+    )
+    trainer = RLTrainer(cfg)
+    assert trainer.agents is not None
+    batches: list[Batch] = []
+    step_batch = trainer.agents.step_batch
+
+    def recording(*args: object, **kwargs: object) -> tuple[Batch, dict[str, float]]:
+        batch, metrics = step_batch(*args, **kwargs)  # type: ignore[arg-type]
+        batches.append(batch)
+        return batch, metrics
+
+    trainer.agents.step_batch = recording  # type: ignore[method-assign]
+    trainer.fit()
+    image_id = load_causal_lm(vl_dir).config.image_token_id
+    for batch in batches:
+        assert len(batch) == 8  # 4 rows x rollout.n episodes, one row each
+        for r in range(len(batch)):
+            mm = batch[MULTI_MODAL_INPUTS][r]
+            seen = batch[keys.INPUT_IDS][r][batch[keys.ATTENTION_MASK][r].bool()]
+            assert int((seen == image_id).sum()) == int(mm["image_grid_thw"].prod(-1).sum()) // 4
+            in_response = batch[keys.RESPONSES][r] == image_id
+            assert not (batch[keys.RESPONSE_MASK][r].bool() & in_response).any()
+            looked = batch[keys.EXTRA_INFO][r].get("seed") is not None
+            assert mm["image_grid_thw"].shape[0] == (2 if looked else 1)
+            assert bool(in_response.any()) == looked  # the second image came in a later observation
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/logprob_diff_max"] < 1e-4  # the actor's pass read the images that were sampled
+        assert r["agent/turns_mean"] == pytest.approx(1.5)  # half the episodes took 2 turns
+        assert math.isfinite(r["actor/loss"])
+    assert any(r["actor/grad_norm"] > 0 for r in steps)
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
