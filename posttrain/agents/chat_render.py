@@ -31,6 +31,15 @@ class ChatRenderer:
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
         )
 
+    def image_token_id(self, image_token: str = "<|image_pad|>") -> int:
+        """The id of the token a vision-language template renders for an image part."""
+        token = self.tokenizer.convert_tokens_to_ids(image_token)
+        if token is None or token == self.tokenizer.unk_token_id:
+            raise PosttrainError(
+                f"the tokenizer has no image token {image_token!r}: not a vision-language model"
+            )
+        return int(token)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

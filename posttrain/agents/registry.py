@@ -114,6 +114,20 @@ def row_images(row: Mapping[str, Any]) -> dict[str, Any]:
     return dict(row.get(MULTI_MODAL_INPUTS) or {})
 
 
+def image_token_runs(row: Mapping[str, Any], image_token: int) -> list[int]:
+    """How many tokens each of a multimodal row's images takes in its prompt (`input_ids`), in order."""
+    runs: list[int] = []
+    previous = None
+    for t in row["input_ids"]:
+        if t == image_token:
+            if previous == image_token:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = t
+    return runs
+
+
 def row_observation(row: Mapping[str, Any], tokenizer: Any) -> Observation:
     """The row's chat up to the assistant's header: with images, the dataset's own prompt (its image tokens
     expanded as the dataset counted them) and images, so an episode samples what single-turn RL would."""

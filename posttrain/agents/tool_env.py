@@ -14,6 +14,9 @@ and `context_overflow`. A malformed call, an unknown tool, bad arguments or a ra
 the model gets an error message as the tool's response and may try again. More calls in one turn than
 `max_parallel_calls` run the first ones and answer the rest with an error.
 
+A row with images (a vision-language model's multimodal row) is rendered with the tool schemas too, each image
+part expanded to the image tokens the dataset counted for it; every observation then carries the row's images.
+
 Reward: the scorer on the final answer plus `tool_use_bonus` when the episode made at least one successful
 tool call (a small bonus stops a model from learning to skip the tool; verl users' finding). The bonus is
 only paid with a final answer, so a model cannot farm it by calling tools until a limit.
@@ -27,11 +30,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from posttrain.agents.chat_render import ChatRenderer, Message
 from posttrain.agents.env import Env, Scorer
-from posttrain.agents.registry import AgentSetup, chat_messages, ground_truth, register_agent, row_images
+from posttrain.agents.registry import (
+    AgentSetup,
+    chat_messages,
+    ground_truth,
+    image_token_runs,
+    register_agent,
+    row_images,
+)
 from posttrain.agents.tools import ToolCall, ToolCallParser, ToolOutput, ToolRunner
-from posttrain.agents.types import StepResult, StopReason, Trajectory
+from posttrain.agents.types import Observation, StepResult, StopReason, Trajectory
+from posttrain.client.model_inputs import InputRow
 from posttrain.errors import ConfigError, DataError
 
 
@@ -63,6 +76,8 @@ class ToolChatEnv:
     ground_truth: str
     tools_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     settings: ToolEnvSettings = field(default_factory=ToolEnvSettings)
+    images: dict[str, torch.Tensor] = field(default_factory=dict)  # the row's ({}: a text row)
+    image_tokens: list[int] = field(default_factory=list)  # each image's token count, as the dataset counted
 
     def __post_init__(self) -> None:
         self.history: list[Message] = [dict(m) for m in self.messages]
@@ -71,9 +86,14 @@ class ToolChatEnv:
         self.successful_calls = 0
         self.invalid_streak = 0
 
-    async def initial_observation(self) -> list[int]:
+    async def initial_observation(self) -> Observation:
         self.context = self.renderer.initial(self.history)
-        return list(self.context)
+        if self.images:
+            self.context = expand_images(self.context, self.renderer.image_token_id(), self.image_tokens)
+        return self._observation()
+
+    def _observation(self) -> Observation:
+        return InputRow(list(self.context), self.images) if self.images else list(self.context)
 
     def stop_tokens(self) -> list[int]:
         return [self.renderer.end_of_turn_id]
@@ -123,7 +143,7 @@ class ToolChatEnv:
         suffix = self.renderer.after_assistant([*self.history, assistant], new)
         self.history += [assistant, *new]
         self.context = self.context + list(action) + suffix
-        return StepResult(reward=0.0, done=False, next_observation=list(self.context), metrics=metrics)
+        return StepResult(reward=0.0, done=False, next_observation=self._observation(), metrics=metrics)
 
     async def _run(self, calls: Sequence[ToolCall]) -> list[ToolOutput]:
         outputs = await asyncio.gather(
@@ -133,6 +153,20 @@ class ToolChatEnv:
 
     def _end(self, reason: StopReason, reward: float, metrics: dict[str, float]) -> StepResult:
         return StepResult(reward=reward, done=True, stop_reason=reason, metrics=metrics)
+
+
+def expand_images(tokens: list[int], image_token: int, counts: Sequence[int]) -> list[int]:
+    """`tokens` with the k-th image token (one per image, as a chat template renders an image part) repeated
+    `counts[k]` times: the image's tokens, one per merged patch."""
+    places = [i for i, t in enumerate(tokens) if t == image_token]
+    if len(places) != len(counts):
+        raise DataError(f"the rendered prompt has {len(places)} image tokens for {len(counts)} images")
+    out: list[int] = []
+    start = 0
+    for place, count in zip(places, counts, strict=True):
+        out += tokens[start:place] + [image_token] * count
+        start = place + 1
+    return out + tokens[start:]
 
 
 def _as_message_call(call: ToolCall) -> dict[str, Any]:
@@ -151,6 +185,8 @@ class ToolChatGroup:
     ground_truth: str
     tools_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     settings: ToolEnvSettings = field(default_factory=ToolEnvSettings)
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_tokens: list[int] = field(default_factory=list)
     group_reward: Callable[[Sequence[Trajectory]], list[float]] | None = None
 
     def make_envs(self, n: int) -> list[Env]:
@@ -173,11 +209,6 @@ def tool_agent(row: Mapping[str, Any], setup: AgentSetup) -> ToolChatGroup:
         raise ConfigError(
             f"agent_name {TOOL_AGENT!r} needs tools: set agent.tools (or agent.tool_config_path)"
         )
-    if row_images(row):
-        raise DataError(
-            f"agent_name {TOOL_AGENT!r} does not take rows with images yet (its prompt is rendered with the "
-            "tool schemas); use single_turn or an environment whose observations carry the images"
-        )
     info = row.get("extra_info") or {}
     tools_kwargs = info.get("tools_kwargs") or {} if isinstance(info, Mapping) else {}
     if not isinstance(tools_kwargs, Mapping) or not all(
@@ -196,4 +227,6 @@ def tool_agent(row: Mapping[str, Any], setup: AgentSetup) -> ToolChatGroup:
         ground_truth(row),
         tools_kwargs,
         setup.tool_settings or ToolEnvSettings(),
+        row_images(row),
+        image_token_runs(row, setup.renderer().image_token_id()) if row_images(row) else [],
     )

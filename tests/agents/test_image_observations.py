@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,16 @@ from posttrain.agents.image_env import (
     look_and_answer_rows,
 )
 from posttrain.agents.observations import ObservationReader, chat_model_input
-from posttrain.agents.registry import AgentSetup, register_agent
+from posttrain.agents.registry import AgentSetup, dataset_row, group_builder, register_agent
 from posttrain.agents.rollout import EpisodeLimits, run_episode
 from posttrain.agents.samplers import ClientSampler, EngineSampler, client_model_input
+from posttrain.agents.tools import HermesToolParser, ToolRunner, build_tools
 from posttrain.agents.training_data import sequence_datum, sequences_batch, trajectory_sequences
-from posttrain.agents.types import Completion, Trajectory, Transition
+from posttrain.agents.types import Completion, Observation, Trajectory, Transition
 from posttrain.client.model_inputs import InputRow
 from posttrain.data import keys
-from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
-from posttrain.data.tasks.shapes import draw_squares, png_bytes
+from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset, pixel_bounds
+from posttrain.data.tasks.shapes import draw_squares, png_bytes, write_shapes_dataset
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import PosttrainError
 from posttrain.models import load_config, load_processor, load_tokenizer
@@ -238,3 +239,47 @@ def test_the_same_environment_samples_on_the_explicit_api(tiny_vl_dir: Path, tmp
         trajectory = asyncio.run(run_episode(env, sampler, limits, reader=ObservationReader(tiny_vl_dir)))
     assert trajectory.stop_reason == "completed"
     assert [t.images["image_grid_thw"].shape[0] for t in trajectory.transitions] == [1, 2]
+
+
+@dataclass
+class ScriptedTurns:
+    """The model's turns as texts, each ended with the end-of-turn token; records what it was shown."""
+
+    tokenizer: Any
+    turns: list[str]
+    shown: list[Observation] = field(default_factory=list)
+
+    async def sample(self, prompt: Observation, max_tokens: int, stop: list[int]) -> Completion:
+        self.shown.append(prompt)
+        tokens = [*self.tokenizer.encode(self.turns[len(self.shown) - 1], add_special_tokens=False), stop[0]]
+        return Completion(tokens, [-0.25] * len(tokens), "stop")
+
+
+def test_a_tool_chat_on_a_multimodal_row_carries_its_images(tiny_vl_dir: Path, tmp_path: Path) -> None:
+    """`tool_agent` on a shapes row: the prompt is rendered with the tool schemas and the image's tokens as the
+    dataset counted them; every observation carries the row's images, and the episode trains as one row."""
+    processor = load_processor(tiny_vl_dir)
+    lo, hi = pixel_bounds(processor)
+    files = write_shapes_dataset(tmp_path, n_train=2, n_test=1, seed=0)
+    item = MultimodalPromptDataset([files["train"]], processor, 256, min_pixels=lo, max_pixels=hi)[0]
+    tok = load_tokenizer(tiny_vl_dir)
+    runner = ToolRunner(build_tools(["calculator"], None), max_concurrency=1, timeout_s=5.0)
+    setup = AgentSetup(tok, scorer=lambda *_: 0.0, tool_runner=runner, tool_parser=HermesToolParser())
+    env = group_builder(dict(dataset_row(item), agent_name="tool_agent"), setup).make_envs(1)[0]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    sampler = ScriptedTurns(tok, [call, "2"])
+    limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=64, max_total_tokens=1024)
+    trajectory = asyncio.run(run_episode(env, sampler, limits, reader=ObservationReader(tiny_vl_dir)))
+    assert trajectory.stop_reason == "completed" and len(sampler.shown) == 2
+    image_id = load_config(tiny_vl_dir).image_token_id
+    first, second = sampler.shown
+    assert isinstance(first, InputRow) and isinstance(second, InputRow)
+    assert first.tokens.count(image_id) == item["input_ids"].count(image_id) == 4
+    assert '"calculator"' in tok.decode(first.tokens) and len(first.tokens) > len(item["input_ids"])
+    row_images = item[MULTI_MODAL_INPUTS]
+    for shown in (first, second):
+        assert all(torch.equal(shown.images[k], row_images[k]) for k in ("pixel_values", "image_grid_thw"))
+    assert second.tokens[: len(first.tokens)] == first.tokens
+    assert "<tool_response>\n5\n</tool_response>" in tok.decode(second.tokens[len(first.tokens) :])
+    (seq,) = trajectory_sequences(trajectory)
+    assert torch.equal(seq.images["pixel_values"], row_images["pixel_values"])
