@@ -307,6 +307,8 @@ def test_grpo_on_agent_episodes_that_show_images(
         "trainer.threads_per_worker=1",
         "trainer.loggers=[jsonl]",
         "trainer.plots=false",
+        f"data.val_files=[{train}]",  # validation runs the same episodes, one per row
+        "trainer.val_every=2",
     )
     trainer = RLTrainer(cfg)
     assert trainer.agents is not None
@@ -319,7 +321,8 @@ def test_grpo_on_agent_episodes_that_show_images(
         return batch, metrics
 
     trainer.agents.step_batch = recording  # type: ignore[method-assign]
-    trainer.fit()
+    (validation,) = trainer.fit()
+    assert validation["val/agent/turns_mean"] == pytest.approx(1.5) and 0.0 <= validation["val/acc"] <= 1.0
     image_id = load_causal_lm(vl_dir).config.image_token_id
     for batch in batches:
         assert len(batch) == 8  # 4 rows x rollout.n episodes, one row each
