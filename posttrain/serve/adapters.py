@@ -8,7 +8,8 @@ dropped from the backend, which frees its slot in `adapters_total`. The model's 
 again from that save, transparently, and runs after it; requests arriving while a release is under way
 wait for it and then for the reload. After a restart, a model whose last durable state exists comes back
 the same way on its first request. Every request of a model goes through `Adapters.run`, which keeps the
-model's order: requests wait on the model's gate in the order the Sequencer starts them.
+model's order: requests wait in the model's queue in the order the Sequencer starts them, and start, first
+in first out, on one thread off the event loop once the adapter is loaded.
 
 Saves go through `checkpoints.publish` (a crash mid-save keeps the previous checkpoint), and a save's path
 is journaled as the model's restore point before its future resolves.
@@ -16,7 +17,9 @@ is journaled as the model's restore point before its future resolves.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import functools
 import logging
 import shutil
 import threading
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from posttrain.serve.state import ServerState
 
 log = logging.getLogger("posttrain.serve")
+Start = Callable[[TrainingClient], Any]  # submits a request's work with the model's client; its future
 INTERNAL = "posttrain-internal-release"  # the name of the server's own saves; tenants may not use it
 
 
@@ -57,6 +61,10 @@ class TrainingModel:
     wanted: bool = False  # a request came during the release: load it again right after
     busy: int = 0  # requests started and not finished
     last_used: float = field(default_factory=time.monotonic)
+    # requests waiting to start, in seq_id order: (the gate they wait on, start, their future)
+    starts: collections.deque[
+        tuple[concurrent.futures.Future[TrainingClient], Start, concurrent.futures.Future[Any]]
+    ] = field(default_factory=collections.deque)
 
     @property
     def loaded(self) -> bool:
@@ -118,16 +126,26 @@ class Adapters:
         thread (see __init__); its future."""
         gate = self._acquire(model)
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def go(ready: concurrent.futures.Future[TrainingClient]) -> None:
-            if ready.exception() is not None:
-                out.set_exception(ready.exception())
-            else:
-                self._starter.submit(chain, lambda: start(ready.result()), out)
-
+        with self._lock:
+            model.starts.append((gate, start, out))
         out.add_done_callback(lambda _: self._done(model))
-        gate.add_done_callback(go)
+        gate.add_done_callback(lambda _: self._starter.submit(self._start_ready, model))
         return out
+
+    def _start_ready(self, model: TrainingModel) -> None:
+        """Start the model's waiting requests whose adapter is ready, first in first out. A queue, not each
+        gate's callback: a request that finds the gate already done would otherwise start before an earlier
+        one whose callback the loading thread has not run yet."""
+        while True:
+            with self._lock:
+                if not model.starts or not model.starts[0][0].done():
+                    return
+                gate, start, out = model.starts.popleft()
+            failure = gate.exception()
+            if failure is not None:
+                out.set_exception(failure)
+            else:
+                chain(functools.partial(start, gate.result()), out)
 
     def _acquire(self, model: TrainingModel) -> concurrent.futures.Future[TrainingClient]:
         with self._lock:

@@ -3,13 +3,18 @@ on tokens name themselves; /metrics has per-tenant queue time under route templa
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any, cast
 
 import pytest
+
+from posttrain.serve.adapters import Adapters, TrainingModel
+from posttrain.serve.futures import resolved
 
 from .conftest import KEYS, SESSION, Running, logprobs, result, training
 
@@ -113,3 +118,38 @@ def test_tokens_per_second_is_a_429_naming_it_and_metrics_have_queue_time(
     # one log line per request: method, path, status, time, tenant
     lines = [r.getMessage() for r in caplog.records if "/api/v1/forward_backward 429" in r.getMessage()]
     assert lines and re.fullmatch(r"POST /api/v1/forward_backward 429 [0-9.]+ms tenant=alice", lines[0])
+
+
+class HeldCallbacks(concurrent.futures.Future[Any]):
+    """A gate whose callbacks, registered before it resolved, run only when told: as when the loading thread
+    has resolved it but not yet run them, while a later request finds it done."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Callable[[concurrent.futures.Future[Any]], object]] = []
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], object]) -> None:
+        if self.done():
+            fn(self)
+        else:
+            self.held.append(fn)
+
+
+def test_a_models_requests_start_in_order_even_when_a_later_one_sees_the_adapter_ready_first() -> None:
+    adapters = Adapters(cast(Any, None))  # no state needed: the adapter is loaded by the test
+    gate = HeldCallbacks()
+    model = TrainingModel("s:train:0", "alice", "tiny", {}, "backend-id", gate=gate)
+    started: list[tuple[int, str]] = []
+
+    def start(n: int) -> Callable[[Any], concurrent.futures.Future[Any]]:
+        return lambda client: started.append((n, client)) or resolved(n)  # type: ignore[func-returns-value]
+
+    first = adapters.run(model, start(1))  # waits for the adapter
+    gate.set_result("client")  # loaded; the first request's callback not yet run
+    second = adapters.run(model, start(2))  # sees the gate done
+    assert (first.result(10), second.result(10)) == (1, 2)
+    assert started == [(1, "client"), (2, "client")]  # the first started first
+    for callback in gate.held:  # the late callback finds nothing left to start
+        callback(gate)
+    adapters._starter.submit(lambda: None).result(10)
+    assert started == [(1, "client"), (2, "client")] and model.busy == 0
