@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw
 
 from posttrain import client as tinker
 from posttrain.client import types
-from posttrain.client.batching import datums_to_batch, merge_batches
+from posttrain.client.batching import datums_to_batch, loss_inputs, merge_batches, split_output
 from posttrain.client.model_inputs import ModelInputReader
 from posttrain.data import keys
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
@@ -366,3 +366,32 @@ def check_mixed_request(
         assert out2.metrics["loss:sum"] == pytest.approx(out1.metrics["loss:sum"], rel=1e-5), lora
     assert norm2 == pytest.approx(norm1, rel=1e-5) and norm1 > 0, lora
     assert after2.metrics["loss:sum"] < fb2.metrics["loss:sum"]
+    if lora:
+        check_shared_pass(ray, vl_dir, clients[1], mixed[0::2], mixed[1::2])
+
+
+def check_shared_pass(
+    ray: tinker.ServiceClient,
+    vl_dir: Path,
+    client: tinker.TrainingClient,
+    images: list[types.Datum],
+    texts: list[types.Datum],
+) -> None:
+    """An image request of `client` and a text-only request of another adapter in one shared pass over the base
+    on 2 workers (before: kept apart), one worker's rows text only: each request's log-probs are its own pass's."""
+    other = ray.create_lora_training_client(str(vl_dir), rank=4, seed=1)
+    requests = [(client, images), (other, texts)]
+    reader = ModelInputReader(vl_dir)
+    batches = [datums_to_batch(d, 2, reader.rows([x.model_input for x in d])) for _, d in requests]
+    merged = merge_batches(batches)
+    halves = [[bool(row) for row in part[MULTI_MODAL_INPUTS]] for part in merged.chunk(2)]
+    assert halves == [[True, True], [False, False]]  # the second worker's rows: the text-only request's
+    losses = [ApiLossSpec("cross_entropy", inputs=loss_inputs(b)) for b in batches]
+    out = ray.backend.group.forward_routed([c.model_id for c, _ in requests], merged, losses)
+    for (owner, data), batch, shared in zip(
+        requests, batches, split_output(out, merged, batches), strict=True
+    ):
+        alone = logprobs(owner.forward(data, "cross_entropy").result())
+        for row, datum in enumerate(batch[keys.API_ROW].tolist()[: len(data)]):
+            n = alone[datum].numel()
+            torch.testing.assert_close(shared[keys.API_LOGPROBS][row, :n], alone[datum], atol=1e-5, rtol=1e-5)
