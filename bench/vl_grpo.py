@@ -4,14 +4,16 @@ after GRPO from an SFT warm start, over several seeds.
 One tiny-vl model (make-model's from-scratch tower, trained in both stages) and one dataset (2,000 train /
 256 held-out 84x84 images of 1-6 squares on a 3x3 grid of 28-pixel cells, one cell per image token); per
 seed, a short SFT warm start (`trainer.seed`; 40 steps leaves it part-way, ~65% greedy), then GRPO with the
-shapes rule scorer on one worker, validated (greedy, all 256 held-out prompts) before training and every
-`--val-every` steps. The warm starts are cached in `--work`.
+shapes rule scorer on one worker, validated (all 256 held-out prompts, one sample each) before training and
+every `--val-every` steps. The warm starts are cached in `--work`.
 
-    python bench/vl_grpo.py                       # 3 seeds, 40 SFT steps, 50 GRPO steps at lr 5e-4
+    python bench/vl_grpo.py                       # 3 seeds, 40 SFT steps, 100 GRPO steps at lr 5e-4
+    python bench/vl_grpo.py --val-temperature 0   # the same runs validated greedily
     python bench/vl_grpo.py --seeds 1 --grpo-steps 10
 
-Writes bench/results/vl_grpo_<kind>.json (BENCHMARKS.md format) and vl_grpo_<kind>.png (needs matplotlib,
-`pip install -e .[bench]`).
+Held-out accuracy is sampled at temperature 1 by default, as GRPO samples (`--val-temperature 0`: greedy).
+Writes bench/results/vl_grpo_<kind>[_greedy].json (BENCHMARKS.md format) and a .png of the same name (needs
+matplotlib, `pip install -e .[bench]`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def grpo(
             "data.max_response_length=4",
             f"data.train_batch_prompts={args.prompts}",
             f"rollout.n={args.n}",
+            f"rollout.val_temperature={args.val_temperature}",
             f"actor.optim.lr={args.lr}",
             "data.val_max_prompts=256",
         ],
@@ -107,11 +110,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=40)
-    parser.add_argument("--grpo-steps", type=int, default=50)
-    parser.add_argument("--val-every", type=int, default=10)
+    parser.add_argument("--grpo-steps", type=int, default=100)
+    parser.add_argument("--val-every", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument(
+        "--val-temperature",
+        type=float,
+        default=1.0,
+        help="held-out accuracy sampled as GRPO samples (1.0), or greedy (0)",
+    )
     parser.add_argument("--kind", default="count", choices=["count", "color"])
     parser.add_argument("--size", type=int, default=84, help="image side in pixels (84: 9 image tokens)")
     parser.add_argument("--square-side", type=int, default=28, help="grid cell side in pixels")
@@ -133,7 +142,7 @@ def main() -> None:
     started = time.perf_counter()
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        run_dir = work / f"grpo-{data_name}-sft{args.sft_steps}-seed{seed}"
+        run_dir = work / f"grpo-{data_name}-sft{args.sft_steps}-t{args.val_temperature:g}-seed{seed}"
         summary = run_dir / "summary.json"  # a finished seed's figures (kept by --reuse)
         if args.reuse and summary.exists():
             runs.append(json.loads(summary.read_text()))
@@ -165,7 +174,12 @@ def main() -> None:
         "rows": [
             {
                 "case": f"tiny-vl shapes {args.kind}, SFT {args.sft_steps} steps then GRPO {args.grpo_steps} steps",
-                "metric": "held-out greedy accuracy after GRPO",
+                "metric": "held-out accuracy after GRPO, "
+                + (
+                    "greedy"
+                    if args.val_temperature == 0
+                    else f"sampled at temperature {args.val_temperature:g}"
+                ),
                 "statistic": "mean",
                 "value": round(statistics.mean(after), 4),
                 "baseline_name": "SFT warm start",
@@ -180,8 +194,9 @@ def main() -> None:
         ],  # fmt: skip
         "runs": runs,
     }
-    path = write_result(f"vl_grpo_{args.kind}.json", result)
-    plot(runs, args, RESULTS / f"vl_grpo_{args.kind}.png")
+    name = f"vl_grpo_{args.kind}" + ("_greedy" if args.val_temperature == 0 else "")
+    path = write_result(f"{name}.json", result)
+    plot(runs, args, RESULTS / f"{name}.png")
     for r in runs:
         print(f"seed {r['seed']}: " + ", ".join(f"step {s}: {a:.3f}" for s, a in r["val_acc"]))
     print(f"wrote {path} ({result['seconds']} s)")
@@ -202,7 +217,8 @@ def plot(runs: list[dict], args: argparse.Namespace, out: Path) -> None:
     mean = [statistics.mean(r["val_acc"][i][1] for r in runs) for i in range(len(steps))]
     ax.plot(steps, mean, color="tab:blue", linewidth=2.5, label=f"mean of {len(runs)} seeds")
     ax.set_xlabel(f"GRPO step ({args.prompts} prompts x {args.n} samples, lr {args.lr:g})")
-    ax.set_ylabel("held-out accuracy (greedy, 256 images)")
+    how = "greedy" if args.val_temperature == 0 else f"sampled at temperature {args.val_temperature:g}"
+    ax.set_ylabel(f"held-out accuracy ({how}, 256 images)")
     ax.set_title(f"tiny-vl counting squares: GRPO after {args.sft_steps} SFT steps")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
