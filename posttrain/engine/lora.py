@@ -25,14 +25,32 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import LoraConfig
 from posttrain.engine.distributed import broadcast_from_rank0
 from posttrain.errors import ConfigError
+from posttrain.models.vl import vision_tower
 
 ADAPTER = "default"
 _PEFT_PREFIX = "base_model.model."
 
 
+def vision_tower_linears(model: nn.Module) -> list[str]:
+    """Full module names of the linear layers inside a vision-language model's vision tower ([] for a text
+    model). LoRA adapts the language model only: Qwen2.5-VL's tower has `gate_proj`/`up_proj`/`down_proj` MLPs,
+    which the default `target_modules` would otherwise match and adapt (and train, even with the tower frozen)."""
+    tower = vision_tower(model)
+    if tower is None:
+        return []
+    prefix = next(name for name, m in model.named_modules() if m is tower)
+    return [f"{prefix}.{n}" for n, m in tower.named_modules() if isinstance(m, nn.Linear)]
+
+
 def linear_module_names(model: nn.Module) -> set[str]:
-    """The last name component of every nn.Linear (what `target_modules` entries match)."""
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """The last name component of every nn.Linear outside a vision tower (what `target_modules` entries
+    match)."""
+    tower = set(vision_tower_linears(model))
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name not in tower
+    }
 
 
 def fused_expert_parameters(model: nn.Module) -> set[str]:
@@ -64,6 +82,11 @@ def check_target_modules(model: nn.Module, lora: LoraConfig) -> None:
             f"model.lora.target_modules {list(missing or lora.target_modules)} "
             f"{'not found in the model' if missing else 'is empty'}; linear layers of this model: "
             f"{', '.join(sorted(available))}"
+            + (
+                " (the language model's; LoRA never adapts the vision tower)"
+                if vision_tower_linears(model)
+                else ""
+            )
         )
     check_target_parameters(model, lora)
     if lora.rank < 0 or lora.alpha <= 0 or not 0.0 <= lora.dropout < 1.0:
@@ -93,13 +116,16 @@ def check_target_parameters(model: nn.Module, lora: LoraConfig) -> None:
         )
 
 
-def peft_config(lora: LoraConfig) -> PeftLoraConfig:
+def peft_config(lora: LoraConfig, model: nn.Module | None = None) -> PeftLoraConfig:
+    """peft's config of `lora`; given the model, its vision tower's linear layers are excluded by name."""
+    excluded = vision_tower_linears(model) if model is not None else []
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         target_parameters=list(lora.target_parameters) or None,
+        exclude_modules=excluded or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -108,7 +134,7 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
 def apply_lora(model: nn.Module, lora: LoraConfig) -> PeftModel:
     """Wrap `model` with fresh adapters (B = 0, so the output is unchanged); base weights are frozen."""
     check_target_modules(model, lora)
-    return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora, model))
 
 
 def same_adapters_on_every_rank(model: nn.Module) -> None:
@@ -183,7 +209,7 @@ def export_peft_model(
     base = load_causal_lm(base_path, dtype=dtype)
     if "lm_head" in lora.target_modules:
         untie_output_embeddings(base)
-    model = get_peft_model(base, peft_config(lora))
+    model = get_peft_model(base, peft_config(lora, base))
     missing, unexpected = model.load_state_dict(adapter_state, strict=False)
     adapter_missing = [k for k in missing if "lora_" in k]
     if unexpected or adapter_missing:

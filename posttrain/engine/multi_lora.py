@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from posttrain.engine.lora import vision_tower_linears
 from posttrain.errors import ConfigError
 
 PEFT_PREFIX = "base_model.model."
@@ -54,8 +55,10 @@ def _key(module_name: str) -> str:
 
 
 def targeted_linears(model: nn.Module, targets: tuple[str, ...]) -> dict[str, nn.Linear]:
-    """The linear layers whose last name component is in `targets`; an error lists what exists."""
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """The linear layers whose last name component is in `targets`, outside a vision tower (adapters are the
+    language model's, engine.lora.vision_tower_linears); an error lists what exists."""
+    tower = set(vision_tower_linears(model))
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in tower}
     available = {n.rsplit(".", 1)[-1] for n in linears}
     missing = sorted(set(targets) - available)
     if missing or not targets:
