@@ -78,6 +78,24 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     yield from serve_in_thread(state, "tiny")
 
 
+@pytest.fixture(scope="session")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-vl preset for the image tests (test_http_images, test_sdk_images)."""
+    from posttrain.data.tasks.shapes import corpus
+    from posttrain.models import make_tiny_model
+
+    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(500), seed=0)
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """A server of tiny-vl for one test module."""
+    state = build_state(
+        str(vl_dir), "tiny-vl", ApiKeys(KEYS), str(tmp_path_factory.mktemp("serve")), poll_timeout_s=5
+    )
+    yield from serve_in_thread(state, "tiny-vl")
+
+
 # ---- requests by hand (httpx), for the tests that look at the protocol itself ------------------------
 def result(client: httpx.Client, request_id: str) -> Any:
     """A request's answer: the JSON body, or the protobuf bytes."""

@@ -3,7 +3,6 @@ with the chunks' `expected_tokens`, the server processes the images, and the ans
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,28 +11,11 @@ import torch
 from posttrain import client as tinker
 from posttrain.client import types
 from posttrain.client.http_transport import HttpApiError
-from posttrain.data.tasks.shapes import corpus
-from posttrain.models import make_tiny_model
-from posttrain.serve.server import build_state
-from posttrain.serve.tenants import ApiKeys
 
 from ..client.test_image_chunks import image_bytes, logprobs, prompt_chunks, sft_datum
-from .conftest import KEYS, Running, serve_in_thread
+from .conftest import KEYS, Running
 
 ALICE = next(iter(KEYS))
-
-
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(500), seed=0)
-
-
-@pytest.fixture(scope="module")
-def vl_server(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    state = build_state(
-        str(vl_dir), "tiny-vl", ApiKeys(KEYS), str(tmp_path_factory.mktemp("serve")), poll_timeout_s=5
-    )
-    yield from serve_in_thread(state, "tiny-vl")
 
 
 def with_expected(datum: types.Datum, expected: int) -> types.Datum:

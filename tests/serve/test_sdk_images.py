@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +20,15 @@ import torch
 from posttrain import client as tinker
 from posttrain.client import types
 from posttrain.client.model_inputs import ModelInputReader
-from posttrain.data.tasks.shapes import corpus, make_problem, png_bytes
-from posttrain.models import load_tokenizer, make_tiny_model
-from posttrain.serve.server import build_state
-from posttrain.serve.tenants import ApiKeys
+from posttrain.data.tasks.shapes import make_problem, png_bytes
+from posttrain.models import load_tokenizer
 
 from ..client.test_image_chunks import ANSWER, QUESTION, encode
-from .conftest import KEYS, Running, serve_in_thread
+from .conftest import KEYS, Running
 
 ALICE, BOB = list(KEYS)
 SCRIPT = Path(__file__).with_name("sdk_image_script.py")
 LR, SEED, MAX_TOKENS = 1e-2, 5, 4
-
-
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(500), seed=0)
-
-
-@pytest.fixture(scope="module")
-def vl_server(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    state = build_state(
-        str(vl_dir), "tiny-vl", ApiKeys(KEYS), str(tmp_path_factory.mktemp("serve")), poll_timeout_s=5
-    )
-    yield from serve_in_thread(state, "tiny-vl")
 
 
 def shapes_png(seed: int, size: int) -> bytes:
