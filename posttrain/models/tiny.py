@@ -166,7 +166,8 @@ def make_tiny_model(
 
     Token ids follow Qwen2.5-Instruct: bos = pad = <|endoftext|>, eos = <|im_end|> (generation also stops
     on <|endoftext|>). Returns the directory, loadable with `load_causal_lm` / `load_tokenizer`.
-    A vision-language preset (`tiny-vl`) writes a Qwen2-VL directory instead (`models/vl.py`).
+    A vision-language preset (`tiny-vl`, `tiny-vl-2.5`) writes a Qwen2-VL / Qwen2.5-VL directory instead
+    (`models/vl.py`).
     """
     if preset in VL_PRESETS:
         return make_tiny_vl_model(preset, out_dir, corpus, seed=seed)

@@ -1,27 +1,38 @@
-"""Vision-language models: the tiny Qwen2-VL preset and an image processor that needs no torchvision.
+"""Vision-language models: the tiny Qwen2-VL / Qwen2.5-VL presets and an image processor that needs no torchvision.
 
-`make_tiny_vl_model` writes an ordinary Hugging Face directory (config.json of model type `qwen2_vl`,
-safetensors, tokenizer with the vision tokens, preprocessor_config.json of the PIL image processor), so
-`AutoModelForImageTextToText.from_pretrained` and `AutoImageProcessor.from_pretrained` load it as they load
-Qwen2-VL-2B. In transformers 5 `Qwen2VLProcessor` cannot be built without torchvision (its video processor
-slot is type-checked against a torchvision class even when empty), so `VLProcessor` is the same image path
+`make_tiny_vl_model` writes an ordinary Hugging Face directory (config.json of model type `qwen2_vl` or
+`qwen2_5_vl`, safetensors, tokenizer with the vision tokens, preprocessor_config.json of the PIL image
+processor), so `AutoModelForImageTextToText.from_pretrained` and `AutoImageProcessor.from_pretrained` load it as
+they load Qwen2-VL-2B or Qwen2.5-VL-3B. The two families share the text decoder (M-RoPE), the tokens, the chat
+template and the image processor; Qwen2.5-VL's vision tower differs (window attention with a few full-attention
+blocks, RMSNorm, a gated MLP, a merger projecting to `out_hidden_size`).
+In transformers 5 `Qwen2VLProcessor` cannot be built without torchvision (its video processor slot is
+type-checked against a torchvision class even when empty), so `VLProcessor` is the same image path
 (expand each `<|image_pad|>` to one token per merged patch, `mm_token_type_ids` for M-RoPE) without video.
 Must not import posttrain.data or anything above models/.
 
-| preset  | text (hidden/mlp/layers/heads/kv) | vision (depth/dim/heads, patch, merge) | parameters |
-|---------|-----------------------------------|----------------------------------------|------------|
-| tiny-vl | 128 / 448 / 2 / 4 / 2, vocab 1024 | 2 / 32 / 2, patch 14, merge 2          | 662,400    |
+| preset      | text (hidden/mlp/layers/heads/kv) | vision (depth/dim/heads, patch, merge)        | parameters |
+|-------------|-----------------------------------|-----------------------------------------------|------------|
+| tiny-vl     | 128 / 448 / 2 / 4 / 2, vocab 1024 | 2 / 32 / 2, patch 14, merge 2                 | 662,400    |
+| tiny-vl-2.5 | as tiny-vl (Qwen2.5-VL)           | as tiny-vl; 56-px windows, block 1 full       | 666,464    |
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from transformers import BatchFeature, PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (
+    BatchFeature,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
 from posttrain.errors import ConfigError, ModelError
@@ -42,10 +53,15 @@ from posttrain.models.tokenizer import (
 FROM_SCRATCH_KEY = "posttrain_from_scratch"
 VISION_TOWER_MODES = ("auto", "frozen", "trained")
 
+VLFamily = Literal["qwen2_vl", "qwen2_5_vl"]
+VLConfig = Qwen2VLConfig | Qwen2_5_VLConfig
+VLModel = Qwen2VLForConditionalGeneration | Qwen2_5_VLForConditionalGeneration
+
 
 @dataclass(frozen=True)
 class TinyVLPreset:
-    """Sizes of a Qwen2-VL model: the text decoder, the vision tower and the default image pixel bounds."""
+    """Sizes of a Qwen2-VL or Qwen2.5-VL model (`family`): the text decoder, the vision tower and the default
+    image pixel bounds. `vision_window_size` (pixels) and `vision_fullatt_blocks` are Qwen2.5-VL's only."""
 
     hidden_size: int
     intermediate_size: int
@@ -64,23 +80,33 @@ class TinyVLPreset:
     min_pixels: int = 56 * 56  # the image processor's bounds: 4 .. 16 image tokens per image
     max_pixels: int = 112 * 112
     rope_theta: float = 10000.0
+    family: VLFamily = "qwen2_vl"
+    vision_window_size: int = (
+        0  # Qwen2.5-VL: side of an attention window, in pixels (a multiple of patch*merge)
+    )
+    vision_fullatt_blocks: tuple[int, ...] = ()  # Qwen2.5-VL: blocks attending over the whole image
 
+
+_TINY_VL = TinyVLPreset(
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=1024,
+    mrope_section=(4, 6, 6),  # Qwen2-VL's (16, 24, 24) for head_dim 128, scaled to head_dim 32
+    vision_depth=2,
+    vision_embed_dim=32,
+    vision_num_heads=2,
+    vision_mlp_ratio=2,
+)
 
 VL_PRESETS: dict[str, TinyVLPreset] = {
-    "tiny-vl": TinyVLPreset(
-        hidden_size=128,
-        intermediate_size=448,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=1024,
-        mrope_section=(4, 6, 6),  # Qwen2-VL's (16, 24, 24) for head_dim 128, scaled to head_dim 32
-        vision_depth=2,
-        vision_embed_dim=32,
-        vision_num_heads=2,
-        vision_mlp_ratio=2,
-    ),
+    "tiny-vl": _TINY_VL,
+    # Qwen2.5-VL's 112-px windows hold 4x4 merged tokens of 28 px; at 56 px a 112x112 image (4x4 tokens) has
+    # four 2x2 windows, so block 0 attends within windows and block 1 (the last, as in Qwen2.5-VL) over the image
+    "tiny-vl-2.5": replace(_TINY_VL, family="qwen2_5_vl", vision_window_size=56, vision_fullatt_blocks=(1,)),
 }
 
 
@@ -91,9 +117,9 @@ def get_vl_preset(name: str) -> TinyVLPreset:
     return VL_PRESETS[name]
 
 
-def make_vl_config(preset: TinyVLPreset, token_ids: dict[str, int]) -> Qwen2VLConfig:
-    """The Qwen2VLConfig of a preset (tied embeddings, init std 0.02, float32); `token_ids` maps the vision
-    tokens and bos/eos/pad to their ids."""
+def make_vl_config(preset: TinyVLPreset, token_ids: dict[str, int]) -> VLConfig:
+    """The Qwen2VLConfig or Qwen2_5_VLConfig of a preset (its `family`; tied embeddings, init std 0.02,
+    float32); `token_ids` maps the vision tokens and bos/eos/pad to their ids."""
     text = dict(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
@@ -112,18 +138,30 @@ def make_vl_config(preset: TinyVLPreset, token_ids: dict[str, int]) -> Qwen2VLCo
         eos_token_id=token_ids["eos"],
         pad_token_id=token_ids["pad"],
     )
-    vision = dict(
+    vision: dict[str, Any] = dict(
         depth=preset.vision_depth,
-        embed_dim=preset.vision_embed_dim,
-        hidden_size=preset.hidden_size,  # the merger projects into the text model's width
         num_heads=preset.vision_num_heads,
-        mlp_ratio=preset.vision_mlp_ratio,
         patch_size=preset.patch_size,
         spatial_merge_size=preset.spatial_merge_size,
         temporal_patch_size=2,
         initializer_range=0.02,
     )
-    return Qwen2VLConfig(
+    if preset.family == "qwen2_vl":
+        vision.update(
+            embed_dim=preset.vision_embed_dim,
+            hidden_size=preset.hidden_size,  # the merger projects into the text model's width
+            mlp_ratio=preset.vision_mlp_ratio,
+        )
+    else:  # Qwen2.5-VL names the tower's width hidden_size and the merger's output out_hidden_size
+        vision.update(
+            hidden_size=preset.vision_embed_dim,
+            intermediate_size=preset.vision_embed_dim * preset.vision_mlp_ratio,
+            out_hidden_size=preset.hidden_size,
+            window_size=preset.vision_window_size,
+            fullatt_block_indexes=list(preset.vision_fullatt_blocks),
+        )
+    config_class = Qwen2_5_VLConfig if preset.family == "qwen2_5_vl" else Qwen2VLConfig
+    return config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=token_ids[IMAGE_PAD],
@@ -135,15 +173,18 @@ def make_vl_config(preset: TinyVLPreset, token_ids: dict[str, int]) -> Qwen2VLCo
     )
 
 
-def build_tiny_vl_model(
-    preset: str, token_ids: dict[str, int], seed: int = 0
-) -> Qwen2VLForConditionalGeneration:
-    """A randomly initialised Qwen2-VL of a preset, reproducibly, without touching the global RNG."""
+def build_tiny_vl_model(preset: str, token_ids: dict[str, int], seed: int = 0) -> VLModel:
+    """A randomly initialised Qwen2-VL or Qwen2.5-VL of a preset, reproducibly, without touching the global RNG."""
     config = make_vl_config(get_vl_preset(preset), token_ids)
+    model: VLModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
-    return model.eval()
+        if isinstance(config, Qwen2_5_VLConfig):
+            model = Qwen2_5_VLForConditionalGeneration(config)
+        else:
+            model = Qwen2VLForConditionalGeneration(config)
+    model.eval()
+    return model
 
 
 def make_image_processor(
@@ -156,7 +197,7 @@ def make_image_processor(
 
 
 def make_tiny_vl_model(preset: str, out_dir: str | Path, corpus: Iterable[str], seed: int = 0) -> Path:
-    """Train a tokenizer (with the vision tokens) on `corpus`, build a seeded tiny Qwen2-VL, and save model,
+    """Train a tokenizer (with the vision tokens) on `corpus`, build a seeded tiny Qwen2(.5)-VL, and save model,
     tokenizer (chat template taking image parts) and image processor as one HF directory; returns it."""
     spec = get_vl_preset(preset)
     tokenizer = train_tokenizer(corpus, spec.vocab_size, extra_special_tokens=VISION_TOKENS)

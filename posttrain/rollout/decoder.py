@@ -7,10 +7,11 @@ cache and the attention bookkeeping: keys/values are written in place into per-s
 decode step attends each active sequence to its own slot, so sequences of different lengths (continuous
 batching) share one batched step with no padding recompute and no cache copies.
 
-A Qwen2-VL model (`qwen2_vl`) decodes through its text model (`model.model.language_model`): the caller passes
-the prompt's input embeddings (image features already in place of the image-pad tokens) and its multimodal
-rotary positions (M-RoPE, (3, B, P) from the model's `get_rope_index`); the model's own rotary embedding turns
-them into cos/sin, and the KV cache stays indexed by token position.
+A Qwen2-VL or Qwen2.5-VL model (`qwen2_vl`, `qwen2_5_vl`: the same text decoder, different vision towers)
+decodes through its text model (`model.model.language_model`): the caller passes the prompt's input embeddings
+(image features already in place of the image-pad tokens) and its multimodal rotary positions (M-RoPE,
+(3, B, P) from the model's `get_rope_index`; Qwen2.5-VL's needs `second_per_grid_ts` for videos only); the
+model's own rotary embedding turns them into cos/sin, and the KV cache stays indexed by token position.
 
 A layer's MLP is called as a module, so a sparse mixture-of-experts block (router, fused 3-D experts,
 shared expert) runs as transformers wrote it: each token is routed on its own, and padding rows of a
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "qwen2_vl")
+SUPPORTED = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
