@@ -27,13 +27,14 @@ def check_request(
     data: Sequence[types.Datum],
     loss_fn: str,
     config: Mapping[str, float | str] | None,
-    lengths: Sequence[int] | None = None,
+    lengths: Sequence[int | None] | None = None,
 ) -> dict[str, float | str]:
     """The loss's resolved config, after checking every datum's inputs and lengths against it, with the
     totals over the whole request that the loss needs (`request_config`: `policy_loss`'s token and
     sequence counts), computed here once because each worker sees only its split. `lengths`: the datums'
     model input lengths, image chunks expanded by the model's processor; None: as the chunks declare them
-    (`declared_length`: a client without the model)."""
+    (`declared_length`: a client without the model; a datum with an image of undeclared size is checked by
+    the server, which counts it)."""
     if not data:
         raise ValueError("No data provided")
     if lengths is None:
@@ -41,6 +42,8 @@ def check_request(
     resolved: dict[str, float | str] = {}
     for i, (datum, length) in enumerate(zip(data, lengths, strict=True)):
         resolved = check_api_loss(loss_fn, set(datum.loss_fn_inputs), dict(config or {}))
+        if length is None:
+            continue  # an image only the server can count: it runs this check with the counted length
         shapes = {k: list(v.to_numpy().shape) for k, v in datum.loss_fn_inputs.items()}
         try:
             check_input_lengths(shapes, model_input_length=length)

@@ -107,7 +107,7 @@ class HttpSamplingClient(ResolvedFuture):
             num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
             prompt_alt_tokens_k, prompt_logprobs_last_n,
         )  # fmt: skip
-        if not declared_length(prompt, "prompt"):
+        if declared_length(prompt, "prompt") == 0:  # None: an image of undeclared size, not empty
             raise ValueError("the prompt is empty")
         conn, seq_id = self._conn, next(self._seq)
 

@@ -53,22 +53,18 @@ def text_row(model_input: types.ModelInput, what: str) -> InputRow:
     return InputRow(tokens)
 
 
-def declared_length(model_input: types.ModelInput, what: str) -> int:
+def declared_length(model_input: types.ModelInput, what: str) -> int | None:
     """The length of a ModelInput as its chunks declare it, for a client that does not hold the model (http):
-    an image chunk counts its `expected_tokens`, which must then be set (the server checks it against the
-    image). A URL or path pointer is a ValueError, as on every backend."""
-    length = 0
+    an image chunk counts its `expected_tokens`. None when an image chunk leaves it out (tinker calls it
+    advisory): only the server, which holds the processor, can count that image, and it checks the request's
+    lengths when it does. A URL or path pointer is a ValueError, as on every backend."""
+    length: int | None = 0
     for j, chunk in enumerate(model_input.chunks):
         if isinstance(chunk, types.EncodedTextChunk):
-            length += len(chunk.tokens)
+            length = None if length is None else length + len(chunk.tokens)
         elif isinstance(chunk, types.ImageChunk):
-            if chunk.expected_tokens is None:
-                raise ValueError(
-                    f"{what}: chunk {j}: an ImageChunk needs expected_tokens on this backend: the server counts "
-                    "a request's tokens before it processes the images (tinker's cookbook sets it; "
-                    "ModelInputReader(model_dir).row(model_input) computes it where the model is)"
-                )
-            length += chunk.expected_tokens
+            unsized = chunk.expected_tokens is None
+            length = None if length is None or unsized else length + int(chunk.expected_tokens or 0)
         elif isinstance(chunk, types.ImageAssetPointerChunk):
             raise ValueError(pointer_refusal(chunk, f"{what}: chunk {j}"))
         else:

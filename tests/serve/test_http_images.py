@@ -1,5 +1,6 @@
 """Image chunks over `backend="http"` against a real `posttrain serve` of tiny-vl: the client checks lengths
-with the chunks' `expected_tokens`, the server processes the images, and the answers are the local backend's."""
+with the chunks' `expected_tokens` where they are given (the server counts the images where they are not),
+the server processes the images, and the answers are the local backend's."""
 
 from __future__ import annotations
 
@@ -50,9 +51,20 @@ def check_over_http(training: tinker.TrainingClient, vl_dir: Path, tmp_path: Pat
     out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=0)).result()
     assert [len(s.tokens) for s in out.sequences] == [3, 3]
     assert all(len(s.logprobs) == 3 for s in out.sequences)
-    # the client cannot count an image without expected_tokens: refused at the call, naming the datum
-    with pytest.raises(ValueError, match="datum 0: chunk 1: an ImageChunk needs expected_tokens"):
-        training.forward([sft_datum(tok, image_bytes("red"), 4)], "cross_entropy")
+    # an image without expected_tokens (advisory in tinker): the client cannot count it, the server does
+    unsized = [sft_datum(tok, image_bytes(c), 4) for c in ("red", "blue")]
+    assert all(c.expected_tokens is None for d in unsized for c in d.model_input.chunks if hasattr(c, "data"))
+    for a, b in zip(logprobs(training.forward(unsized, "cross_entropy").result()), on_http, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # ... and checks the lengths once it has: targets one short are the server's refusal, naming the datum
+    short = types.Datum(
+        model_input=unsized[1].model_input,
+        loss_fn_inputs={k: v.to_numpy()[:-1].tolist() for k, v in unsized[1].loss_fn_inputs.items()},
+    )
+    with pytest.raises(
+        (ValueError, HttpApiError), match=r"datum 1: model_input has length \d+ but target_tokens has"
+    ):
+        training.forward([unsized[0], short], "cross_entropy").result()
     # a wrong count: the server's refusal, with both numbers
     wrong = prompt_chunks(tok, image_bytes("red", (112, 56)), expected=4)  # 8 tokens
     n = sum(c.length for c in wrong)
