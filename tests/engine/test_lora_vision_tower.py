@@ -6,33 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from posttrain.config.schema import LoraConfig
 from posttrain.engine.lora import apply_lora, vision_tower_linears
 from posttrain.engine.multi_lora import targeted_linears
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm
+from posttrain.models.tokenizer import VISION_TOKENS
+from posttrain.models.vl import build_tiny_vl_model
 
 
-def tiny_qwen25_vl() -> Qwen2_5_VLForConditionalGeneration:
-    """A Qwen2.5-VL of a few thousand parameters (its vision MLP is gated, as in the released models)."""
-    text = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        eos_token_id=1, bos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    vision = dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=32,
-        fullatt_block_indexes=[0],
-    )
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+def tiny_qwen25_vl() -> torch.nn.Module:
+    """The tiny-vl-2.5 preset's model (its vision MLP is gated, as in the released Qwen2.5-VL models)."""
+    ids = {t: i for i, t in enumerate((*VISION_TOKENS, "pad", "eos"))}
+    return build_tiny_vl_model("tiny-vl-2.5", ids, seed=0)
 
 
 def adapted(model: torch.nn.Module) -> set[str]:
