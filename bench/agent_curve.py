@@ -8,8 +8,7 @@ expression and copying its result into the answer. An SFT warm start on tool-usi
 accuracy. Repeated over seeds (the warm start is shared; each seed is a GRPO run).
 
 Not learning yet (issue 15, item 9): GRPO has found no warm start to improve. Measured, greedy held-out
-accuracy on 64 prompts (`bench/results/agent_curve.json` is from older settings: 256 demonstrations, 80 SFT
-steps, 0%):
+accuracy on 64 prompts (`bench/results/agent_curve.json`: the default settings, 3 seeds, 3.1% -> 1.6-3.1%):
 - SFT alone, 500 steps on 2,000 demonstrations: well-formed calls (tool success 100%) with made-up operands
   and made-up answers, 0%. The model had not learned to copy digits.
 - `--pretrain-steps 1500` (continued pre-training, plain `text` rows with loss on every token, 40,000 of the
