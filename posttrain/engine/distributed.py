@@ -71,6 +71,16 @@ def init_distributed(info: DistInfo) -> tuple[DeviceMesh, torch.device]:
     return mesh, device
 
 
+def shutdown_distributed() -> None:
+    """Leave the default process group cleanly: wait for every rank, then destroy it. A process that exits
+    with the group still alive can abort in gloo's teardown ("terminate called without an active
+    exception") while a peer is still using it, so a rank that spawned its own group ends with this."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 @torch.no_grad()
 def broadcast_from_rank0(params: Iterable[torch.nn.Parameter]) -> None:
     """Rank 0's values of `params` on every rank (a collective: every rank passes the same parameters in the

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.distributed import DistInfo, free_port
+from posttrain.engine.distributed import DistInfo, free_port, shutdown_distributed
 from posttrain.engine.sequence_parallel import (
     SequenceParallel,
     check_sequence_parallel,
@@ -145,6 +145,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str, names: list[str])
     }
     if rank == 0:
         torch.save(results, out)
+    shutdown_distributed()
 
 
 def assert_sp2_equals_sp1(model_dir: Path, tmp_path: Path, names: list[str]) -> None:
@@ -220,6 +221,7 @@ def _memory_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         model_dir, DistInfo(rank=rank, world_size=2, master_port=port, device="cpu"), 2
     )
     torch.save(mib, f"{out}.{rank}")
+    shutdown_distributed()
 
 
 @pytest.mark.slow
@@ -260,6 +262,7 @@ def _attention_rank_main(rank: int, port: int, out: str) -> None:
     )
     out_local.backward(torch.ones_like(out_local))
     torch.save({"out": out_local.detach(), "grads": [t.grad for t in local]}, f"{out}.{rank}")
+    shutdown_distributed()
 
 
 def test_attention_with_fewer_kv_heads_than_sp_equals_the_unsliced_attention(tmp_path: Path) -> None:
