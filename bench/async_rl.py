@@ -11,6 +11,9 @@ tail of responses several times longer), from a short SFT warm start on its work
 Each runs `--steps` GRPO steps; samples/s counts the steps after the first (start-up excluded), alternating
 configurations across repeats. The speedup bound with two workers is (generation + training) / max(generation,
 training), from the split k=0 run's own timings; two cores sharing memory bandwidth lower it further.
+Each run also reports held-out accuracy after its last step (`val/acc` on the 64 test problems, outside the
+timed steps), so that a speedup bought with worse learning shows; every configuration trains the same number
+of samples.
 
     python bench/async_rl.py                 # tiny preset, mixed lengths and the long tail, 2 repeats
     python bench/async_rl.py --preset small --repeats 3
@@ -95,7 +98,7 @@ def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: in
             "rollout.n=4",
             "data.max_response_length=400",
             "actor.optim.lr=1e-4",
-            "trainer.val_every=0",
+            f"trainer.val_every={steps}",  # held-out accuracy once, after the last step (not timed in it)
             "trainer.val_before_train=false",
             "trainer.save_every=0",
             "trainer.loggers=[jsonl]",
@@ -117,6 +120,8 @@ def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: in
         ),
         "reward": statistics.fmean(r["reward/mean"] for r in steady),
         "response_length": statistics.fmean(r["response_length/mean"] for r in steady),
+        "samples_trained": 8 * 4 * steps,
+        "val_acc_after": [r["val/acc"] for r in rows if "val/acc" in r][-1],
     }
     for key in ("async/trainer_idle_share", "async/rollout_idle_share", "async/staleness",
                 "async/groups_carried_over", "async/time_to_batch_s", "async/dropped_samples"):  # fmt: skip
@@ -177,6 +182,7 @@ def main() -> None:
                     "repeats": len(values),
                     "spread": [round(min(values), 3), round(max(values), 3)],
                     "two_worker_speedup_bound": round(bound, 3),
+                    "val_acc_after": [r["val_acc_after"] for r in runs],
                     "details": runs,
                 }
             )

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, machine_info, write_result
+from common import RESULTS, code_commit, machine_info, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 POSTTRAIN = [sys.executable, "-m", "posttrain"]
@@ -388,8 +388,13 @@ def main() -> None:
 
     previous = RESULTS / "post_training.json"
     results: dict[str, list[dict[str, Any]]] = {}
-    if previous.exists():  # stages not re-run keep their last figures
-        results = json.loads(previous.read_text()).get("runs", {})
+    if previous.exists():  # stages not re-run keep their last figures, each with its own warm start
+        before = json.loads(previous.read_text())
+        results = before.get("runs", {})
+        for runs in results.values():
+            for r in runs:
+                r.setdefault("sft_start_val_acc", before.get("sft_start_val_acc"))
+    code = code_commit()
     for stage in stages:
         results[stage] = []
         for seed in range(args.seeds):
@@ -402,9 +407,16 @@ def main() -> None:
                 out = rm(paths, work, seed, args.threads)
             else:
                 out = grpo_rm(paths, work, seed, args.grpo_steps, args.workers)
+            out["sft_start_val_acc"] = start
+            out["code"] = code  # stages not re-run keep their own runs' code (below)
             print("  " + json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)
             results[stage].append(out)
-    rows = [row for stage in STAGES if results.get(stage) for row in rows_for(stage, results[stage], start)]
+    rows = [
+        row
+        for stage in STAGES
+        if results.get(stage)
+        for row in rows_for(stage, results[stage], results[stage][0]["sft_start_val_acc"])
+    ]
     result = {
         "bench": "post_training",
         "machine": machine_info(args.threads),
@@ -418,6 +430,10 @@ def main() -> None:
             "grpo_rm_steps": args.grpo_steps,
         },
         "seconds": round(time.perf_counter() - started, 1),
+        "code": {
+            stage: sorted({r.get("code", "before the code field") for r in runs})
+            for stage, runs in results.items()
+        },
         "rows": rows,
         "runs": results,
     }

@@ -11,6 +11,10 @@ Each tenant (its own API key, its own LoRA adapter of rank 8 on the one served b
 - **baseline**: the same adapters and steps in-process (`posttrain.client.ServiceClient("local")`), one
   adapter at a time, each call waited for: what one adapter at a time costs without a server.
 
+- **overhead**: the smallest request (one sequence of 8 tokens, `forward_backward`), `--overhead-calls` round
+  trips one at a time through the SDK and the server, against the same calls in-process: the p50 difference is
+  what serving adds to a request, with next to no compute in it to add noise.
+
 Reported per case (preset, tenants, `n`): train tokens/s (tenants x steps x n x seq-len over the wall
 time of the measured steps), steps/s, and p50/p99 of the forward_backward round trip; the ratio is served /
 baseline tokens/s. With one tenant the difference is what serving adds (protocol, HTTP, polling); with
@@ -212,6 +216,37 @@ def run_ceiling(model: Path, tenants: int, n: int, args: argparse.Namespace) -> 
     return summary(wall, tenants, n, args, latencies)
 
 
+def call_latencies(training: Any, calls: int) -> list[float]:
+    """Round trips of the smallest request (one sequence of 8 tokens, `forward_backward`), one at a time."""
+    data = make_data(1, 8, seed=0)
+    for _ in range(5):  # warm-up: first-call allocations, connections
+        training.forward_backward(data, "cross_entropy").result()
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        training.forward_backward(data, "cross_entropy").result()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def run_overhead(model: Path, url: str, calls: int) -> dict[str, float]:
+    """What serving adds to one request with next to no compute in it: p50 round trip of a 1x8
+    `forward_backward` through the tinker SDK and the server, minus the same call in-process."""
+    import tinker
+
+    from posttrain.client import ServiceClient
+
+    service = tinker.ServiceClient(base_url=url, api_key=next(iter(keys(1))))
+    served = call_latencies(service.create_lora_training_client(base_model="model", rank=RANK), calls)
+    with ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as local:
+        in_process = call_latencies(local.create_lora_training_client(str(model), rank=RANK), calls)
+    return {
+        "served_p50_ms": 1000 * statistics.median(served),
+        "in_process_p50_ms": 1000 * statistics.median(in_process),
+        "overhead_ms": 1000 * (statistics.median(served) - statistics.median(in_process)),
+    }
+
+
 def summary(wall: float, tenants: int, n: int, args: argparse.Namespace, latencies: list[float]) -> dict:
     ordered = sorted(latencies)
     return {
@@ -236,6 +271,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--overhead-calls", type=int, default=50, help="1x8 calls per repeat (0: skip)")
     parser.add_argument("--out", default="service.json")
     parser.add_argument("--serve-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -254,9 +290,13 @@ def main() -> None:
             served: dict[int, list[dict]] = {t: [] for t in tenant_counts}
             baseline: dict[int, list[dict]] = {t: [] for t in tenant_counts}
             ceiling: dict[int, list[dict]] = {t: [] for t in tenant_counts if t > 1}
+            overhead: list[dict[str, float]] = []
             for repeat in range(args.repeats):
                 process, url = start_server(model, work, max(tenant_counts))
                 try:
+                    if args.overhead_calls and n == sizes[0]:
+                        overhead.append(run_overhead(model, url, args.overhead_calls))
+                        print(f"{preset} repeat={repeat} smallest request: {overhead[-1]}", flush=True)
                     for t in tenant_counts:  # alternating served / baseline
                         served[t].append(run_served(url, t, n, args))
                         baseline[t].append(run_baseline(model, t, n, args))
@@ -268,6 +308,14 @@ def main() -> None:
                     process.wait(timeout=60)
             for t in tenant_counts:
                 rows += case_rows(preset, n, t, args, served[t], baseline[t], ceiling.get(t))
+            if overhead:
+                value, spread = median_spread([o["overhead_ms"] for o in overhead])
+                rows.append(
+                    {"case": f"{preset} one tenant, 1x8 forward_backward", "metric": "serving_overhead_ms",
+                     "value": round(value, 2), "higher_is_better": False, "repeats": len(overhead),
+                     "spread": [round(x, 2) for x in spread], "calls_per_repeat": args.overhead_calls,
+                     "details": overhead}
+                )  # fmt: skip
     result = {
         "bench": "service",
         "machine": machine_info(args.threads),
