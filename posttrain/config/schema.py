@@ -107,10 +107,18 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RouterReplayConfig:
-    """Routing replay for mixture-of-experts policies (verl's `actor.router_replay`): R3 records the sampler's
-    top-k experts per token and layer and forces the actor's log-prob and update passes to use them."""
+    """Routing replay for mixture-of-experts policies (verl's `actor.router_replay`): a token's top-k experts per
+    sparse layer are recorded in one pass and forced in later ones (weights from the current router logits),
+    so a near-tie in a router does not change a token's experts between the passes that compare its log-probs.
 
-    mode: Literal["disabled", "R3"] = "disabled"
+    Modes: `disabled`; `R2`: the trainer's old-log-prob pass records, the update passes (every mini-batch and
+    epoch) replay, so old and new log-probs use the same experts; any rollout engine or placement, async RL,
+    agents (with one update per batch the pass is skipped and there is nothing to replay); `R3` (Rollout Routing
+    Replay, Ma et al. 2025, arXiv:2510.11370): the sampler records, the old-log-prob and update passes replay,
+    which also closes the sampler/trainer gap; built-in engine, colocated, synchronous only."""
+
+    # R2: the update replays the experts of the trainer's old-log-prob pass; R3: the sampler's
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
 
 
 @dataclass(frozen=True)

@@ -151,10 +151,20 @@ class ActorGroup(RoleGroup):
     def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
         return self._batch("sample", batch, sampling)
 
-    def forward(self, batch: Batch, *, model: ReferenceModel = "actor", temperature: float = 1.0) -> Batch:
+    def forward(
+        self,
+        batch: Batch,
+        *,
+        model: ReferenceModel = "actor",
+        temperature: float = 1.0,
+        record_routing: bool = False,
+    ) -> Batch:
         """Response log-probs under the policy (`old_log_probs`), the reference (`ref_log_prob`) or the
-        distillation teacher (`teacher_log_prob`)."""
-        return self._batch_dp("forward", batch, model=model, temperature=temperature)
+        distillation teacher (`teacher_log_prob`); `record_routing`: with the policy's experts of every token
+        (`routed_experts`, routing replay R2)."""
+        return self._batch_dp(
+            "forward", batch, model=model, temperature=temperature, record_routing=record_routing
+        )
 
     def forward_backward(self, batch: Batch, loss: LossSpec, *, temperature: float = 1.0) -> Metrics:
         return self._metrics_dp("forward_backward", batch, loss, temperature=temperature)

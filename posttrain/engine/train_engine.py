@@ -7,6 +7,7 @@ for this rank. Every public method is SPMD: all ranks call it together with equa
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
 from posttrain.engine.vision_pass import VisionPass
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_config, load_value_model
+from posttrain.models.routing import ROUTE_DTYPE
 from posttrain.models.vl import vision_tower, vision_tower_trained
 
 # loss_fn(log_probs, entropy_or_None, micro_batch) -> (scalar loss, metrics). The loss is already
@@ -426,15 +428,18 @@ class TrainEngine:
         )
 
     def _replay(self, mb: Batch) -> contextlib.AbstractContextManager[None]:
-        """A micro-batch carrying the sampler's experts (`routed_experts`) runs routed by them, forward and
-        backward (routing replay, engine.routing_replay); any other runs as it is."""
+        """A micro-batch carrying recorded experts (`routed_experts`: the sampler's, R3, or the old-log-prob
+        pass's, R2) runs routed by them, forward and backward (engine.routing_replay); any other runs as it is."""
         if keys.ROUTED_EXPERTS not in mb:
             return contextlib.nullcontext()
+        return self._routing_replay().replaying(mb)
+
+    def _routing_replay(self) -> RoutingReplay:
         if self.sp is not None or self.config.head != "lm":
             raise ConfigError("routing replay needs the lm head and model.sequence_parallel_size=1")
         if self.routing_replay is None:
             self.routing_replay = RoutingReplay(self.model)
-        return self.routing_replay.replaying(mb)
+        return self.routing_replay
 
     def _packed_log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool, model: torch.nn.Module | None = None
@@ -468,36 +473,65 @@ class TrainEngine:
             raise ConfigError("compute_log_prob needs the lm head; a value-head engine has compute_values")
         if disable_adapter and not self.lora:
             raise ConfigError("compute_log_prob(disable_adapter=True) needs a LoRA engine")
-        return self._outputs_no_grad(batch, temperature, disable_adapter)
+        return self._outputs_no_grad(batch, temperature, disable_adapter)[0]
+
+    def compute_log_prob_and_routing(
+        self, batch: Batch, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs as `compute_log_prob`, the experts each token was routed to in this pass): `routed_experts`
+        (B, T, L, k) on the grid of input_ids, -1 on padding (routing replay R2: the update passes replay them).
+        Rows carrying `routed_experts` already run replayed, and record what they replayed."""
+        if self.config.head != "lm":
+            raise ConfigError("compute_log_prob_and_routing needs the lm head")
+        log_probs, routed = self._outputs_no_grad(batch, temperature, False, record_routing=True)
+        assert routed is not None
+        return log_probs, routed
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """The value head's V(s_t) for every response token (the critic's pass)."""
         if self.config.head != "value":
             raise ConfigError("compute_values needs the value head; an lm-head engine has compute_log_prob")
-        return self._outputs_no_grad(batch, 1.0, False)
+        return self._outputs_no_grad(batch, 1.0, False)[0]
 
     @torch.no_grad()
-    def _outputs_no_grad(self, batch: Batch, temperature: float, disable_adapter: bool) -> torch.Tensor:
-        """The head's per-token outputs over every micro-batch, in eval mode, in the batch's row order."""
+    def _outputs_no_grad(
+        self, batch: Batch, temperature: float, disable_adapter: bool, record_routing: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's per-token outputs over every micro-batch, in eval mode, in the batch's row order; with
+        `record_routing`, also each token's experts (engine.routing_replay, `RoutingReplay.recorded`)."""
         was_training = self.model.training
         self.model.eval()
         what = "compute_log_prob" if self.config.head == "lm" else "compute_values"
+        recorder = self._routing_replay() if record_routing else None
         outs, order = [], []
+        routed: torch.Tensor | None = None
+        if recorder is not None:
+            cells = batch[keys.ATTENTION_MASK].shape
+            routed = torch.full(
+                (*cells, len(recorder.routers), recorder.routers[0].top_k), -1, dtype=ROUTE_DTYPE
+            )
         with self.model.disable_adapter() if disable_adapter else contextlib.nullcontext():
             try:
                 for rows in self._micro_batch_rows(batch):
                     mb = batch.index(rows).to(self.device)
                     with self._out_of_memory_hint(what, mb), self._replay(mb):
-                        outs.append(self._log_probs(mb, temperature, False)[0].cpu())
+                        if recorder is None:
+                            outs.append(self._log_probs(mb, temperature, False)[0].cpu())
+                        else:
+                            run = functools.partial(self._log_probs, mb, temperature, False)
+                            out, mb_routed = recorder.recorded(mb, run)
+                            outs.append(out[0].cpu())
+                            assert routed is not None
+                            routed[rows] = mb_routed.cpu()
                     order += rows
             finally:
                 reshard_all(self.model)  # one rank keeps parameters gathered between passes (apply_fsdp)
         self.model.train(was_training)
         if not outs:
-            return torch.empty(0)
+            return torch.empty(0), routed
         result = torch.empty_like(torch.cat(outs))
         result[torch.tensor(order)] = torch.cat(outs)
-        return result
+        return result, routed
 
     def forward_backward(
         self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, with_entropy: bool = False

@@ -4,7 +4,8 @@ Routing replay (R3, "Rollout Routing Replay", Ma et al. 2025, arXiv:2510.11370):
 compute the router logits in different kernels and layouts, so a token near a top-k tie can be sent to other
 experts in the trainer than it was in the sampler; its log-prob then differs by far more than rounding, and
 that routing mismatch dominates an MoE policy's train/rollout gap. R3 records the sampler's top-k experts of
-every token in every sparse layer and makes the trainer's routers use them.
+every token in every sparse layer and makes the trainer's routers use them. R2 (verl's name) records in the
+trainer's own old-log-prob pass instead and replays in the update passes (engine.routing_replay).
 
 transformers' top-k routers (Qwen2-MoE, Qwen3-MoE, Mixtral: `*TopKRouter`, the class each model records as
 `router_logits`) return `(router_logits, top_k_weights, top_k_indices)`; the sparse block then runs the chosen
@@ -55,7 +56,7 @@ def router_modules(model: nn.Module) -> list[nn.Module]:
     routers = [m for m in model.modules() if classes and isinstance(m, classes)]
     if not routers:
         raise ConfigError(
-            "actor.router_replay.mode=R3 needs a mixture of experts whose routers transformers records as "
+            "routing replay (actor.router_replay.mode) needs a mixture of experts whose routers transformers records as "
             f"`router_logits`; '{getattr(getattr(model, 'config', None), 'model_type', '?')}' has none"
         )
     unsupported = sorted(
@@ -63,7 +64,7 @@ def router_modules(model: nn.Module) -> list[nn.Module]:
     )
     if unsupported:
         raise ConfigError(
-            f"actor.router_replay.mode=R3: routers {unsupported} are not top-k routers returning (logits, "
+            f"routing replay (actor.router_replay.mode): routers {unsupported} are not top-k routers returning (logits, "
             "weights, indices); routing replay supports transformers' *TopKRouter (Qwen2-MoE, Qwen3-MoE, Mixtral)"
         )
     return routers

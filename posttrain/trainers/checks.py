@@ -82,29 +82,41 @@ def check_router_aux_loss(model: ModelConfig) -> None:
 
 
 def check_router_replay(cfg: RLConfig) -> None:
-    """`actor.router_replay.mode=R3` needs a mixture of experts sampled by the colocated built-in engine in one
-    synchronous pass per response (the only path that records and carries each token's experts)."""
-    if cfg.actor.router_replay.mode == "disabled":
+    """`actor.router_replay.mode` needs a mixture of experts and a sequence-parallel size of 1 (a rank holds part
+    of each row). R2 records in the trainer's old-log-prob pass, so any rollout engine, placement, async RL or
+    agent loop works; rollout correction's bypass mode has no such pass (its old log-probs are the sampler's:
+    R3). R3 needs the colocated built-in engine in one synchronous pass per response (the only path that
+    records each token's experts and carries them to the Batch)."""
+    mode = cfg.actor.router_replay.mode
+    if mode == "disabled":
         return
-    key = "actor.router_replay.mode=R3"
+    key = f"actor.router_replay.mode={mode}"
     if not is_moe(load_config(cfg.model.path)):
         raise ConfigError(f"{key} needs a mixture-of-experts model; {cfg.model.path} has no routed experts")
-    refused = (
-        (
-            cfg.rollout.name != "native",
-            f"rollout.name={cfg.rollout.name} (only the native engine records routing)",
-        ),
-        (
-            cfg.resources.rollout != "trainer",
-            f"resources.rollout={cfg.resources.rollout} (a separate rollout pool)",
-        ),
-        (cfg.async_rl.staleness > 0, f"async_rl.staleness={cfg.async_rl.staleness}"),
-        (cfg.agent.enable, "agent.enable=true (tool tokens are not routed by the sampler)"),
-        (
-            cfg.model.sequence_parallel_size > 1,
-            f"model.sequence_parallel_size={cfg.model.sequence_parallel_size}",
-        ),
-    )
+    sp = cfg.model.sequence_parallel_size
+    refused: list[tuple[bool, str]] = [(sp > 1, f"model.sequence_parallel_size={sp}")]
+    if mode == "R2":
+        bypass = cfg.algorithm.rollout_correction.bypass_mode
+        why = (
+            "algorithm.rollout_correction.bypass_mode=true (no old-log-prob pass records the routing; use R3)"
+        )
+        refused.append((bypass, why))
+    else:
+        refused += [
+            (
+                cfg.rollout.name != "native",
+                f"rollout.name={cfg.rollout.name} (only the native engine records routing; R2 works with any)",
+            ),
+            (
+                cfg.resources.rollout != "trainer",
+                f"resources.rollout={cfg.resources.rollout} (a separate rollout pool; R2 works with it)",
+            ),
+            (cfg.async_rl.staleness > 0, f"async_rl.staleness={cfg.async_rl.staleness} (R2 works with it)"),
+            (
+                cfg.agent.enable,
+                "agent.enable=true (episodes are not assembled with their sampled routing; R2 works with it)",
+            ),
+        ]
     for used, why in refused:
         if used:
             raise ConfigError(f"{key} is not supported with {why}; set actor.router_replay.mode=disabled")

@@ -324,10 +324,12 @@ class RLTrainer:
                 gen_metrics.update(balance_metrics)
             forward_batch = batch.select(FORWARD_KEYS, self.image_keys)
             if not self.reuse_update_log_probs:
-                # routing replay: the actor's passes get the sampler's experts (actor.router_replay)
-                actor_batch = batch.select(FORWARD_KEYS + self._replayed, self.image_keys)
+                # routing replay (actor.router_replay): R3 replays the sampler's experts here, R2 records them
+                r2 = cfg.actor.router_replay.mode == "R2"
+                actor_batch = batch.select(FORWARD_KEYS + ([] if r2 else self._replayed), self.image_keys)
                 with self.progress.stage("old_log_prob"), timed(timings, "old_log_prob"):
-                    batch = batch.union(actor.forward(actor_batch, model="actor", temperature=self._temp))
+                    old = actor.forward(actor_batch, model="actor", temperature=self._temp, record_routing=r2)
+                    batch = batch.union(old)
             if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 with self.progress.stage("ref"), timed(timings, "ref"):
                     batch = batch.union(actor.forward(forward_batch, model="ref", temperature=self._temp))
@@ -469,8 +471,13 @@ class RLTrainer:
 
     @property
     def _replayed(self) -> list[str]:
-        """Columns of the sampler's routing the actor's passes replay (actor.router_replay.mode=R3)."""
-        return [keys.ROUTED_EXPERTS] if self.cfg.actor.router_replay.mode == "R3" else []
+        """Columns of recorded routing the actor's passes replay (actor.router_replay): R3 the sampler's, R2 the
+        old-log-prob pass's. R2 without that pass (one update per batch, `reuse_update_log_probs`) has nothing
+        to replay: the update's own log-probs are the old ones, so old and new already share their experts."""
+        mode = self.cfg.actor.router_replay.mode
+        if mode == "R3" or (mode == "R2" and not self.reuse_update_log_probs):
+            return [keys.ROUTED_EXPERTS]
+        return []
 
     def update(self, batch: Batch) -> Metrics:
         """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""

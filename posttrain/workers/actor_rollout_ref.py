@@ -88,9 +88,17 @@ class ActorRolloutRefWorker:
         return sample_batch(self.rollout, batch, sampling)
 
     # ---- forward / backward --------------------------------------------------------------------
-    def forward(self, batch: Batch, model: str = "actor", temperature: float = 1.0) -> Batch:
+    def forward(
+        self, batch: Batch, model: str = "actor", temperature: float = 1.0, record_routing: bool = False
+    ) -> Batch:
         """Log-probs of the responses under the actor (`old_log_probs`), the reference (`ref_log_prob`) or the
-        distillation teacher (`teacher_log_prob`)."""
+        distillation teacher (`teacher_log_prob`). `record_routing` (the actor only): also each token's experts
+        in this pass (`routed_experts`, routing replay R2)."""
+        if model == "actor" and record_routing:
+            log_probs, routed = self.actor.compute_log_prob_and_routing(batch, temperature)
+            return Batch.from_dict({keys.OLD_LOG_PROBS: log_probs, keys.ROUTED_EXPERTS: routed})
+        if record_routing:
+            raise ValueError(f"forward(record_routing=True) records the actor's routing, not the {model}'s")
         if model == "actor":
             return Batch.from_dict({keys.OLD_LOG_PROBS: self.actor.compute_log_prob(batch, temperature)})
         if model == "ref":

@@ -1,9 +1,11 @@
-"""Routing replay (R3): the built-in sampler records each token's top-k experts per sparse layer, the Batch
+"""Routing replay. R3: the built-in sampler records each token's top-k experts per sparse layer, the Batch
 carries them aligned with input_ids, and the training engine forces its routers to them in every layout
-(padded, packed, shared prompts), forward and backward."""
+(padded, packed, shared prompts), forward and backward. R2: the training engine's own log-prob pass records them
+(every layout, micro-batches, token budgets, 2 FSDP ranks) and the update passes replay them."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,137 @@ def test_a_batch_of_another_model_is_refused(tiny_moe_dir: Path) -> None:
     engine = TrainEngine(EngineConfig(model_path=str(tiny_moe_dir), trainable=False))
     with pytest.raises(ConfigError, match="does not fit this model's 4 sparse layers of top-2"):
         engine.compute_log_prob(batch)
+
+
+def hf_routing(model_dir: Path, batch: Batch) -> torch.Tensor:
+    """(B, T, L, k) experts a plain transformers forward of `batch`'s padded rows chooses."""
+    from posttrain.models import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    recorder = RoutingRecorder(model)
+    with torch.no_grad(), recorder.record() as calls:
+        model(input_ids=batch[keys.INPUT_IDS], attention_mask=batch[keys.ATTENTION_MASK])
+    return RoutingRecorder.stacked(calls).unflatten(1, batch[keys.INPUT_IDS].shape).permute(1, 2, 0, 3)
+
+
+def experts(routed: torch.Tensor) -> torch.Tensor:
+    return routed.sort(-1).values  # a token's set of experts, whatever order the router listed them in
+
+
+@pytest.mark.parametrize(
+    "layout", [*LAYOUTS, "token_budget"]
+)  # token_budget: micro-batches of rows out of order
+def test_r2_records_what_a_plain_forward_chooses_and_replaying_it_changes_nothing(
+    tiny_moe_dir: Path, layout: str
+) -> None:
+    batch = grouped_rl_batch(prompts=3, n=2)
+    options = {"max_token_len": 24} if layout == "token_budget" else LAYOUTS[layout]
+    engine = TrainEngine(
+        EngineConfig(model_path=str(tiny_moe_dir), trainable=False, micro_batch_size=4, **options)
+    )
+    log_probs, routed = engine.compute_log_prob_and_routing(batch)
+    mask = batch[keys.ATTENTION_MASK].bool()
+    assert routed.shape == (*mask.shape, 4, 2) and routed.dtype == torch.int16
+    assert bool((routed[~mask] == -1).all()) and bool((routed[mask] >= 0).all())
+    assert torch.equal(experts(routed[mask]), experts(hf_routing(tiny_moe_dir, batch)[mask]))
+    assert torch.equal(log_probs, engine.compute_log_prob(batch))  # recording does not change the pass
+    replayed = batch.select()
+    replayed.set(keys.ROUTED_EXPERTS, routed)
+    assert float((engine.compute_log_prob(replayed) - log_probs).abs().max()) < 1e-6
+
+
+def moved_router(model_dir: Path, out: Path, scale: float = 0.005) -> Path:
+    """`model_dir` with noise on the last sparse layer's router: some tokens change experts there, and only
+    there (no later layer), so a token's log-prob changes exactly when the position predicting it flips."""
+    from posttrain.models import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    gate = model.model.layers[3].mlp.gate.weight
+    with torch.no_grad():
+        gate.add_(torch.randn(gate.shape, generator=torch.Generator().manual_seed(0)) * scale)
+    model.save_pretrained(out)
+    for f in model_dir.iterdir():
+        if not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_r2_after_a_weight_change_the_replayed_pass_differs_only_through_routing(
+    tiny_moe_dir: Path, tmp_path: Path
+) -> None:
+    """Old weights record (the old-log-prob pass), new weights replay (the update): where the new router keeps a
+    token's experts the replayed log-prob equals the unreplayed one, where it flips they differ; the update's
+    loss sees the replayed log-probs (ratio 1 against them), not the unreplayed ones."""
+    batch = with_global_totals(grouped_rl_batch(prompts=3, n=2))
+    old = TrainEngine(EngineConfig(model_path=str(tiny_moe_dir), trainable=False, micro_batch_size=4))
+    _, routed = old.compute_log_prob_and_routing(batch)
+    new = TrainEngine(
+        EngineConfig(
+            model_path=str(moved_router(tiny_moe_dir, tmp_path / "moved")),
+            optim=OptimConfig(lr=1e-3),
+            micro_batch_size=2,
+            router_aux_loss_coef=0.0,
+        )
+    )
+    plain, own = new.compute_log_prob_and_routing(batch)
+    replay = batch.select()
+    replay.set(keys.ROUTED_EXPERTS, routed)
+    replayed = new.compute_log_prob(replay)
+    responses = batch[keys.RESPONSE_MASK].bool()
+    width, total = responses.shape[1], routed.shape[1]
+    flipped = (experts(own) != experts(routed)).any(-1)  # (B, T, L)
+    assert not bool(flipped[..., :3].any())  # only the moved router's layer changes
+    # response token j is predicted at position total - width + j - 1
+    predicted_by_flip = flipped[:, total - width - 1 : total - 1, 3] & responses
+    assert 0 < int(predicted_by_flip.sum()) < int(responses.sum())
+    diff = (replayed - plain).abs()
+    assert float(diff[responses & ~predicted_by_flip].max()) < 1e-6
+    assert float(diff[predicted_by_flip].min()) > 1e-4
+    # the update's log-probs are the replayed ones: ratio 1 against them, not against the unreplayed ones
+    for b in (batch, replay):
+        b.set(keys.ADVANTAGES, torch.randn(responses.shape, generator=torch.Generator().manual_seed(1)))
+        b.set(keys.OLD_LOG_PROBS, replayed)
+    metrics = new.forward_backward(replay, build_loss(PPO, 1))
+    assert metrics["actor/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # mean = max = 1: every ratio is 1
+    unreplayed = new.forward_backward(batch, build_loss(PPO, 1))
+    assert abs(unreplayed["actor/ratio_max"] - 1) + abs(unreplayed["actor/ratio_mean"] - 1) > 1e-4
+
+
+@pytest.mark.slow
+def test_r2_on_two_fsdp_ranks_records_and_replays_as_one_rank(tiny_moe_dir: Path, ray_cluster: None) -> None:
+    """The recording pass on 2 gloo ranks (each its half of the rows, packed, 2 micro-batches) gives 1 rank's
+    experts and log-probs; the update replaying them on 2 ranks gives 1 rank's loss (ratio 1 on both)."""
+    from posttrain.controller.worker_group import RayWorkerGroup
+    from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
+
+    engine = EngineConfig(
+        model_path=str(tiny_moe_dir), optim=OptimConfig(lr=1e-3), micro_batch_size=2, router_aux_loss_coef=0.0
+    )
+    spec = ActorRolloutRefSpec(engine=engine, with_rollout=False, threads=1)
+    batch = grouped_rl_batch(prompts=4, n=2)
+    local_log_probs, local_routed = TrainEngine(
+        EngineConfig(model_path=str(tiny_moe_dir), trainable=False)
+    ).compute_log_prob_and_routing(batch)
+    groups = {
+        world: RayWorkerGroup(ActorRolloutRefWorker, spec, world_size=world, role="actor", device="cpu")
+        for world in (1, 2)
+    }
+    try:
+        metrics = {}
+        for world, group in groups.items():
+            old = group.call("forward", batch.select(FORWARD, []), "actor", 1.0, True)
+            assert torch.equal(old[keys.ROUTED_EXPERTS], local_routed)
+            assert float((old[keys.OLD_LOG_PROBS] - local_log_probs).abs().max()) < 1e-5
+            update = with_global_totals(batch.union(old))
+            advantages = torch.randn(
+                update[keys.RESPONSE_MASK].shape, generator=torch.Generator().manual_seed(2)
+            )
+            update.set(keys.ADVANTAGES, advantages * update[keys.RESPONSE_MASK])
+            metrics[world] = group.call("forward_backward", update, PPO)
+    finally:
+        for group in groups.values():
+            group.shutdown()
+    assert metrics[1]["loss"] == pytest.approx(metrics[2]["loss"], abs=1e-5)
+    for m in metrics.values():
+        assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-5)

@@ -75,6 +75,42 @@ def test_grpo_with_routing_replay(
         RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "b", *r3))
 
 
+def test_grpo_with_r2_through_posttrain_train(
+    tiny_model_dir: Path, tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """R2: the actor's old-log-prob pass records its experts and the two mini-batch updates replay them, with
+    the hf rollout engine (which records nothing: R2 needs no sampler support); refusals name the key."""
+    import pytest
+
+    from posttrain.cli import main
+    from posttrain.errors import ConfigError
+
+    from .test_rl_e2e import rl_overrides
+
+    run = tmp_path / "run"
+    r2 = ["actor.router_replay.mode=R2", "actor.mini_batch_size=8", "rollout.name=hf"]
+    overrides = rl_overrides(tiny_moe_dir, arithmetic_data, run, "trainer.total_steps=2", *r2, *LOCAL)
+    assert main(["train", *overrides]) == 0
+    steps = [r for r in rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["actor/grad_norm"] > 0 and r["timing/old_log_prob"] > 0  # the recording pass ran
+    with pytest.raises(
+        ConfigError, match="R2 is not supported with algorithm.rollout_correction.bypass_mode"
+    ):
+        bypass = "algorithm.rollout_correction.bypass_mode=true"
+        RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "a", *r2, bypass))
+    with pytest.raises(ConfigError, match="R2 is not supported with model.sequence_parallel_size=2"):
+        sp = ["model.sequence_parallel_size=2", "model.router_aux_loss_coef=0", "trainer.backend=ray"]
+        sp += ["trainer.n_workers_per_node=2"]
+        RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "b", *r2, *sp))
+    with pytest.raises(ConfigError, match="R2 needs a mixture-of-experts model"):
+        RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "c", *r2))
+    with pytest.raises(ConfigError, match=r"R3 is not supported with agent.enable=true .*R2 works with it"):
+        r3_agents = ["actor.router_replay.mode=R3", "agent.enable=true"]
+        RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "d", *r3_agents))
+
+
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
     cfg = load_config(
         SFTConfig,
