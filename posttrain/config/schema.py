@@ -115,7 +115,7 @@ class RouterReplayConfig:
     epoch) replay, so old and new log-probs use the same experts; any rollout engine or placement, async RL,
     agents (with one update per batch the pass is skipped and there is nothing to replay); `R3` (Rollout Routing
     Replay, Ma et al. 2025, arXiv:2510.11370): the sampler records, the old-log-prob and update passes replay,
-    which also closes the sampler/trainer gap; built-in engine, colocated, synchronous only."""
+    which also closes the sampler/trainer gap; built-in engine (colocated or its own pool), synchronous only."""
 
     # R2: the update replays the experts of the trainer's old-log-prob pass; R3: the sampler's
     mode: Literal["disabled", "R2", "R3"] = "disabled"

@@ -199,6 +199,7 @@ def rollout_spec(cfg: RLConfig, threads: int) -> RolloutSpec:
         max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.trainer.seed,
         threads=threads,
+        record_routing=cfg.actor.router_replay.mode == "R3",
     )
 
 

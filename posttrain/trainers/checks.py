@@ -85,8 +85,9 @@ def check_router_replay(cfg: RLConfig) -> None:
     """`actor.router_replay.mode` needs a mixture of experts and a sequence-parallel size of 1 (a rank holds part
     of each row). R2 records in the trainer's old-log-prob pass, so any rollout engine, placement, async RL or
     agent loop works; rollout correction's bypass mode has no such pass (its old log-probs are the sampler's:
-    R3). R3 needs the colocated built-in engine in one synchronous pass per response (the only path that
-    records each token's experts and carries them to the Batch)."""
+    R3). R3 needs the built-in engine (colocated or in a rollout pool of its own) in one synchronous pass per
+    response: the only path that records each token's experts and carries them to the Batch (partial rollouts
+    and agent episodes are assembled without them)."""
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
@@ -106,10 +107,6 @@ def check_router_replay(cfg: RLConfig) -> None:
             (
                 cfg.rollout.name != "native",
                 f"rollout.name={cfg.rollout.name} (only the native engine records routing; R2 works with any)",
-            ),
-            (
-                cfg.resources.rollout != "trainer",
-                f"resources.rollout={cfg.resources.rollout} (a separate rollout pool; R2 works with it)",
             ),
             (cfg.async_rl.staleness > 0, f"async_rl.staleness={cfg.async_rl.staleness} (R2 works with it)"),
             (

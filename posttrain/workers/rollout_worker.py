@@ -49,6 +49,9 @@ class RolloutSpec:
     max_batch_size: int = 256
     seed: int = 0
     threads: int = 0
+    record_routing: bool = (
+        False  # the sampler records each token's experts (routing replay R3, native engine)
+    )
 
 
 class RolloutWorker:
@@ -67,6 +70,7 @@ class RolloutWorker:
             max_batch_size=spec.max_batch_size,
             seed=rank_seed(spec.seed, dist_info.rank, "sampler"),
             attn_implementation=spec.attn_implementation,
+            **({"record_routing": True} if spec.record_routing else {}),
         )
         self._streams: list[_Submission] = []
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from posttrain.config.load import load_config
 from posttrain.config.schema import SFTConfig
 from posttrain.trainers.rl import RLTrainer
@@ -109,6 +111,28 @@ def test_grpo_with_r2_through_posttrain_train(
     with pytest.raises(ConfigError, match=r"R3 is not supported with agent.enable=true .*R2 works with it"):
         r3_agents = ["actor.router_replay.mode=R3", "agent.enable=true"]
         RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "d", *r3_agents))
+
+
+@pytest.mark.slow  # Ray: a trainer worker and a rollout pool of one
+def test_grpo_with_r3_sampled_by_a_rollout_pool_of_its_own(
+    tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    """R3 with split placement: the pool's built-in engine records the experts and the batch carries them to the
+    actor's old-log-prob and update passes (both select the column, so a batch without it fails the step)."""
+    run = tmp_path / "run"
+    split = ["trainer.backend=ray", "resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1"]
+    r3 = [
+        "actor.router_replay.mode=R3",
+        "actor.mini_batch_size=8",
+        "trainer.total_steps=2",
+        *split,
+        *LOCAL[1:],
+    ]
+    RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, run, *r3, reward_file(tmp_path))).fit()
+    steps = [r for r in rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/logprob_diff_max"] < 1e-4 and r["actor/grad_norm"] > 0
 
 
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
