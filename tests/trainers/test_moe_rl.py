@@ -12,6 +12,7 @@ from posttrain.config.schema import SFTConfig
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
 
+from .test_agent_rl import agent_config, tool_data  # noqa: F401 (tool_data: a fixture)
 from .test_rl_e2e import reward_file, rl_config, rows
 
 LOCAL = ["trainer.backend=local", "trainer.threads_per_worker=1", "trainer.val_before_train=false"]
@@ -111,6 +112,17 @@ def test_grpo_with_r2_through_posttrain_train(
     with pytest.raises(ConfigError, match=r"R3 is not supported with agent.enable=true .*R2 works with it"):
         r3_agents = ["actor.router_replay.mode=R3", "agent.enable=true"]
         RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "d", *r3_agents))
+
+
+def test_r2_on_tool_episodes(tiny_moe_dir: Path, tool_data: dict, tmp_path: Path) -> None:  # noqa: F811
+    """R2 with agents (refused for R3): episodes with tool tokens the sampler never routed train with the
+    experts the old-log-prob pass recorded (two mini-batches: the second update replays after a step)."""
+    run = tmp_path / "run"
+    r2 = ["actor.router_replay.mode=R2", "actor.mini_batch_size=2", "trainer.val_every=0", *LOCAL[1:]]
+    RLTrainer(agent_config(tiny_moe_dir, tool_data, run, *r2)).fit()
+    steps = [r for r in rows(run) if "agent/turns_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["timing/old_log_prob"] > 0 for r in steps)
 
 
 @pytest.mark.slow  # Ray: a trainer worker and a rollout pool of one
