@@ -1,4 +1,5 @@
-"""Mixture-of-experts policies end to end: GRPO and SFT on tiny-moe with the router's load-balancing loss."""
+"""Mixture-of-experts policies end to end: GRPO and SFT on tiny-moe with the router's load-balancing loss, LoRA on
+the experts, routing replay (R3 colocated and with a rollout pool; R2 with the hf engine, agents, async RL)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,9 @@ def test_grpo_with_r2_through_posttrain_train(
 
     run = tmp_path / "run"
     r2 = ["actor.router_replay.mode=R2", "actor.mini_batch_size=8", "rollout.name=hf"]
-    overrides = rl_overrides(tiny_moe_dir, arithmetic_data, run, "trainer.total_steps=2", *r2, *LOCAL)
+    overrides = rl_overrides(
+        tiny_moe_dir, arithmetic_data, run, "trainer.total_steps=2", *r2, *LOCAL, reward_file(tmp_path)
+    )
     assert main(["train", *overrides]) == 0
     steps = [r for r in rows(run) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -145,6 +148,28 @@ def test_grpo_with_r3_sampled_by_a_rollout_pool_of_its_own(
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["rollout/logprob_diff_max"] < 1e-4 and r["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow  # Ray: a trainer worker and a rollout pool sampling one step ahead
+def test_grpo_with_r2_and_asynchronous_rollouts(
+    tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    """R2 with async RL (refused for R3): batches sampled by older weights get their experts recorded by the
+    trainer's old-log-prob pass, and the two mini-batch updates replay them."""
+    run = tmp_path / "run"
+    split = ["trainer.backend=ray", "resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1"]
+    r2 = [
+        "actor.router_replay.mode=R2",
+        "actor.mini_batch_size=8",
+        "async_rl.staleness=1",
+        "trainer.val_every=0",
+    ]
+    r2 += ["trainer.total_steps=2", *split, *LOCAL[1:], reward_file(tmp_path)]
+    cfg = rl_config(tiny_moe_dir, arithmetic_data, run, *r2)
+    RLTrainer(cfg).fit()
+    steps = [r for r in rows(run) if "async/staleness" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 and r["timing/old_log_prob"] > 0 for r in steps)
 
 
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
