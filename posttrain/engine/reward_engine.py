@@ -158,7 +158,7 @@ class RewardEngine(TrainEngine):
 
     def compute_scores(self, batch: Batch) -> torch.Tensor:
         """(B,) scores in the batch's row order, without gradients (eval mode)."""
-        return self._outputs_no_grad(batch, 1.0, False)
+        return self._outputs_no_grad(batch, 1.0, False)[0]
 
     def compute_log_prob(
         self, batch: Batch, temperature: float = 1.0, disable_adapter: bool = False
