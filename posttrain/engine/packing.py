@@ -218,9 +218,9 @@ class PackingOptions:
     share_prompt: bool = False  # one prompt pass per group of rows with the same prompt (shared_prompt)
     eager_mask_dtype: torch.dtype | None = None  # set for attn_implementation=eager: additive float mask
     sp: SequenceParallel | None = None  # rows split across a sequence-parallel group (sequence_parallel)
-    # told the flat packed positions of the real (not filler) tokens before each model call (engine.moe's
-    # router load-balancing loss counts only those)
-    real_tokens: Callable[[torch.Tensor], None] | None = None
+    # told the flat packed positions of the real (not filler) tokens, and the packed rows' width, before each
+    # model call (engine.moe's router load-balancing loss counts only those)
+    real_tokens: Callable[[torch.Tensor, int], None] | None = None
     # told the flat packed position of each real cell of the input (`attention_mask.bool()` order) before each
     # model call (engine.routing_replay maps the recorded experts of each cell onto the packed layout)
     cell_positions: Callable[[torch.Tensor], None] | None = None
@@ -258,7 +258,7 @@ def response_outputs(
         valid = shared.predict_pos >= 0
         keep = shared.predict_pos[valid]
         if options.real_tokens is not None:
-            options.real_tokens(shared.real_pos)
+            options.real_tokens(shared.real_pos, shared.input_ids.shape[1])
         if options.cell_positions is not None:
             options.cell_positions(shared.cell_pos)
         out = packed_model_output(
@@ -269,7 +269,7 @@ def response_outputs(
     total = layout.flat_pos.shape[1]
     valid, target_pos = layout.flat_index(slice(total - response_width, total))
     if options.real_tokens is not None:
-        options.real_tokens(layout.real_pos())
+        options.real_tokens(layout.real_pos(), layout.input_ids.shape[1])
     if options.cell_positions is not None:
         options.cell_positions(layout.flat_pos[attention_mask.bool()])
     out = packed_model_output(
@@ -319,13 +319,13 @@ def packed_next_token_log_probs(
     attention_mask: torch.Tensor,
     row_tokens: int,
     sp: SequenceParallel | None = None,
-    real_tokens: Callable[[torch.Tensor], None] | None = None,
+    real_tokens: Callable[[torch.Tensor, int], None] | None = None,
 ) -> torch.Tensor:
     """(B, T) log-prob of each real token given the ones before it; 0 for the first token and padding.
     `real_tokens`: as `PackingOptions.real_tokens`."""
     layout = pack(input_ids, attention_mask, row_tokens)
     if real_tokens is not None:
-        real_tokens(layout.real_pos())
+        real_tokens(layout.real_pos(), layout.input_ids.shape[1])
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
     logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=sp)
@@ -381,7 +381,7 @@ def packed_target_log_probs(
         slots[cell_pos] = routes.row_slots.to(device)[cell_rows]
         routes.set_routes(slots, slots[keep])
     if options.real_tokens is not None:  # every real cell's position, once
-        options.real_tokens(keep)
+        options.real_tokens(keep, ids.shape[1])
     if options.cell_positions is not None:
         options.cell_positions(cell_pos)
     logits = at_least_float32(

@@ -144,6 +144,27 @@ def gather_rows(x: torch.Tensor, sp: SequenceParallel, counts: list[int]) -> tor
     return _GatherRows.apply(x, sp, counts)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """The sum of every rank's `x` on every rank. As with `_GatherRows`, what follows is computed identically
+    on all ranks, so the backward passes the gradient through unchanged: each rank's own term of the sum
+    gets it once, and the engine's sum over the sp ranks adds the terms up (a summing backward, as
+    torch.distributed.nn's all_reduce has, would count the gradient sp times)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        out = x.detach().clone().contiguous()
+        dist.all_reduce(out, group=sp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def sum_over_group(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    return _SumOverGroup.apply(x, sp)
+
+
 @dataclass(frozen=True)
 class SlicedRows:
     """Packed rows padded to a multiple of sp and cut to this rank's columns."""
@@ -184,3 +205,13 @@ def kept_on_ranks(
     counts = torch.bincount(owner, minlength=sp.size).tolist()
     order = torch.argsort(owner, stable=True)  # rank order, `keep` order within a rank
     return local_flat, counts, torch.argsort(order)
+
+
+def local_positions(
+    positions: torch.Tensor, width: int, local_width: int, sp: SequenceParallel
+) -> torch.Tensor:
+    """Of flat `positions` over rows of width `width` (before padding), the ones this rank holds, as flat
+    indices over its (rows, local_width) slice of the columns (`slice_rows`), in `positions`' order."""
+    row, col = positions // width, positions % width
+    mine = col // local_width == sp.rank
+    return row[mine] * local_width + (col[mine] - sp.rank * local_width)

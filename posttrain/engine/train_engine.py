@@ -216,12 +216,7 @@ class TrainEngine:
         if config.trainable and config.head == "lm":
             self.router_aux_loss_coef = resolve_aux_loss_coef(model.config, config.router_aux_loss_coef)
         if self.router_aux_loss_coef > 0:
-            if self.sp is not None:
-                raise ConfigError(
-                    "model.router_aux_loss_coef > 0 with model.sequence_parallel_size > 1: the load-balancing "
-                    "loss needs every token's routing on one rank; set model.router_aux_loss_coef=0"
-                )
-            self.router_aux = RouterAuxLoss(model, int(model.config.num_experts_per_tok))
+            self.router_aux = RouterAuxLoss(model, int(model.config.num_experts_per_tok), self.sp)
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
         # several ranks shard the vision tower: text-only passes run it too (engine.vision_pass)

@@ -70,15 +70,11 @@ def check_model_options(model: ModelConfig, longest: int, budgets: dict[str, int
 
 
 def check_router_aux_loss(model: ModelConfig) -> None:
-    """`model.router_aux_loss_coef` against the model (a mixture of experts for a positive one) and sp."""
-    if model.router_aux_loss_coef is None and model.sequence_parallel_size == 1:
+    """`model.router_aux_loss_coef` against the model: a positive one needs a mixture of experts. Any
+    `model.sequence_parallel_size` works (engine.moe sums the loss's per-expert terms over the sp ranks)."""
+    if model.router_aux_loss_coef is None:
         return  # the model config's own coefficient, nothing to check
-    coef = resolve_aux_loss_coef(load_config(model.path), model.router_aux_loss_coef)
-    if coef > 0 and model.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"model.router_aux_loss_coef={coef} with model.sequence_parallel_size={model.sequence_parallel_size}: "
-            "the load-balancing loss needs every token's routing on one rank; set model.router_aux_loss_coef=0"
-        )
+    resolve_aux_loss_coef(load_config(model.path), model.router_aux_loss_coef)
 
 
 def check_router_replay(cfg: RLConfig) -> None:

@@ -191,3 +191,89 @@ def test_fsdp_two_ranks_equal_one_rank_with_the_aux_loss(
     # transformers writes the fused experts back in the per-expert layout of Qwen's checkpoints
     assert w1["model.layers.0.mlp.experts.3.gate_proj.weight"].shape == (128, 128)
     assert_same_weights(w2, w1)
+
+
+# Ulysses sequence parallelism: each rank routes one slice of every packed row's columns
+SP_CASES = {
+    # rows of odd width: the padding to a multiple of sp is filler that must not count
+    "packed": {"pack_row_tokens": 25, "share_prompt": False},
+    # shared prompts, recomputation in backward, and a token budget (several micro-batches)
+    "shared_prompts_checkpointing": {
+        "pack_row_tokens": 31,
+        "share_prompt": True,
+        "gradient_checkpointing": True,
+        "max_token_len": 40,
+    },
+}
+
+
+def next_token_nll(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb) -> tuple:
+    """The SFT layout's loss: mean negative log-likelihood of the tokens that have a context."""
+    mask = mb[keys.ATTENTION_MASK].bool() & (mb[keys.ATTENTION_MASK].cumsum(1) > 1)
+    return -(log_probs * mask).sum() / mask.sum(), {}
+
+
+def all_grads(engine: TrainEngine) -> torch.Tensor:
+    return torch.cat([full(p.grad).flatten() for p in engine.model.parameters() if p.grad is not None])
+
+
+def sp_case(model_dir: str, overrides: dict, dist_info, sp: int) -> dict:
+    """One RL update (response log-probs) and one SFT pass (every next token) with the aux loss at 0.5."""
+    config = EngineConfig(
+        model_path=model_dir,
+        optim=OptimConfig(lr=1e-3, grad_clip=1e9),
+        micro_batch_size=64,
+        sequence_parallel_size=sp,
+        router_aux_loss_coef=0.5,
+        **overrides,
+    )
+    engine = TrainEngine(config, dist_info)
+    rl = engine.forward_backward(
+        with_global_totals(grouped_rl_batch(prompts=3, n=4, seed=5)), build_loss(PPO, 1)
+    )
+    rl_grads = all_grads(engine)
+    engine.optim_step()
+    plain = synthetic_rl_batch(rows=6, prompt_width=9, response_width=7, vocab=1000, seed=8)
+    sft = engine.forward_backward(
+        plain.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], []), next_token_nll
+    )
+    return {"rl": rl, "rl_grads": rl_grads, "sft": sft, "sft_grads": all_grads(engine)}
+
+
+def _sp_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+    from posttrain.engine.distributed import DistInfo, shutdown_distributed
+
+    torch.set_num_threads(1)
+    info = DistInfo(rank=rank, world_size=2, master_port=port, device="cpu")
+    results = {name: sp_case(model_dir, overrides, info, 2) for name, overrides in SP_CASES.items()}
+    torch.save(results, f"{out}.{rank}")
+    shutdown_distributed()
+
+
+def test_sp2_aux_loss_equals_the_unsliced_run(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """sp=2 on 2 spawned gloo ranks (one dp group) against sp=1 in this process: the same aux loss on both
+    ranks, the same total loss and the same gradients, router weights included."""
+    import torch.multiprocessing as mp
+
+    from posttrain.engine.distributed import free_port
+
+    out = str(tmp_path / "sp2")
+    mp.start_processes(
+        _sp_rank_main, args=(free_port(), str(tiny_moe_dir), out), nprocs=2, start_method="spawn"
+    )
+    ranks = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
+    for name, overrides in SP_CASES.items():
+        ref = sp_case(str(tiny_moe_dir), overrides, None, 1)
+        for part in ("rl", "sft"):
+            aux = ref[part]["router_aux_loss"]
+            assert 1.9 < aux < 2.5, (name, part)  # top-2 of 4 experts near balance: about 2
+            for got in ranks:
+                assert got[name][part]["router_aux_loss"] == pytest.approx(aux, abs=1e-6), (name, part)
+                assert got[name][part]["loss"] == pytest.approx(ref[part]["loss"], abs=1e-6), (name, part)
+                torch.testing.assert_close(
+                    got[name][f"{part}_grads"],
+                    ref[f"{part}_grads"],
+                    atol=1e-6,
+                    rtol=1e-4,
+                    msg=f"{name} {part}",
+                )

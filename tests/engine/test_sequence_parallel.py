@@ -289,3 +289,12 @@ def test_attention_with_fewer_kv_heads_than_sp_equals_the_unsliced_attention(tmp
 @pytest.mark.slow
 def test_sp2_equals_the_unsliced_run_with_lora(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert_sp2_equals_sp1(tiny_model_dir, tmp_path, ["lora"])
+
+
+def test_positions_are_mapped_onto_the_rank_that_holds_them() -> None:
+    from posttrain.engine.sequence_parallel import local_positions
+
+    positions = torch.tensor([9, 0, 4, 3, 5])  # flat over width 5: (1,4) (0,0) (0,4) (0,3) (1,0)
+    # padded width 6, 3 local columns: rank 0 holds columns 0-2, rank 1 columns 3-5
+    assert local_positions(positions, 5, 3, fake_sp(0)).tolist() == [0, 3]
+    assert local_positions(positions, 5, 3, fake_sp(1)).tolist() == [4, 1, 0]
