@@ -60,14 +60,17 @@ DPO_OVERRIDES = [
     "data.val_max_pairs=256",
 ]
 SAMPLES_PER_PROMPT = 4  # the warm start's samples per train problem (temperature 1) for the on-policy pairs
+# held-out pairwise accuracy of seed 0 (validation every 250 steps): 600 steps at lr 5e-4 stopped at 69%;
+# lr 1e-3 stayed at chance (47-50% up to step 1000); lr 2e-4 rose steadily (62% at 250, 80% at 1250) and beat
+# 5e-4 at every validation (78% at 1250)
 RM_OVERRIDES = [
-    "optim.lr=5e-4",
+    "optim.lr=2e-4",
     "optim.lr_schedule=cosine",
     "optim.warmup_steps=20",
     "optim.batch_size=32",
     "optim.micro_batch_size=32",
-    "trainer.total_steps=600",
-    "trainer.val_every=100",
+    "trainer.total_steps=2000",
+    "trainer.val_every=250",
     "data.val_max_pairs=1024",
 ]
 GRPO_RM_STEPS = 100
