@@ -14,6 +14,7 @@ from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port, shutdown_distributed
+from posttrain.engine.saved_tensors import record_saved_tensors
 from posttrain.engine.sequence_parallel import (
     SequenceParallel,
     check_sequence_parallel,
@@ -183,8 +184,9 @@ def test_sp2_equals_the_unsliced_run_with_plain_packing_shared_prompts_and_a_val
 
 
 def saved_activation_mib(model_dir: str, dist_info: DistInfo | None, sp: int) -> float:
-    """MiB of tensors autograd saves for backward (distinct storages) in one forward + backward of a
-    4096-token packed row (8 sequences of 512 tokens) on this rank."""
+    """MiB of activations autograd saves for backward (distinct storages, parameters apart:
+    engine.saved_tensors) in one forward + backward of a 4096-token packed row (8 sequences of 512 tokens)
+    on this rank."""
     rows, prompt, response = 8, 256, 256
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 1000, (rows, prompt + response), generator=gen)
@@ -204,15 +206,9 @@ def saved_activation_mib(model_dir: str, dist_info: DistInfo | None, sp: int) ->
         model_path=model_dir, pack_row_tokens=rows * (prompt + response), sequence_parallel_size=sp
     )
     engine = TrainEngine(config, dist_info)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with record_saved_tensors(engine.model) as saved:
         engine.forward_backward(batch, weighted_loss, with_entropy=True)
-    return sum(saved.values()) / 2**20
+    return saved.activation_mib
 
 
 def _memory_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
