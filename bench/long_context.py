@@ -64,13 +64,15 @@ def next_token_nll(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Ba
     return -log_probs.sum() / count, {}
 
 
-def engines(model_dir: str, dist_info: DistInfo | None, setups: list[str], longest: int) -> dict:
+def engines(model_dir: str, dist_info: DistInfo | None, setups: list[str], shortest: int) -> dict:
+    """The engines of `setups`; a packed row is max(pack_row_tokens, longest sequence) wide, so rows of
+    `shortest` tokens or more are exactly one sequence wide (no filler)."""
     made = {}
     for name in setups:
         config = EngineConfig(
             model_path=model_dir,
             micro_batch_size=1,
-            pack_row_tokens=longest,
+            pack_row_tokens=shortest,
             sequence_parallel_size=1 if name == SP1 else 2,
             gradient_checkpointing=name == SP2_CKPT,
         )
@@ -89,12 +91,12 @@ def one_pass(engine: TrainEngine, batch: Batch) -> tuple[float, float]:
 
 
 def _rank_main(
-    rank: int, port: int, model_dir: str, longest: int, vocab: int, commands: Any, results: Any
+    rank: int, port: int, model_dir: str, shortest: int, vocab: int, commands: Any, results: Any
 ) -> None:
     """An sp=2 rank: builds both sp=2 engines, then runs the passes rank 0 receives (setup, length) until None."""
     torch.set_num_threads(1)
     info = DistInfo(rank=rank, world_size=2, master_port=port, device="cpu")
-    made = engines(model_dir, info, [SP2, SP2_CKPT], longest)
+    made = engines(model_dir, info, [SP2, SP2_CKPT], shortest)
     while True:
         command = [commands.get() if rank == 0 else None]
         dist.broadcast_object_list(command, src=0)
@@ -149,12 +151,12 @@ def main() -> None:
         commands, results = ctx.Queue(), ctx.Queue()
         procs = mp.start_processes(
             _rank_main,
-            args=(free_port(), model_dir, max(lengths), vocab, commands, results),
+            args=(free_port(), model_dir, min(lengths), vocab, commands, results),
             nprocs=2,
             start_method="spawn",
             join=False,
         )
-        local = engines(model_dir, None, [SP1], max(lengths))[SP1]
+        local = engines(model_dir, None, [SP1], min(lengths))[SP1]
 
         def run(name: str, length: int) -> tuple[float, float]:
             """(activation MiB of the largest rank, seconds of the slowest rank)."""
