@@ -207,3 +207,18 @@ def test_aux_loss_settings_fail_at_start(
     experts = ["model.lora.rank=4", "model.lora.target_modules=[q_proj,gate_up_proj]"]
     with pytest.raises(ConfigError, match=r"\['gate_up_proj'\]: fused 3-D expert parameters"):
         RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "b", *experts))
+
+
+def test_aux_loss_with_sequence_parallelism_passes_the_checks(
+    tiny_model_dir: Path, tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """The load-balancing loss under sp > 1 is computed over the sp group (tests/engine/test_moe.py), so the
+    start-up checks accept it; a positive coefficient on a dense model is still refused."""
+    from posttrain.errors import ConfigError
+    from posttrain.trainers.checks import check_rl_config
+
+    sp = ["model.sequence_parallel_size=2", "trainer.backend=ray", "trainer.n_workers_per_node=2"]
+    aux = "model.router_aux_loss_coef=0.01"
+    check_rl_config(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "a", *sp, aux))
+    with pytest.raises(ConfigError, match="model.router_aux_loss_coef=0.01 needs a mixture-of-experts"):
+        check_rl_config(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "b", *sp, aux))
