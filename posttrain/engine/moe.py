@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,7 @@ class RouterAuxLoss:
         self.model = model
         self.top_k = top_k
         self.sp = sp if sp is not None and sp.size > 1 else None
-        self.num_experts = num_experts(model.config)
+        self.num_experts = num_experts(cast(PretrainedConfig, model.config))
         self.classes = router_classes(model)
         if not self.classes:
             raise ConfigError(
@@ -111,7 +112,7 @@ class RouterAuxLoss:
         `width` columns (before any sequence-parallel padding)."""
         self._told = (flat_positions, width)
 
-    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask")
         told, self._told = self._told, None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -129,7 +130,7 @@ class RouterAuxLoss:
             local_width = ids.shape[1] if isinstance(ids, torch.Tensor) else args[0].shape[1]
             self._current = local_positions(told[0], told[1], local_width, self.sp)
 
-    def _on_router(self, module: nn.Module, args: tuple, output: tuple) -> None:
+    def _on_router(self, module: nn.Module, args: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         # kept as they are: an op here, inside a checkpointed layer, would save tensors in the forward that
         # the recomputation (hooks removed by then) does not, which gradient checkpointing rejects
         self._logits.append((output[0], self._current))

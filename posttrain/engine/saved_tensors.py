@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ def record_saved_tensors(model: nn.Module) -> Iterator[SavedTensors]:
         record._add(tensor, parameter_storages())
         return tensor
 
-    def layer_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def layer_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if _checkpointing(module) and torch.is_grad_enabled():
             params = parameter_storages()
             for value in (*args, *kwargs.values()):
