@@ -265,6 +265,18 @@ def _must_be(expected: Any, reason: str, effect: str) -> Convert:
     return convert
 
 
+def _same_as_actor_sp(v: Any, ctx: Context) -> dict[str, Any]:
+    """verl sets Ulysses sp per role; posttrain has one `model.sequence_parallel_size` for actor, reference and
+    critic, so the reference's or critic's value must equal the actor's."""
+    actor = ctx.get(f"{A}ulysses_sequence_parallel_size") or 1
+    if int(v) == int(actor):
+        raise NoEffect("the actor's value (model.sequence_parallel_size)")
+    raise Unmappable(
+        f"{v} differs from the actor's ulysses_sequence_parallel_size={actor}: posttrain uses one "
+        "model.sequence_parallel_size for every role"
+    )
+
+
 def _rollout_name(v: Any, ctx: Context) -> dict[str, Any]:
     if v in ("hf",):
         return {"rollout.name": "hf"}
@@ -383,7 +395,8 @@ RULES: tuple[Rule, ...] = (
     rule("ray_kwargs.ray_init.num_cpus", "ray.num_cpus", apply_default=False),
     rule("ray_init.num_cpus", "ray.num_cpus", "older name", False),
     Rule("actor_rollout_ref.hybrid_engine", (), _must_be(True, "posttrain's rollout is always the hybrid engine", "posttrain's default"), "True only"),
-    *(Rule(f"{p}ulysses_sequence_parallel_size", (), _must_be(1, "no sequence parallelism in posttrain", "no sequence parallelism"), "1 only") for p in (A, C, "actor_rollout_ref.ref.")),
+    Rule(f"{A}ulysses_sequence_parallel_size", ("model.sequence_parallel_size",), same("model.sequence_parallel_size"), "Ulysses sequence parallelism (actor, reference and critic alike)"),
+    *(Rule(f"{p}ulysses_sequence_parallel_size", (), _same_as_actor_sp, "the actor's value only (one sp for every role)") for p in (C, "actor_rollout_ref.ref.")),
     *(Rule(f"{p}strategy", (), _must_be(("fsdp", "fsdp2"), "posttrain trains with FSDP2 only (no Megatron)", "FSDP2, as posttrain"), "fsdp, fsdp2") for p in (A, C)),
 )  # fmt: skip
 

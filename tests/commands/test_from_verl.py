@@ -131,3 +131,13 @@ def test_migration_page_is_generated_from_the_rules() -> None:
     )
     for rule in RULES:
         assert f"`{rule.verl}`" in DOCS.read_text()
+
+
+def test_ulysses_sequence_parallel_size_maps_to_one_setting_for_every_role() -> None:
+    sp = "ulysses_sequence_parallel_size"
+    out = settings(
+        convert({f"actor_rollout_ref.actor.{sp}": 2, f"actor_rollout_ref.ref.{sp}": 2, f"critic.{sp}": 2})
+    )
+    assert out["model.sequence_parallel_size"] == 2
+    result = convert({f"actor_rollout_ref.actor.{sp}": 2, f"critic.{sp}": 4})
+    assert any("differs from the actor's" in s.reason for s in result.unmapped)
