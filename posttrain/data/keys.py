@@ -15,8 +15,11 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) float: log-probs the rollout e
 ROLLOUT_VERSIONS = (
     "rollout_versions"  # (B, R) long: policy version that sampled each token (async_rl), -1 on pad
 )
-# (B, T, L, k) int16: the sampler's top-k experts of each input token in each of the L sparse layers, aligned
-# with input_ids (the last response token, never fed back, and padding: -1); routing replay (models.routing)
+# (B, T, L, k) int16: the top-k experts of each input token in each of the L sparse layers, aligned with
+# input_ids, -1 where nothing was recorded (padding; from the sampler, also the last response token, never fed
+# back). R3: recorded by the sampler (models.routing). R2: recorded by the trainer's old-log-prob pass
+# (TrainEngine.compute_log_prob_and_routing, every real token) and replayed by the update passes
+# (engine.routing_replay)
 ROUTED_EXPERTS = "routed_experts"
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) float: log-probs of the policy before the update
 REF_LOG_PROB = "ref_log_prob"  # (B, R) float: log-probs of the frozen reference policy

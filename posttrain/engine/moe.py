@@ -106,6 +106,8 @@ class RouterAuxLoss:
         self._told: tuple[torch.Tensor, int] | None = None
         self._current: torch.Tensor | None = None
         self._logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # of the last model call: a rank with no real token sums zeros there
+        self._device: torch.device | None = None
 
     def real_tokens(self, flat_positions: torch.Tensor, width: int) -> None:
         """The flat (row-major) positions of the real tokens of the next model call, over its packed rows of
@@ -115,6 +117,9 @@ class RouterAuxLoss:
     def _on_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask")
         told, self._told = self._told, None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            self._device = ids.device
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             self._current = mask.reshape(-1).nonzero().flatten()
         elif self.sp is None:
@@ -126,9 +131,8 @@ class RouterAuxLoss:
                 "real tokens; this pass does not give them (set model.router_aux_loss_coef=0)"
             )
         else:
-            ids = kwargs.get("input_ids")
-            local_width = ids.shape[1] if isinstance(ids, torch.Tensor) else args[0].shape[1]
-            self._current = local_positions(told[0], told[1], local_width, self.sp)
+            assert isinstance(ids, torch.Tensor)
+            self._current = local_positions(told[0], told[1], ids.shape[1], self.sp)
 
     def _on_router(self, module: nn.Module, args: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         # kept as they are: an op here, inside a checkpointed layer, would save tensors in the forward that
@@ -168,7 +172,9 @@ class RouterAuxLoss:
         if logits:
             chosen, probs, rows = expert_sums(logits, self.top_k)
         else:
-            chosen, probs, rows = torch.zeros(self.num_experts), torch.zeros(self.num_experts), 0
+            # on the call's device: NCCL reduces CUDA tensors only; float32 as expert_sums'
+            zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=self._device)
+            chosen, probs, rows = zeros, zeros.clone(), 0
         counts = torch.cat([chosen, torch.tensor([float(rows)], device=chosen.device)])
         counts = sum_over_group(counts, self.sp)
         return balance_from_sums(counts[:-1], sum_over_group(probs, self.sp), float(counts[-1]))

@@ -47,6 +47,10 @@ class RoutingReplay:
         self._call_positions: list[
             torch.Tensor
         ] = []  # per model call being recorded: each real cell's position
+        # (input_ids, positions) of the current model call, computed once for both hooks
+        self._this_call: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._n_forced = 0  # real cells of the micro-batch being replayed that carry recorded experts
+        self.replayed_cells = 0  # token cells forced to recorded experts, summed over replayed model calls
 
     def cell_positions(self, flat_positions: torch.Tensor) -> None:
         """The flat packed position of each real cell of the micro-batch, for the next model call."""
@@ -57,6 +61,9 @@ class RoutingReplay:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             raise ConfigError("routing replay needs input_ids (an embeddings-only pass cannot be replayed)")
+        if self._this_call is not None and self._this_call[0] is ids:
+            # the replay and the record hooks of one call (recording a replayed pass): `_told` is used up
+            return ids.numel(), self._this_call[1]
         told, self._told = self._told, None
         if told is None:  # padded rows (possibly without the columns that are padding in every row)
             mask = kwargs.get("attention_mask")
@@ -66,6 +73,7 @@ class RoutingReplay:
                     "padded rows nor a packed layout told its cell positions"
                 )
             told = mask.reshape(-1).nonzero().flatten()
+        self._this_call = (ids, told)
         return ids.numel(), told
 
     def _on_model_replay(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -74,6 +82,7 @@ class RoutingReplay:
         forced = torch.full((tokens, *self._cells.shape[1:]), -1, dtype=self._cells.dtype, device=told.device)
         forced[told] = self._cells.to(told.device)
         self._forced = forced
+        self.replayed_cells += self._n_forced
 
     def _on_model_record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._call_positions.append(self._positions(args, kwargs)[1])
@@ -115,6 +124,7 @@ class RoutingReplay:
         self._told = None
         self._cells = routed[mask].long()
         self._n_cells = len(self._cells)
+        self._n_forced = int((self._cells >= 0).all(dim=-1).any(dim=-1).sum())  # cells with a replayed layer
         handles = [self.model.register_forward_pre_hook(self._on_model_replay, with_kwargs=True)]
         handles += [
             router.register_forward_hook(self._router_hook(i)) for i, router in enumerate(self.routers)
@@ -124,7 +134,7 @@ class RoutingReplay:
         finally:
             for handle in handles:
                 handle.remove()
-            self._cells = self._told = self._forced = None
+            self._cells = self._told = self._forced = self._this_call = None
 
     def recorded(self, mb: Batch, run: Callable[[], T]) -> tuple[T, torch.Tensor]:
         """(`run()`, the experts every router chose for each real cell of `mb` during it: (B, T, L, k) on the
@@ -138,7 +148,7 @@ class RoutingReplay:
                 out = run()
         finally:
             handle.remove()
-            self._told = None
+            self._told = self._this_call = None
         positions, self._call_positions = self._call_positions, []
         if len(positions) != 1 or any(len(layer) != 1 for layer in calls):
             raise ConfigError(

@@ -162,6 +162,9 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def sum_over_group(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """`x` summed over the ranks of `sp`'s group (all-reduce), the same value on each rank. The backward is the
+    identity: every rank computes the same loss from the sum, so each rank's own `x` receives the gradient of
+    that loss once; summing the gradients over the group as well would count it sp times."""
     return _SumOverGroup.apply(x, sp)
 
 
@@ -198,10 +201,8 @@ def kept_on_ranks(
     """For flat positions `keep` of the unpadded rows: (this rank's local flat indices of the ones it holds,
     how many each rank holds, the index that puts the rank-ordered gather back into `keep`'s order)."""
     local = sliced.padded_width // sp.size
-    row, col = keep // sliced.width, keep % sliced.width
-    owner = col // local
-    mine = owner == sp.rank
-    local_flat = row[mine] * local + (col[mine] - sliced.start)
+    local_flat = local_positions(keep, sliced.width, local, sp)  # this rank's columns start at rank x local
+    owner = keep % sliced.width // local
     counts = torch.bincount(owner, minlength=sp.size).tolist()
     order = torch.argsort(owner, stable=True)  # rank order, `keep` order within a rank
     return local_flat, counts, torch.argsort(order)

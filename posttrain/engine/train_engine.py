@@ -521,7 +521,7 @@ class TrainEngine:
                     order += rows
             finally:
                 reshard_all(self.model)  # one rank keeps parameters gathered between passes (apply_fsdp)
-        self.model.train(was_training)
+                self.model.train(was_training)
         if not outs:
             return torch.empty(0), routed
         result = torch.empty_like(torch.cat(outs))
@@ -535,6 +535,8 @@ class TrainEngine:
 
         An MoE policy with a router coefficient c adds c x the router's load-balancing loss of each micro-batch,
         averaged over the micro-batches, to the loss (reported in `loss`, and alone as `router_aux_loss`).
+        Once the engine has replayed or recorded routing, `replayed_tokens` counts the token cells whose experts
+        the passes here replayed (engine.routing_replay), summed over the micro-batches.
         """
         if self.optimizer is None and self.adapters is None:
             raise ConfigError("forward_backward called on a frozen engine (trainable=False) without adapters")
@@ -543,6 +545,8 @@ class TrainEngine:
         loss_sum = 0.0
         # on one rank, parameters stay gathered from the first forward to the last backward (no copies)
         keep_gathered = self.mesh.size() == 1
+        if self.routing_replay is not None:
+            self.routing_replay.replayed_cells = 0
         try:
             for i, mb in enumerate(micro_batches):
                 mb = mb.to(self.device)
@@ -571,6 +575,8 @@ class TrainEngine:
             self.model.set_reshard_after_backward(True)
             reshard_all(self.model)
         totals["loss"] = loss_sum
+        if self.routing_replay is not None:  # summed over micro-batches: 0 if no pass here was replayed
+            totals["replayed_tokens"] = float(self.routing_replay.replayed_cells)
         return totals
 
     def optim_step(self, params: OptimConfig | None = None) -> dict[str, float]:

@@ -123,6 +123,8 @@ class ActorRolloutRefWorker:
         )
         if "router_aux_loss" in metrics:  # an MoE policy's load-balancing loss (model.router_aux_loss_coef)
             metrics["actor/router_aux_loss"] = metrics.pop("router_aux_loss")
+        if "replayed_tokens" in metrics:  # token cells routed by recorded experts (actor.router_replay)
+            metrics["actor/replayed_tokens"] = metrics.pop("replayed_tokens")
         return metrics
 
     def optim_step(self) -> dict[str, float]:

@@ -204,6 +204,9 @@ SP_CASES = {
         "gradient_checkpointing": True,
         "max_token_len": 40,
     },
+    # one packed row 256 wide holding ~110 real tokens: rank 1's 128 columns are all filler, its aux-loss sums
+    # are zeros made on the call's device
+    "a_rank_of_filler": {"pack_row_tokens": 256, "share_prompt": False},
 }
 
 
@@ -213,12 +216,18 @@ def next_token_nll(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb) ->
     return -(log_probs * mask).sum() / mask.sum(), {}
 
 
+def no_main_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb) -> tuple:
+    """A main loss of zero: the gradients are the aux term's alone (its scale under sp cannot hide)."""
+    return 0.0 * log_probs.sum(), {}
+
+
 def all_grads(engine: TrainEngine) -> torch.Tensor:
     return torch.cat([full(p.grad).flatten() for p in engine.model.parameters() if p.grad is not None])
 
 
 def sp_case(model_dir: str, overrides: dict, dist_info, sp: int) -> dict:
-    """One RL update (response log-probs) and one SFT pass (every next token) with the aux loss at 0.5."""
+    """One RL update (response log-probs), one SFT pass (every next token) and one pass whose main loss is
+    zero, with the aux loss at 0.5."""
     config = EngineConfig(
         model_path=model_dir,
         optim=OptimConfig(lr=1e-3, grad_clip=1e9),
@@ -237,7 +246,19 @@ def sp_case(model_dir: str, overrides: dict, dist_info, sp: int) -> dict:
     sft = engine.forward_backward(
         plain.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], []), next_token_nll
     )
-    return {"rl": rl, "rl_grads": rl_grads, "sft": sft, "sft_grads": all_grads(engine)}
+    sft_grads = all_grads(engine)
+    engine.optim_step()
+    aux = engine.forward_backward(
+        plain.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], []), no_main_loss
+    )
+    return {
+        "rl": rl,
+        "rl_grads": rl_grads,
+        "sft": sft,
+        "sft_grads": sft_grads,
+        "aux": aux,
+        "aux_grads": all_grads(engine),
+    }
 
 
 def _sp_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
@@ -264,7 +285,8 @@ def test_sp2_aux_loss_equals_the_unsliced_run(tiny_moe_dir: Path, tmp_path: Path
     ranks = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
     for name, overrides in SP_CASES.items():
         ref = sp_case(str(tiny_moe_dir), overrides, None, 1)
-        for part in ("rl", "sft"):
+        assert ref["aux"]["loss"] == pytest.approx(0.5 * ref["aux"]["router_aux_loss"])
+        for part in ("rl", "sft", "aux"):
             aux = ref[part]["router_aux_loss"]
             assert 1.9 < aux < 2.5, (name, part)  # top-2 of 4 experts near balance: about 2
             for got in ranks:

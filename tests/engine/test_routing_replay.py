@@ -124,6 +124,8 @@ def test_the_update_replays_forward_and_backward(tiny_moe_dir: Path) -> None:
         )
         metrics = engine.forward_backward(with_global_totals(batch), build_loss(PPO, 1))
         assert metrics["actor/ratio_max"] > 1.01  # forced experts: not the sampler's own log-probs
+        # every fed token's cell, counted once (a layer recomputed under checkpointing does not count again)
+        assert metrics["replayed_tokens"] == int((batch[keys.ROUTED_EXPERTS] >= 0).all(-1).any(-1).sum()) > 0
         norms.append(engine.optim_step()["grad_norm"])
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
@@ -133,8 +135,10 @@ def test_a_batch_of_another_model_is_refused(tiny_moe_dir: Path) -> None:
     rows, total = batch[keys.INPUT_IDS].shape
     batch.set(keys.ROUTED_EXPERTS, torch.zeros((rows, total, 3, 2), dtype=torch.int16))
     engine = TrainEngine(EngineConfig(model_path=str(tiny_moe_dir), trainable=False))
+    engine.model.train()
     with pytest.raises(ConfigError, match="does not fit this model's 4 sparse layers of top-2"):
         engine.compute_log_prob(batch)
+    assert engine.model.training  # the failed pass's eval mode does not outlive it
 
 
 def hf_routing(model_dir: Path, batch: Batch) -> torch.Tensor:
@@ -172,6 +176,34 @@ def test_r2_records_what_a_plain_forward_chooses_and_replaying_it_changes_nothin
     replayed = batch.select()
     replayed.set(keys.ROUTED_EXPERTS, routed)
     assert float((engine.compute_log_prob(replayed) - log_probs).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_r2_recording_a_replayed_pass_records_what_it_replayed(
+    tiny_moe_dir: Path, tmp_path: Path, layout: str
+) -> None:
+    """Rows carrying routed_experts through compute_log_prob_and_routing (the old-log-prob pass of an R3 run
+    that records for R2): the recording is the replayed experts, not the ones the moved router would choose."""
+    batch = grouped_rl_batch(prompts=3, n=2)
+    _, routed = TrainEngine(
+        EngineConfig(model_path=str(tiny_moe_dir), trainable=False, micro_batch_size=4, **LAYOUTS[layout])
+    ).compute_log_prob_and_routing(batch)
+    moved = TrainEngine(
+        EngineConfig(
+            model_path=str(moved_router(tiny_moe_dir, tmp_path / "moved")),
+            trainable=False,
+            micro_batch_size=4,
+            **LAYOUTS[layout],
+        )
+    )
+    _, own = moved.compute_log_prob_and_routing(batch)
+    mask = batch[keys.ATTENTION_MASK].bool()
+    assert not torch.equal(experts(own[mask]), experts(routed[mask]))  # replaying has something to force
+    replay = batch.select()
+    replay.set(keys.ROUTED_EXPERTS, routed)
+    _, recorded = moved.compute_log_prob_and_routing(replay)
+    assert bool((recorded[~mask] == -1).all())
+    assert torch.equal(experts(recorded[mask]), experts(routed[mask]))
 
 
 def moved_router(model_dir: Path, out: Path, scale: float = 0.005) -> Path:

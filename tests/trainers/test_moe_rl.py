@@ -31,6 +31,7 @@ def test_grpo_two_steps_on_tiny_moe_with_the_aux_loss(
         assert r["rollout/logprob_diff_max"] < 1e-4  # the native sampler runs the MoE as the trainer does
         assert r["actor/grad_norm"] > 0
         assert 1.9 < r["actor/router_aux_loss"] < 4.0  # k = 2 when balanced, up to k x experts
+        assert "actor/replayed_tokens" not in r  # no routing replay configured
     assert (run / "step_2").exists()
 
 
@@ -60,7 +61,6 @@ def test_grpo_with_routing_replay(
 ) -> None:
     """R3: the sampler records its experts, the old-log-prob pass and the update replay them (two mini-batches,
     so the second update runs routed by the sampler after the policy moved); refusals name the key."""
-    import pytest
 
     from posttrain.errors import ConfigError
 
@@ -71,6 +71,7 @@ def test_grpo_with_routing_replay(
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["rollout/logprob_diff_max"] < 1e-4 and r["actor/grad_norm"] > 0
+        assert r["actor/replayed_tokens"] > 0  # the update ran routed by the sampler's experts
     with pytest.raises(
         ConfigError, match="actor.router_replay.mode=R3 is not supported with rollout.name=hf"
     ):
@@ -84,7 +85,6 @@ def test_grpo_with_r2_through_posttrain_train(
 ) -> None:
     """R2: the actor's old-log-prob pass records its experts and the two mini-batch updates replay them, with
     the hf rollout engine (which records nothing: R2 needs no sampler support); refusals name the key."""
-    import pytest
 
     from posttrain.cli import main
     from posttrain.errors import ConfigError
@@ -101,6 +101,7 @@ def test_grpo_with_r2_through_posttrain_train(
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["actor/grad_norm"] > 0 and r["timing/old_log_prob"] > 0  # the recording pass ran
+        assert r["actor/replayed_tokens"] > 0  # and the update replayed what it recorded
     with pytest.raises(
         ConfigError, match="R2 is not supported with algorithm.rollout_correction.bypass_mode"
     ):
@@ -125,7 +126,7 @@ def test_r2_on_tool_episodes(tiny_moe_dir: Path, tool_data: dict, tmp_path: Path
     RLTrainer(agent_config(tiny_moe_dir, tool_data, run, *r2)).fit()
     steps = [r for r in rows(run) if "agent/turns_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["timing/old_log_prob"] > 0 for r in steps)
+    assert all(r["timing/old_log_prob"] > 0 and r["actor/replayed_tokens"] > 0 for r in steps)
 
 
 @pytest.mark.slow  # Ray: a trainer worker and a rollout pool of one
@@ -148,6 +149,7 @@ def test_grpo_with_r3_sampled_by_a_rollout_pool_of_its_own(
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["rollout/logprob_diff_max"] < 1e-4 and r["actor/grad_norm"] > 0
+        assert r["actor/replayed_tokens"] > 0
 
 
 @pytest.mark.slow  # Ray: a trainer worker and a rollout pool sampling one step ahead
@@ -170,6 +172,7 @@ def test_grpo_with_r2_and_asynchronous_rollouts(
     steps = [r for r in rows(run) if "async/staleness" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["actor/grad_norm"] > 0 and r["timing/old_log_prob"] > 0 for r in steps)
+    assert all(r["actor/replayed_tokens"] > 0 for r in steps)
 
 
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
@@ -196,7 +199,6 @@ def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: 
 def test_aux_loss_settings_fail_at_start(
     tiny_model_dir: Path, tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
 ) -> None:
-    import pytest
 
     from posttrain.errors import ConfigError
 
