@@ -1,7 +1,8 @@
 """Asynchronous RL against the best synchronous configuration on the same 2 cores: samples trained per second.
 
 The long-response task (long_addition: every column and carry written out, 50-150 tokens; `--tail` adds a long
-tail of responses several times longer), from a short SFT warm start on its worked solutions. Configurations:
+tail of responses several times longer), from an SFT warm start on its worked solutions (stopped at held-out
+NLL 0.04 per token, as bench/vs_trl.py; `common.LONG_ADDITION_SFT`). Configurations:
 
     sync-colocated   one worker holding trainer + rollout, using both cores (the best synchronous setting)
     sync-split k=0   one rollout worker + one training worker, synchronous (each waits for the other)
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine_info, write_result
+from common import LONG_ADDITION_SFT, machine_info, write_result
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
@@ -43,6 +44,9 @@ from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.workers.process import quiet_transformers
 
+SFT_MAX_STEPS = (
+    1500  # the warm start's cap; it stops earlier at common.LONG_SFT_STOP_NLL (as bench/vs_trl.py)
+)
 CONFIGS = {
     "sync-colocated": ["trainer.n_workers_per_node=1", "trainer.threads_per_worker=2"],
     "sync-split": ["resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1", "trainer.threads_per_worker=1"],
@@ -73,10 +77,8 @@ def prepare(work: Path, preset: str, tail: bool) -> tuple[Path, dict[str, Path]]
     files = {"train": data / "train.parquet", "test": data / "test.parquet"}
     if not (sft / "hf" / "config.json").exists():
         overrides = [
-            f"model.path={model}", f"data.train_files=[{files['train']}]", f"trainer.run_dir={sft}",
-            "data.response_key=extra_info.solution", "data.max_response_length=400", "trainer.total_steps=150",
-            "optim.lr=3e-3", "optim.batch_size=32", "trainer.val_every=0", "trainer.loggers=[jsonl]",
-            "trainer.plots=false",
+            f"model.path={model}", f"data.train_files=[{files['train']}]", f"data.val_files=[{files['test']}]",
+            f"trainer.run_dir={sft}", f"trainer.total_steps={SFT_MAX_STEPS}", *LONG_ADDITION_SFT,
         ]  # fmt: skip
         SFTTrainer(load_config(SFTConfig, "sft", overrides)).fit()
     return sft / "hf", files

@@ -12,6 +12,16 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 
+# The long-response task's SFT warm start (bench/vs_trl.py, bench/async_rl.py): the worked solutions, stopped
+# early once held-out NLL per token reaches LONG_SFT_STOP_NLL (checked every 20 steps), under a step cap the
+# caller sets (trainer.total_steps); a fixed 150 steps left the tiny model solving none of the held-out sums
+LONG_SFT_STOP_NLL = 0.04
+LONG_ADDITION_SFT = [
+    "data.response_key=extra_info.solution", "data.max_response_length=400", "optim.lr=3e-3",
+    "optim.lr_schedule=cosine", "optim.warmup_steps=50", "optim.batch_size=32", "trainer.val_every=20",
+    f"trainer.stop_at_val_nll={LONG_SFT_STOP_NLL}", "trainer.loggers=[jsonl]", "trainer.plots=false",
+]  # fmt: skip
+
 
 def machine_info(threads: int) -> dict[str, Any]:
     return {

@@ -14,6 +14,8 @@ import resource
 import time
 from pathlib import Path
 
+from common import LONG_ADDITION_SFT, LONG_SFT_STOP_NLL
+
 
 def peak_rss_mb() -> float:
     """This process's peak RSS, or a child's if larger (ru_maxrss is in KiB on Linux)."""
@@ -31,7 +33,6 @@ def read_rows(path: str) -> list[dict]:
 # long_addition's SFT: cosine over 1500 steps, stopped once held-out NLL <= this. Measured: 500 steps score
 # 0% held-out, 1500 score 94% (nothing left to teach); NLL 0.1 (~800 steps) 23% greedy but ~3% sampled at
 # temperature 1, too few correct samples: GRPO at lr 2e-4 lost them in both frameworks (0-2% after 60 steps)
-LONG_SFT_STOP_NLL = 0.04
 
 
 def prepare_worker(spec: dict) -> dict:
@@ -61,11 +62,7 @@ def prepare_worker(spec: dict) -> dict:
         recipe = [o for o in SFT_OVERRIDES if not o.startswith("trainer.total_steps=")]
     else:
         corpus = long_addition.corpus(10000, seed=0)
-        recipe = [
-            "data.response_key=extra_info.solution", "data.max_response_length=400", "optim.lr=3e-3",
-            "optim.lr_schedule=cosine", "optim.warmup_steps=50", "optim.batch_size=32", "trainer.val_every=20",
-            f"trainer.stop_at_val_nll={LONG_SFT_STOP_NLL}", "trainer.loggers=[jsonl]", "trainer.plots=false",
-        ]  # fmt: skip
+        recipe = LONG_ADDITION_SFT
     if not (model / "config.json").exists():
         make_tiny_model(spec["preset"], model, corpus)
     if not (data / "test.parquet").exists():
