@@ -99,6 +99,7 @@ def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: in
             "data.train_batch_prompts=8",
             "rollout.n=4",
             "data.max_response_length=400",
+            "data.max_prompt_length=160",  # the tail's 30-digit problems (the default 64 dropped them all)
             "actor.optim.lr=1e-4",
             f"trainer.val_every={steps}",  # held-out accuracy once, after the last step (not timed in it)
             "trainer.val_before_train=false",
