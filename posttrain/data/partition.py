@@ -82,3 +82,11 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tiebreak, merged))
         tiebreak += 1
     return [sorted(rows) for _, rows in heap[0][2]]
+
+
+def trimmed_width(bins: list[list[int]], lengths: list[int], width: int) -> int:
+    """The width rows need: the fullest row's tokens (rows share one width, so a row never needs more), at
+    most `width`. Computing filler costs as much as real tokens, and with one small request all of a row of
+    `row_tokens` but its own tokens would be filler."""
+    used = max((sum(lengths[i] for i in members) for members in bins), default=0)
+    return min(width, used) if used else width

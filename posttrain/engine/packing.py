@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.data.partition import first_fit_decreasing
+from posttrain.data.partition import first_fit_decreasing, trimmed_width
 from posttrain.engine.log_probs import at_least_float32, chunked_log_probs_and_entropy, token_log_probs
 from posttrain.engine.sequence_parallel import SequenceParallel, gather_rows, kept_on_ranks, slice_rows
 from posttrain.engine.shared_prompt import (
@@ -62,7 +62,9 @@ class PackedLayout:
 def pack(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int, filler_id: int = 0
 ) -> PackedLayout:
-    """Lay the real tokens of each row end to end in rows of max(`row_tokens`, longest sequence).
+    """Lay the real tokens of each row end to end in rows of at most max(`row_tokens`, longest sequence),
+    trimmed to the fullest row (`trimmed_width`): a request smaller than one row costs its own tokens, not a
+    whole row of filler.
 
     Built in Python lists and turned into tensors once (it runs before every pass).
     """
@@ -71,6 +73,7 @@ def pack(
     lengths = [len(cols) for cols in columns]
     width = max([row_tokens, *lengths]) if lengths else row_tokens
     bins = first_fit_decreasing(lengths, width)
+    width = trimmed_width(bins, lengths, width)
     ids: list[int] = []
     positions: list[int] = []
     cell_rows: list[int] = []  # flat_pos[cell_rows[j], cell_cols[j]] = cell_pos[j]

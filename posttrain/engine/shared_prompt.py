@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.data.partition import first_fit_decreasing
+from posttrain.data.partition import first_fit_decreasing, trimmed_width
 from posttrain.engine.varlen_attention import Run, Segments
 from posttrain.errors import ConfigError
 
@@ -182,8 +182,8 @@ def pack_prefix_groups(
 
     Suffix tokens attend to the prefix and, causally, to their own suffix; prefix tokens attend causally to
     the prefix. Each suffix's position ids continue from the prefix length, so every token sees exactly its
-    own sequence's context. Units go into rows of max(`row_tokens`, longest sequence) tokens (first-fit
-    decreasing); a group that does not fit one row is split into several units, each with the prefix.
+    own sequence's context. Units go into rows of at most max(`row_tokens`, longest sequence) tokens
+    (first-fit decreasing; trimmed to the fullest row, `partition.trimmed_width`); a group that does not fit one row is split into several units, each with the prefix.
     Built in Python lists and turned into tensors once (it runs before every pass).
     """
     lengths = [len(s) for s in sequences]
@@ -191,6 +191,7 @@ def pack_prefix_groups(
     units = _units(groups, lengths, width)
     unit_lens = [u.prefix_len + sum(lengths[i] - u.prefix_len for i in u.rows) for u in units]
     bins = first_fit_decreasing(unit_lens, width)
+    width = trimmed_width(bins, unit_lens, width)  # no row wider than the fullest one needs
 
     ids: list[int] = []
     positions: list[int] = []

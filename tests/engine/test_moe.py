@@ -204,9 +204,10 @@ SP_CASES = {
         "gradient_checkpointing": True,
         "max_token_len": 40,
     },
-    # one packed row 256 wide holding ~110 real tokens: rank 1's 128 columns are all filler, its aux-loss sums
-    # are zeros made on the call's device
-    "a_rank_of_filler": {"pack_row_tokens": 256, "share_prompt": False},
+    # one packed row: rows are trimmed to their tokens (partition.trimmed_width), so its only filler is sp's
+    # padding to an even width (a rank holding nothing but filler, whose aux-loss sums are zeros made on the
+    # call's device, can no longer come out of the packers)
+    "one_trimmed_row": {"pack_row_tokens": 256, "share_prompt": False},
 }
 
 
@@ -295,7 +296,7 @@ def test_sp2_aux_loss_equals_the_unsliced_run(tiny_moe_dir: Path, tmp_path: Path
                 torch.testing.assert_close(
                     got[name][f"{part}_grads"],
                     ref[f"{part}_grads"],
-                    atol=1e-6,
+                    atol=5e-6,  # fp32 sums in another order: at most 2.9e-6 measured (grads up to 0.87)
                     rtol=1e-4,
                     msg=f"{name} {part}",
                 )

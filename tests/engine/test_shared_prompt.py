@@ -39,16 +39,17 @@ def test_layout_runs_each_prompt_once_and_isolates_the_responses() -> None:
     mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
     assert group_rows_by_prompt([[5, 6], [5, 6], [7]]) == [[0, 1], [2]]
     layout = pack_shared_prompts(ids, mask, response_width=3, row_tokens=6)
-    # units: [5 6 | 11 12 | 13] (5 tokens) and [7 | 14 15 16] (4 tokens): one row each at width 6
-    assert layout.input_ids.tolist() == [[5, 6, 11, 12, 13, 0], [7, 14, 15, 16, 0, 0]]
-    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2, 0], [0, 1, 2, 3, 0, 1]]
+    # units: [5 6 | 11 12 | 13] (5 tokens) and [7 | 14 15 16] (4 tokens): one row each, trimmed to width 5
+    # (the fullest row), so the second row ends in one filler token
+    assert layout.input_ids.tolist() == [[5, 6, 11, 12, 13], [7, 14, 15, 16, 0]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 0]]
     attend = layout.attention_mask[0, 0]
-    assert attend[4].tolist() == [True, True, False, False, True, False]  # response 2 sees the prompt, itself
-    assert attend[3].tolist() == [True, True, True, True, False, False]  # response 1: prompt + its tokens
-    assert attend[1].tolist() == [True, True, False, False, False, False]  # prompt: causal on the prompt
-    assert not layout.attention_mask[0, 0, :5, 5].any()  # nothing attends to the filler
+    assert attend[4].tolist() == [True, True, False, False, True]  # response 2 sees the prompt, itself
+    assert attend[3].tolist() == [True, True, True, True, False]  # response 1: prompt + its tokens
+    assert attend[1].tolist() == [True, True, False, False, False]  # prompt: causal on the prompt
+    assert not layout.attention_mask[1, 0, :4, 4].any()  # nothing attends to the filler
     # the prompt's last output (flat 1) predicts the first token of both responses
-    assert layout.predict_pos.tolist() == [[1, 2, -1], [1, -1, -1], [6, 7, 8]]
+    assert layout.predict_pos.tolist() == [[1, 2, -1], [1, -1, -1], [5, 6, 7]]
 
 
 def test_groups_too_long_for_a_row_are_split_with_a_prompt_copy_each() -> None:
