@@ -123,6 +123,7 @@ class RewardEngine(TrainEngine):
         self.vision_tower_trained = False
         self.vision_pass = None
         self.router_aux = None
+        self.routing_replay = None  # a classifier's passes replay no routing
         self.router_aux_loss_coef = 0.0
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
