@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -59,3 +60,23 @@ def write_result(filename: str, result: dict[str, Any]) -> Path:
     path = RESULTS / filename
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+def median_row(
+    case: str, metric: str, values: list[float], baselines: list[float], baseline_name: str, higher: bool
+) -> dict[str, Any]:
+    """One BENCHMARKS.md row: the medians of `values` and `baselines` (the peer measured in the same run),
+    their ratio, and the min-max spread of each."""
+    value, baseline = statistics.median(values), statistics.median(baselines)
+    return {
+        "case": case,
+        "metric": metric,
+        "value": round(value, 3),
+        "baseline_name": baseline_name,
+        "baseline_value": round(baseline, 3),
+        "ratio": round(value / baseline, 4) if baseline else None,
+        "higher_is_better": higher,
+        "repeats": len(values),
+        "spread": [round(min(values), 3), round(max(values), 3)],
+        "baseline_spread": [round(min(baselines), 3), round(max(baselines), 3)],
+    }

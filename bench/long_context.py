@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import machine_info, write_result  # noqa: E402
+from common import machine_info, median_row, write_result  # noqa: E402
 
 from posttrain.data import keys  # noqa: E402
 from posttrain.data.batch import Batch  # noqa: E402
@@ -112,19 +112,7 @@ def _rank_main(
 
 
 def row(case: str, metric: str, values: list[float], baselines: list[float], higher: bool) -> dict:
-    value, baseline = statistics.median(values), statistics.median(baselines)
-    return {
-        "case": case,
-        "metric": metric,
-        "value": round(value, 3),
-        "baseline_name": "sp1",
-        "baseline_value": round(baseline, 3),
-        "ratio": round(value / baseline, 4) if baseline else None,
-        "higher_is_better": higher,
-        "repeats": len(values),
-        "spread": [round(min(values), 3), round(max(values), 3)],
-        "baseline_spread": [round(min(baselines), 3), round(max(baselines), 3)],
-    }
+    return median_row(case, metric, values, baselines, "sp1", higher)
 
 
 def main() -> None:

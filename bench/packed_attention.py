@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import machine_info, write_result  # noqa: E402
+from common import machine_info, median_row, write_result  # noqa: E402
 
 from posttrain.engine.packing import packed_model_output  # noqa: E402
 from posttrain.engine.varlen_attention import VARLEN  # noqa: E402
@@ -96,19 +96,7 @@ def largest_tensor(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor)
 
 
 def row(case: str, metric: str, values: list[float], baselines: list[float]) -> dict:
-    value, baseline = statistics.median(values), statistics.median(baselines)
-    return {
-        "case": case,
-        "metric": metric,
-        "value": round(value, 3),
-        "baseline_name": BASELINE,
-        "baseline_value": round(baseline, 3),
-        "ratio": round(value / baseline, 4) if baseline else None,
-        "higher_is_better": False,
-        "repeats": len(values),
-        "spread": [round(min(values), 3), round(max(values), 3)],
-        "baseline_spread": [round(min(baselines), 3), round(max(baselines), 3)],
-    }
+    return median_row(case, metric, values, baselines, BASELINE, higher=False)
 
 
 def main() -> None:
