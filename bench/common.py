@@ -34,7 +34,8 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def code_commit() -> str:
-    """The commit the benchmarked code is at, `+dirty` when posttrain/ or bench/ have uncommitted changes
+    """The commit the benchmarked code is at, `+dirty` when posttrain/ or bench/ (results apart: a bench run
+    writes them) have uncommitted changes
     (so README figures can be labelled with the code they came from); `unknown` outside a git checkout."""
     root = Path(__file__).resolve().parents[1]
     try:
@@ -42,7 +43,7 @@ def code_commit() -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "posttrain", "bench"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "posttrain", "bench", ":!bench/results"],
             cwd=root,
             capture_output=True,
             text=True,
