@@ -141,6 +141,7 @@ def _serve(args: argparse.Namespace) -> None:
     serve(
         args.model, model_name=args.model_name, keys_file=args.keys, root_dir=args.state_dir,
         host=args.host, port=args.port, backend=args.backend, n_workers=args.n_workers, config=args.config,
+        tokenizer_id=args.tokenizer_id,
     )  # fmt: skip
 
 
@@ -202,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="the base model directory every tenant's adapter trains on")
     p.add_argument("--model-name", help="the name clients ask for (default: the directory's name)")
+    p.add_argument(
+        "--tokenizer-id",
+        help="what clients' get_tokenizer loads (AutoTokenizer.from_pretrained): a hub id such as "
+        "Qwen/Qwen2.5-0.5B for clients on other machines (default: the --model directory, local clients only)",
+    )
     p.add_argument("--keys", help="JSON file of API key -> tenant (default: $POSTTRAIN_API_KEYS)")
     p.add_argument(
         "--state-dir",

@@ -17,7 +17,12 @@ What is durable, and what is not: a request's answer is written before the polle
 whose result you have survives a crash. Training after the last save lives only in memory: after a crash
 the model comes back from that save (with its optimizer state) and later steps are lost; the requests that
 were running answer an error saying so. A model that never saved is gone (410). A graceful stop (SIGTERM)
-saves every loaded adapter first, so it loses nothing. Sampling sessions are not journaled.
+saves every loaded adapter first, so it loses nothing.
+
+Sampling sessions are journaled by what they sample from: one on a base model or on saved sampler weights (a
+`tinker://` path) is opened again on its first use after a restart; one on an in-memory snapshot of a
+training model's weights (`save_weights_and_get_sampling_client` without a name) cannot be, and answers 410
+saying so (snapshots are copies in memory by design: no disk round trip per RL step).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ CREATE TABLE IF NOT EXISTS futures (
     request_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, kind TEXT NOT NULL, model_id TEXT,
     status TEXT NOT NULL, answer BLOB, proto INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL, finished REAL);
 CREATE INDEX IF NOT EXISTS futures_finished ON futures (finished);
+CREATE TABLE IF NOT EXISTS samplers (
+    sampler_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, base_name TEXT NOT NULL, model_path TEXT,
+    snapshot_of TEXT, released INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL);
 """
 SEQS_KEPT = 1024  # per model: seq_ids older than the latest minus this are forgotten (a retry comes soon)
 
@@ -58,6 +66,19 @@ class ModelRow:
     lora: dict[str, Any]
     restore_path: str | None
     tenant_saved: bool  # whether restore_path was written by the tenant's save_state (else by a release)
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    """A sampling session: on a base model (`model_path` and `snapshot_of` None), on saved sampler weights
+    (`model_path`), or on an in-memory snapshot of training model `snapshot_of`."""
+
+    sampler_id: str
+    tenant: str
+    base_name: str
+    model_path: str | None = None
+    snapshot_of: str | None = None
+    released: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,25 @@ class Journal:
         rows = self._read("SELECT * FROM models")
         return [ModelRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], bool(r[6])) for r in rows]
 
+    # ---- sampling sessions ---------------------------------------------------------------------------
+    def sampler(self, row: SamplerRow) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO samplers VALUES (?, ?, ?, ?, ?, ?, ?)",
+            row.sampler_id, row.tenant, row.base_name, row.model_path, row.snapshot_of, int(row.released),
+            time.time(),
+        )  # fmt: skip
+
+    def sampler_released(self, sampler_id: str) -> None:
+        self._write("UPDATE samplers SET released = 1 WHERE sampler_id = ?", sampler_id)
+
+    def samplers(self) -> list[SamplerRow]:
+        """Every sampling session, oldest first (the order of their last use is not kept)."""
+        rows = self._read(
+            "SELECT sampler_id, tenant, base_name, model_path, snapshot_of, released FROM samplers "
+            "ORDER BY created"
+        )
+        return [SamplerRow(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows]
+
     # ---- sequencing ----------------------------------------------------------------------------------
     def seq(self, model_id: str, seq_id: int, request_id: str) -> None:
         with self._lock:
@@ -181,13 +221,19 @@ class Journal:
         rows = self._read("SELECT COUNT(*) FROM futures WHERE status = 'done'")
         return int(rows[0][0]) if rows else 0
 
+    def forget_sampler(self, sampler_id: str) -> None:
+        self._write("DELETE FROM samplers WHERE sampler_id = ?", sampler_id)
+
     def purge(self, keep_seconds: float) -> int:
-        """Forget answers finished more than `keep_seconds` ago; how many."""
+        """Forget answers finished, and sampling sessions released, more than `keep_seconds` ago (a
+        released session's row is kept only to say so in a 404); how many answers."""
         with self._lock:
             if self._closed:
                 return 0
+            horizon = time.time() - keep_seconds
+            self._db.execute("DELETE FROM samplers WHERE released = 1 AND created < ?", (horizon,))
             cursor = self._db.execute(
-                "DELETE FROM futures WHERE status = 'done' AND finished < ?", (time.time() - keep_seconds,)
+                "DELETE FROM futures WHERE status = 'done' AND finished < ?", (horizon,)
             )
             return cursor.rowcount
 

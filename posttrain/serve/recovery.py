@@ -8,7 +8,9 @@
 - a training model whose last durable state exists (its last `save_state`, or the server's own save of
   its idle adapter) keeps its tinker model id and its seq_id numbering; its adapter is loaded again from
   that state, with its optimizer, on its first request (adapters.py). Steps after that state are lost;
-- a model with no durable state is gone: every request naming it answers 410, saying it had no save_state.
+- a model with no durable state is gone: every request naming it answers 410, saying it had no save_state;
+- a sampling session on a base model or on saved sampler weights is opened again on its first use; one on
+  an in-memory snapshot of a training model's weights is gone: it answers 410 saying so.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def recover(state: ServerState) -> dict[str, int]:
         else:
             state.lost[row.model_id] = (row.tenant, _gone(row))
             lost.append(row.model_id)
+    snapshots = _samplers(state)
     interrupted = journal.pending()
     for request in interrupted:
         journal.finished(request.request_id, {"error": _interrupted(state, request), "category": "server"})
@@ -54,17 +57,43 @@ def recover(state: ServerState) -> dict[str, int]:
         "models_restorable": len(restorable),
         "models_lost": len(lost),
         "checkpoints_repaired": len(repaired),
+        "sampling_sessions_restorable": len(state.dormant_samplers),
+        "sampling_sessions_lost": snapshots,
     }
     if any(counts.values()):
         log.warning(
             "recovered from the journal %s: %d sessions, %d checkpoint owners, %d finished results kept, "
             "%d requests interrupted (they now answer an error), %d models to load again on first use "
-            "(%s), %d models lost for want of a save_state (%s)",
+            "(%s), %d models lost for want of a save_state (%s), %d sampling sessions to open again on first "
+            "use, %d lost (in-memory snapshots)",
             journal.path, counts["sessions"], counts["checkpoint_owners"], counts["finished_results"],
             counts["interrupted_requests"], counts["models_restorable"], "; ".join(restorable) or "-",
-            counts["models_lost"], ", ".join(lost) or "-",
+            counts["models_lost"], ", ".join(lost) or "-", counts["sampling_sessions_restorable"], snapshots,
         )  # fmt: skip
     return counts
+
+
+def _samplers(state: ServerState) -> int:
+    """Journaled sampling sessions: released ones are remembered (for their 404), those on a base model or
+    saved weights wait to be opened on first use, snapshots are lost (410; their rows are dropped). How many
+    were lost."""
+    lost = 0
+    for row in state.journal.samplers():
+        if row.released:
+            state.released_samplers[row.sampler_id] = row.tenant
+        elif row.snapshot_of is None:
+            state.dormant_samplers[row.sampler_id] = row
+        else:
+            lost += 1
+            state.lost_samplers[row.sampler_id] = (
+                row.tenant,
+                f"sampling session {row.sampler_id!r} was lost when the server restarted: it sampled from an "
+                f"in-memory snapshot of training model {row.snapshot_of}'s weights "
+                "(save_weights_and_get_sampling_client), and snapshots are not saved to disk; make a new one "
+                "(or save sampler weights with a name: sessions on those survive a restart)",
+            )
+            state.journal.forget_sampler(row.sampler_id)
+    return lost
 
 
 def _exists(state: ServerState, path: str | None) -> bool:

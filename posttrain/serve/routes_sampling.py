@@ -1,6 +1,7 @@
 """The sampling endpoints of `posttrain serve`: sampling sessions (on a base model or on a tenant's own
-sampler weights) and `asample`, whose result is protobuf. Sampling sessions live in memory only. A sample's
-prompt (its image chunks decoded and processed) is read in a worker thread, off the event loop."""
+sampler weights) and `asample`, whose result is protobuf. A sample's
+prompt (its image chunks decoded and processed) is read in a worker thread, off the event loop. Sampling
+sessions are journaled (journal.py says which survive a restart)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tinker import types
 
 from posttrain.serve.api import Api, as_json
 from posttrain.serve.futures import failed
+from posttrain.serve.journal import SamplerRow
 from posttrain.serve.state import Sampler
 from posttrain.serve.wire import encode_sample_response
 
@@ -29,14 +31,12 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
         if body.model_path is not None:
             state.check_path(body.model_path, tenant, "sampler_weights")
-            client = state.service.create_sampling_client(model_path=body.model_path)
-            base_name = next(iter(state.served))
+            row = SamplerRow(sampler_id, tenant, next(iter(state.served)), model_path=body.model_path)
         elif body.base_model is not None:
-            client = state.service.create_sampling_client(base_model=state.base_dir(body.base_model))
-            base_name = body.base_model
+            row = SamplerRow(sampler_id, tenant, body.base_model)
         else:
             raise HTTPException(400, "create_sampling_session needs base_model or model_path")
-        state.add_sampler(sampler_id, Sampler(tenant, client, base_name, body.model_path))
+        state.add_sampler(Sampler(state.open_sampler(row), row))
         return as_json(types.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
 
     @app.get("/api/v1/samplers/{sampler_id}")

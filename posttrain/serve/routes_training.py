@@ -16,6 +16,7 @@ from posttrain.client.training import TrainingClient
 from posttrain.serve.adapters import is_internal
 from posttrain.serve.api import Api, as_json
 from posttrain.serve.futures import in_thread, resolved
+from posttrain.serve.journal import SamplerRow
 from posttrain.serve.state import Sampler
 from posttrain.serve.wire import WireError, decode_forward_backward, encode_forward_backward_output
 
@@ -62,7 +63,8 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         body = await api.body(request, types.GetInfoRequest)
         model = state.model(body.model_id, tenant)
         base_dir = api.base_dir(model.base_name)
-        data = types.ModelData(arch=_arch(base_dir), model_name=model.base_name, tokenizer_id=base_dir)
+        tokenizer_id = state.tokenizer_id(model.base_name, base_dir)
+        data = types.ModelData(arch=_arch(base_dir), model_name=model.base_name, tokenizer_id=tokenizer_id)
         info = types.GetInfoResponse(
             model_data=data, model_id=model.model_id, is_lora=True, lora_rank=model.lora.get("rank"),
             model_name=model.base_name,
@@ -135,7 +137,8 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
                 return state.adapters.export(client, body.path)
             sampler_id = f"{body.model_id}:sample:{body.sampling_session_seq_id}"
             sampler = client.save_weights_and_get_sampling_client()
-            state.add_sampler(sampler_id, Sampler(tenant, sampler, model.base_name))
+            row = SamplerRow(sampler_id, tenant, model.base_name, snapshot_of=body.model_id)
+            state.add_sampler(Sampler(sampler, row))
             return resolved(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id))
 
         return api.in_order(model, body.seq_id, tenant, "save_weights_for_sampler", start, as_json)

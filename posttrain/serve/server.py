@@ -32,17 +32,23 @@ def build_state(
     n_workers: int = 1,
     poll_timeout_s: float = 20.0,
     limits: Limits | None = None,
+    tokenizer_id: str | None = None,
 ) -> ServerState:
-    """The server's state on a new backend, with what the journal in `root_dir` remembers."""
+    """The server's state on a new backend, with what the journal in `root_dir` remembers. `tokenizer_id`
+    is what `get_info` tells clients to load the tokenizer from (default: the model directory, which only
+    loads on this machine; a hub id such as "Qwen/Qwen2.5-0.5B" loads anywhere)."""
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise ConfigError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
     name = model_name or path.name
     extra = {"n_workers": n_workers, "device": "cpu"} if backend == "ray" else {}
     service = ServiceClient(backend, root_dir=root_dir, base_models=[str(path.resolve())], **extra)  # type: ignore[arg-type]
+    if tokenizer_id is not None and not tokenizer_id.strip():
+        raise ConfigError("--tokenizer-id is empty: give a hub id or a directory, or leave it out")
     state = ServerState(
-        service, keys, {name: str(path.resolve())}, poll_timeout_s=poll_timeout_s, limits=limits or Limits()
-    )
+        service, keys, {name: str(path.resolve())}, poll_timeout_s=poll_timeout_s, limits=limits or Limits(),
+        tokenizer_ids={name: tokenizer_id} if tokenizer_id else {},
+    )  # fmt: skip
     recover(state)
     return state
 
@@ -70,10 +76,13 @@ def serve(
     backend: str = "local",
     n_workers: int = 1,
     config: str | None = None,
+    tokenizer_id: str | None = None,
 ) -> None:
     limits = load_limits(config) if config else Limits()
     keys = ApiKeys.load(keys_file)
-    state = build_state(model_dir, model_name, keys, root_dir, backend, n_workers, limits=limits)
+    state = build_state(
+        model_dir, model_name, keys, root_dir, backend, n_workers, limits=limits, tokenizer_id=tokenizer_id
+    )
     log.warning("serving %s as %r on http://%s:%d", model_dir, next(iter(state.served)), host, port)
     grace = limits.shutdown_grace_seconds
     server = _Server(

@@ -14,7 +14,7 @@ from posttrain.client import ServiceClient
 from posttrain.client.sampling import SamplingClient
 from posttrain.serve.adapters import Adapters, TrainingModel, is_internal
 from posttrain.serve.futures import FutureStore, Request, Sequencer
-from posttrain.serve.journal import Journal
+from posttrain.serve.journal import Journal, SamplerRow
 from posttrain.serve.limits import Limits, Meter
 from posttrain.serve.tenants import ApiKeys
 
@@ -23,10 +23,22 @@ JOURNAL_NAME = "serve-journal.sqlite3"
 
 @dataclass
 class Sampler:
-    tenant: str
+    """A sampling session in memory: its client, and the journal's record of what it samples from."""
+
     client: SamplingClient
-    base_name: str
-    model_path: str | None = None
+    row: SamplerRow
+
+    @property
+    def tenant(self) -> str:
+        return self.row.tenant
+
+    @property
+    def base_name(self) -> str:
+        return self.row.base_name
+
+    @property
+    def model_path(self) -> str | None:
+        return self.row.model_path
 
 
 @dataclass(repr=False)
@@ -34,6 +46,9 @@ class ServerState:
     service: ServiceClient
     keys: ApiKeys
     served: dict[str, str]  # base model name -> model directory
+    tokenizer_ids: dict[str, str] = field(
+        default_factory=dict
+    )  # base model name -> id reported (else its dir)
     poll_timeout_s: float = 20.0
     limits: Limits = field(default_factory=Limits)
     journal: Journal = field(init=False)  # <the backend's folder>/serve-journal.sqlite3
@@ -46,6 +61,10 @@ class ServerState:
     lost: dict[str, tuple[str, str]] = field(default_factory=dict)  # model id -> (tenant, why): 410
     samplers: dict[str, Sampler] = field(default_factory=dict)  # in order of last use
     released_samplers: dict[str, str] = field(default_factory=dict)  # sampler id -> tenant
+    dormant_samplers: dict[str, SamplerRow] = field(default_factory=dict)  # journaled, opened on first use
+    lost_samplers: dict[str, tuple[str, str]] = field(
+        default_factory=dict
+    )  # sampler id -> (tenant, why): 410
     checkpoint_owner: dict[str, str] = field(default_factory=dict)  # backend model id -> tenant
     creating: dict[str, str] = field(default_factory=dict)  # model ids being created -> tenant (slots held)
     stop: asyncio.Event | None = None  # set when a graceful stop begins: long polls return at once
@@ -97,6 +116,11 @@ class ServerState:
         return model
 
     def sampler(self, sampler_id: str, tenant: str) -> Sampler:
+        """A tenant's sampling session (one journaled before a restart is opened again here, on its first
+        use); 404 for an unknown or released one, 410 for one a restart lost."""
+        dormant = self.dormant_samplers.get(sampler_id)
+        if dormant is not None and dormant.tenant == tenant:
+            self._reopen(dormant)
         sampler = self.samplers.get(sampler_id)
         if sampler is None or sampler.tenant != tenant:
             if self.released_samplers.get(sampler_id) == tenant:
@@ -106,15 +130,44 @@ class ServerState:
                     f"samplers_per_tenant={self.limits.samplers_per_tenant} most recently used ones, and a "
                     "finished session releases its own; create a new one",
                 )
-            raise HTTPException(
-                404, f"no sampling session {sampler_id!r} (sampling sessions do not survive a restart)"
-            )
+            lost = self.lost_samplers.get(sampler_id)
+            if lost is not None and lost[0] == tenant:
+                raise HTTPException(410, lost[1])
+            raise HTTPException(404, f"no sampling session {sampler_id!r}")
         self.samplers[sampler_id] = self.samplers.pop(sampler_id)  # the most recently used: last
         return sampler
 
-    def add_sampler(self, sampler_id: str, sampler: Sampler) -> None:
-        """Keep a new sampling session; release the tenant's least recently used beyond the limit (the
-        engine and its copy of the weights go with the last reference to the client)."""
+    def open_sampler(self, row: SamplerRow) -> SamplingClient:
+        """A sampling client on what `row` names: saved sampler weights, or a base model served here."""
+        if row.model_path is not None:
+            return self.service.create_sampling_client(model_path=row.model_path)
+        return self.service.create_sampling_client(base_model=self.base_dir(row.base_name))
+
+    def _reopen(self, row: SamplerRow) -> None:
+        """Open a journaled sampling session again; if what it sampled from is gone, it is lost (410)."""
+        del self.dormant_samplers[row.sampler_id]
+        try:
+            client = self.open_sampler(row)
+        except (ValueError, HTTPException) as exc:
+            source = (
+                f"sampler weights {row.model_path}" if row.model_path else f"base model {row.base_name!r}"
+            )
+            detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
+            why = (
+                f"sampling session {row.sampler_id!r} could not be opened again after the server restarted: "
+                f"its {source} is no longer here ({detail}); create a new one"
+            )
+            self.lost_samplers[row.sampler_id] = (row.tenant, why)
+            self.journal.forget_sampler(row.sampler_id)
+            return
+        self.add_sampler(Sampler(client, row), journal=False)
+
+    def add_sampler(self, sampler: Sampler, journal: bool = True) -> None:
+        """Keep a new sampling session (and journal it); release the tenant's least recently used beyond
+        the limit (the engine and its copy of the weights go with the last reference to the client)."""
+        sampler_id = sampler.row.sampler_id
+        if journal:
+            self.journal.sampler(sampler.row)
         self.samplers[sampler_id] = sampler
         mine = [k for k, v in list(self.samplers.items()) if v.tenant == sampler.tenant]
         for old in mine[: max(0, len(mine) - self.limits.samplers_per_tenant)]:
@@ -122,14 +175,19 @@ class ServerState:
 
     def release_sampler(self, sampler_id: str) -> None:
         sampler = self.samplers.pop(sampler_id, None)
-        if sampler is not None:
-            self.released_samplers[sampler_id] = sampler.tenant
+        dormant = self.dormant_samplers.pop(sampler_id, None)
+        tenant = sampler.tenant if sampler is not None else dormant.tenant if dormant is not None else None
+        if tenant is not None:
+            self.released_samplers[sampler_id] = tenant
+            self.journal.sampler_released(sampler_id)
             while len(self.released_samplers) > 100_000:  # remembered for a clear 404, within bounds
                 self.released_samplers.pop(next(iter(self.released_samplers)))
 
     def finish_session(self, session_id: str) -> None:
         """A finished session's sampling sessions are released (its models stay: they are the tenant's)."""
-        for sampler_id in [k for k in list(self.samplers) if k.startswith(f"{session_id}:")]:
+        for sampler_id in [
+            k for k in [*self.samplers, *self.dormant_samplers] if k.startswith(f"{session_id}:")
+        ]:
             self.release_sampler(sampler_id)
 
     def check_path(self, path: str, tenant: str, kind: str) -> None:
@@ -140,6 +198,11 @@ class ServerState:
             raise HTTPException(404, str(exc)) from None
         if self.checkpoint_owner.get(backend_model_id) != tenant or is_internal(path.rsplit("/", 1)[-1]):
             raise HTTPException(404, f"{path!r}: no such checkpoint")
+
+    def tokenizer_id(self, base_name: str, base_dir: str) -> str:
+        """What `get_info` reports for the SDK's `AutoTokenizer.from_pretrained`: `--tokenizer-id` if given
+        (e.g. a hub id, for clients on other machines), else the served directory (loads on this machine)."""
+        return self.tokenizer_ids.get(base_name, base_dir)
 
     def base_dir(self, name: str) -> str:
         if name not in self.served:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
 from .conftest import KEYS, SESSION, free_port, logprobs, result, training
 
@@ -77,6 +77,37 @@ def new_model(client: httpx.Client, session_id: str, model_seq_id: int) -> str:
     return result(client, answer["request_id"])["model_id"]
 
 
+def prompt_logprobs(client: httpx.Client, sampler_id: str) -> list[float]:
+    """The sampler's log-probs of a fixed prompt (which weights it samples from, deterministically)."""
+    body = {
+        "sampling_session_id": sampler_id, "num_samples": 1, "prompt_logprobs": True,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 9, 14, 7, 11]}]},
+        "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": 0},
+    }  # fmt: skip
+    answer = client.post("/api/v1/asample", json=body)
+    assert answer.status_code == 200, answer.text
+    return [
+        float(x)
+        for x in deserialize_sample_response(result(client, answer.json()["request_id"])).prompt_logprobs[1:]
+    ]
+
+
+def samplers(client: httpx.Client, session_id: str, model_id: str) -> dict[str, str]:
+    """Three sampling sessions: on the base model, on named sampler weights, on a snapshot (seq_ids 8, 9)."""
+    base = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "tiny"}
+    ids = {"base": client.post("/api/v1/create_sampling_session", json=base).json()["sampling_session_id"]}
+    named = {"model_id": model_id, "seq_id": 8, "path": "for-sampling"}
+    path = result(client, client.post("/api/v1/save_weights_for_sampler", json=named).json()["request_id"])[
+        "path"
+    ]
+    on_path = {"session_id": session_id, "sampling_session_seq_id": 1, "model_path": path}
+    ids["named"] = client.post("/api/v1/create_sampling_session", json=on_path).json()["sampling_session_id"]
+    snapshot = {"model_id": model_id, "seq_id": 9, "sampling_session_seq_id": 2}
+    answer = client.post("/api/v1/save_weights_for_sampler", json=snapshot).json()["request_id"]
+    ids["snapshot"] = result(client, answer)["sampling_session_id"]
+    return ids
+
+
 def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProcess) -> None:
     server = serve_process
     server.start()
@@ -102,7 +133,10 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
             result(alice, training(alice, model_id, seq_id, verb))
         assert logprobs(result(alice, training(alice, model_id, 7, "forward"))) != logprobs(at_save)
         unsaved = new_model(alice, session_id, 1)  # never saved
-        in_flight = training(alice, model_id, 9, "optim_step")  # waits for seq_id 8, which never comes
+        sampler_ids = samplers(alice, session_id, model_id)
+        sampled = {kind: prompt_logprobs(alice, sampler_ids[kind]) for kind in ("base", "named")}
+        assert sampled["base"] != pytest.approx(sampled["named"], abs=1e-4)  # the trained weights differ
+        in_flight = training(alice, model_id, 11, "optim_step")  # waits for seq_id 10, which never comes
     server.process.kill()  # type: ignore[union-attr]
     server.process.wait()  # type: ignore[union-attr]
 
@@ -117,9 +151,16 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
         )
         assert training(alice, model_id, 4, "forward") == forward_id  # a seq_id seen before: the same request
         # the model comes back from its save, with the same id, and its seq_ids go on
-        assert logprobs(result(alice, training(alice, model_id, 10, "forward"))) == pytest.approx(
+        assert logprobs(result(alice, training(alice, model_id, 12, "forward"))) == pytest.approx(
             logprobs(at_save), abs=1e-6
         )
+        # sampling sessions on the base model and on saved sampler weights are opened again; a snapshot is
+        # lost and says so; another tenant still cannot reach them
+        assert bob.get(f"/api/v1/samplers/{sampler_ids['named']}").status_code == 404
+        for kind in ("base", "named"):
+            assert prompt_logprobs(alice, sampler_ids[kind]) == pytest.approx(sampled[kind], abs=1e-5)
+        snapshot = alice.get(f"/api/v1/samplers/{sampler_ids['snapshot']}")
+        assert snapshot.status_code == 410 and "snapshot" in snapshot.text and model_id in snapshot.text
         gone = alice.post("/api/v1/get_info", json={"model_id": unsaved, "type": "get_info"})
         assert gone.status_code == 410 and unsaved in gone.text and "save_state" in gone.text
         # ownership holds after the restart
@@ -139,8 +180,8 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
         for seq_id, verb in ((1, "forward_backward"), (2, "optim_step")):
             result(alice, training(alice, third, seq_id, verb))
         third_now = logprobs(result(alice, training(alice, third, 3, "forward")))
-        running = training(alice, model_id, 11, "forward_backward")
-        waiting = training(alice, model_id, 13, "optim_step")  # seq_id 12 never comes
+        running = training(alice, model_id, 13, "forward_backward")
+        waiting = training(alice, model_id, 15, "optim_step")  # seq_id 14 never comes
     assert server.stop(signal.SIGTERM) == 0
     assert "stopped:" in server.log.read_text()
 
@@ -151,4 +192,6 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
         assert logprobs(result(alice, training(alice, third, 4, "forward"))) == pytest.approx(
             third_now, abs=1e-6
         )
+        # a session reopened after a restart is journaled still: it survives the next one too
+        assert prompt_logprobs(alice, sampler_ids["named"]) == pytest.approx(sampled["named"], abs=1e-5)
     assert server.stop(signal.SIGTERM) == 0
