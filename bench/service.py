@@ -15,6 +15,9 @@ Each tenant (its own API key, its own LoRA adapter of rank 8 on the one served b
   trips one at a time through the SDK and the server, against the same calls in-process: the p50 difference is
   what serving adds to a request, with next to no compute in it to add noise.
 
+The SDK's clients are used as its docs say (`create_lora_training_client(...).result()`), with
+`TINKER_TELEMETRY=0` (posttrain serve answers telemetry uploads 501, so the SDK would only retry and drop them).
+
 Reported per case (preset, tenants, `n`): train tokens/s (tenants x steps x n x seq-len over the wall
 time of the measured steps), steps/s, and p50/p99 of the forward_backward round trip; the ratio is served /
 baseline tokens/s. With one tenant the difference is what serving adds (protocol, HTTP, polling); with
@@ -143,7 +146,7 @@ def run_served(url: str, tenants: int, n: int, args: argparse.Namespace) -> dict
     clients, datas = [], []
     for i, key in enumerate(keys(tenants)):
         service = tinker.ServiceClient(base_url=url, api_key=key)
-        clients.append(service.create_lora_training_client(base_model="model", rank=RANK, seed=i))
+        clients.append(service.create_lora_training_client(base_model="model", rank=RANK, seed=i).result())
         datas.append(make_data(n, args.seq_len, seed=i))
     latencies: list[list[float]] = [[] for _ in range(tenants)]
     warm = threading.Barrier(tenants + 1)
@@ -237,7 +240,9 @@ def run_overhead(model: Path, url: str, calls: int) -> dict[str, float]:
     from posttrain.client import ServiceClient
 
     service = tinker.ServiceClient(base_url=url, api_key=next(iter(keys(1))))
-    served = call_latencies(service.create_lora_training_client(base_model="model", rank=RANK), calls)
+    served = call_latencies(
+        service.create_lora_training_client(base_model="model", rank=RANK).result(), calls
+    )
     with ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as local:
         in_process = call_latencies(local.create_lora_training_client(str(model), rank=RANK), calls)
     return {
@@ -279,6 +284,7 @@ def main() -> None:
         serve_child(*args.serve_child[:1], int(args.serve_child[1]), *args.serve_child[2:])
         return
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("TINKER_TELEMETRY", "0")  # the server answers the SDK's telemetry uploads 501
     tenant_counts = [int(x) for x in args.tenants.split(",")]
     sizes = [int(x) for x in args.sizes.split(",")]
     work = Path(tempfile.gettempdir()) / "posttrain-bench-service"

@@ -70,6 +70,7 @@ class FutureStore:
         self._on_finish = on_finish
         self._last_done = 0.0
         self.accepted: collections.Counter[str] = collections.Counter()  # requests taken on, by kind
+        self._unfinished: collections.Counter[str] = collections.Counter()  # per tenant, kept as they change
 
     def add(self, tenant: str, kind: str, future: Any, encode: Encoder, model_id: str | None = None) -> str:
         inner = as_concurrent(future)
@@ -77,6 +78,7 @@ class FutureStore:
             request = Request(f"{self._prefix}-{next(self._ids)}", tenant, kind, model_id)
             self._requests[request.request_id] = request
             self.accepted[kind] += 1
+            self._unfinished[tenant] += 1
         if self._journal is not None:
             self._journal.submitted(request.request_id, tenant, kind, model_id)
         ran = not inner.done()  # one answered at once never waited in a queue
@@ -101,6 +103,9 @@ class FutureStore:
             if request.finished is not None:
                 return
             request.finished = now
+            self._unfinished[request.tenant] -= 1
+            if not self._unfinished[request.tenant]:
+                del self._unfinished[request.tenant]
             # the backend runs one call at a time: this one started when the one before it finished
             queued = max(0.0, self._last_done - request.submitted) if ran else 0.0
             if ran:
@@ -128,6 +133,11 @@ class FutureStore:
         if self._journal is not None:
             with self._lock:
                 self._requests.pop(request.request_id, None)
+
+    def unfinished(self, tenant: str) -> int:
+        """The tenant's requests taken on and not finished (a counter: no scan of the requests in memory)."""
+        with self._lock:
+            return self._unfinished[tenant]
 
     def pending(self) -> list[Request]:
         return [r for r in list(self._requests.values()) if not r.answer.done()]

@@ -86,7 +86,7 @@ class ServerState:
         self.meter.queued(request.tenant, queue_seconds)
 
     def queued(self, tenant: str) -> int:
-        return sum(1 for r in self.futures.pending() if r.tenant == tenant)
+        return self.futures.unfinished(tenant)
 
     def begin_stop(self) -> None:
         """A graceful stop begins (called from the signal handler): end the long polls now."""

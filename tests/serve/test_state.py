@@ -120,3 +120,20 @@ def test_a_long_poll_that_times_out_or_is_stopped_leaves_the_request_running() -
     assert not timed_out and not stopped and seconds < 1
     work.set_result("done")  # the polls gave up; the request did not
     assert request.answer.result(timeout=1) == {"out": "done"}
+
+
+def test_each_tenants_unfinished_requests_are_counted_as_they_change() -> None:
+    """What queued_requests is checked against: requests taken on and not finished, per tenant, including
+    those failed at shutdown; finished results still in memory do not count."""
+    store = FutureStore("t")
+    running: list[concurrent.futures.Future[int]] = [concurrent.futures.Future() for _ in range(3)]
+    for future, tenant in zip(running, ("alice", "alice", "bob"), strict=True):
+        store.add(tenant, "forward", future, lambda x: {"value": x})
+    store.add("bob", "forward", resolved(1), lambda x: {"value": x})  # answered at once
+    assert (store.unfinished("alice"), store.unfinished("bob"), store.unfinished("carol")) == (2, 1, 0)
+    running[0].set_result(7)
+    assert store.unfinished("alice") == 1 and store.in_memory() == 4  # its result is still held
+    assert len(store.fail_pending("stopping")) == 2
+    assert (store.unfinished("alice"), store.unfinished("bob")) == (0, 0)
+    running[1].set_result(8)  # finishing after it failed: the first answer stands, nothing counted twice
+    assert store.unfinished("alice") == 0
