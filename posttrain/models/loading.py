@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 # Any one of these is enough for AutoTokenizer to build a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+# The image processor's backend, always named: left unset, transformers 5 picks the torchvision class whenever
+# torchvision imports, and a torchvision wheel is built for one torch release (issue 20: never depend on it).
+IMAGE_PROCESSOR_BACKEND = "pil"
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -182,7 +185,8 @@ def load_processor(path: str | Path) -> Any:
     """The image + text processor of a vision-language directory (tokenizer and PIL image processor).
 
     Returns `posttrain.models.vl.VLProcessor`, which needs no torchvision (transformers 5's `Qwen2VLProcessor`
-    does); a directory without preprocessor_config.json is a ModelError.
+    does). The image processor is asked for by backend (`IMAGE_PROCESSOR_BACKEND`, Pillow), so an installed
+    torchvision is never chosen nor imported. A directory without preprocessor_config.json is a ModelError.
     """
     from posttrain.models.vl import VLProcessor
 
@@ -190,7 +194,9 @@ def load_processor(path: str | Path) -> Any:
     if not (p / "preprocessor_config.json").is_file():
         raise ModelError(f"no preprocessor_config.json in {p}: not a vision-language model directory")
     try:
-        image_processor = AutoImageProcessor.from_pretrained(p, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(
+            p, local_files_only=True, backend=IMAGE_PROCESSOR_BACKEND
+        )
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelError(f"cannot load the image processor from {p}: {e}") from e
     return VLProcessor(image_processor, load_tokenizer(p))

@@ -1,5 +1,7 @@
 """Tests for posttrain/models/vl.py: the tiny-vl preset, its HF directory, the torchvision-free processor."""
 
+import importlib.abc
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,41 @@ def test_loading_detects_a_vl_directory(vl_dir):
 def test_load_processor_needs_a_preprocessor_config(tmp_path):
     with pytest.raises(ModelError, match="preprocessor_config.json"):
         load_processor(tmp_path)
+
+
+class _RefuseTorchvision(importlib.abc.MetaPathFinder):
+    """An import hook under which importing torchvision fails: the test's proof it is never imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            raise AssertionError(f"{fullname} was imported")
+        return None
+
+
+def test_load_processor_picks_the_pil_class_even_where_torchvision_is_available(vl_dir, monkeypatch):
+    """With torchvision reported importable, transformers' unset backend would be torchvision: load_processor
+    must ask for the Pillow class by name and never import torchvision."""
+    from transformers.models.auto import image_processing_auto
+
+    monkeypatch.setattr(image_processing_auto, "is_torchvision_available", lambda: True)
+    assert image_processing_auto._resolve_backend(None, None, "Qwen2VLImageProcessor") == "torchvision"
+    requested: list[str] = []
+    load_class = image_processing_auto._load_class_with_fallback
+
+    def spy(mapping, backend):
+        requested.append(backend)
+        return load_class(mapping, backend)
+
+    monkeypatch.setattr(image_processing_auto, "_load_class_with_fallback", spy)
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_RefuseTorchvision(), *sys.meta_path])
+
+    processor = load_processor(vl_dir)
+
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert requested and set(requested) == {"pil"}
+    assert not any(m == "torchvision" or m.startswith("torchvision.") for m in sys.modules)
 
 
 def test_chat_template_renders_image_parts_and_strings_as_before(vl_dir):
