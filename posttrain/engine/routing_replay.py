@@ -14,6 +14,13 @@ replaying runs each router with its top-k replaced by the recorded experts and i
 current logits (`models.routing.forced_routing`); other positions (padding, packing filler) and cells holding -1
 keep the router's own choice. The replay hooks stay on through the backward, so a layer recomputed under gradient
 checkpointing is routed the same way. Nothing here knows the RL loop.
+
+Under Ulysses sequence parallelism (sp > 1) a model call runs this rank's slice of the packed rows' columns
+(`sequence_parallel.slice_rows`), and every token's router runs on the rank that holds it. Replaying cuts the
+recorded experts of the whole packed layout to this rank's columns; recording gathers each rank's slice over
+the sp group back into the whole layout first, so every rank returns the same (B, T, L, k) grid. Both need the
+packed rows' width before sp's padding (`packed_width`, told before each call, as the packers tell the MoE
+load-balancing loss).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.engine.sequence_parallel import SequenceParallel
 from posttrain.errors import ConfigError
 from posttrain.models.routing import ROUTE_DTYPE, RoutingRecorder, forced_routing, router_modules
 
@@ -34,10 +42,13 @@ T = TypeVar("T")
 
 
 class RoutingReplay:
-    """Records (`recorded`) or forces (`replaying`) the routers of `model` on a micro-batch's real cells."""
+    """Records (`recorded`) or forces (`replaying`) the routers of `model` on a micro-batch's real cells; `sp`: the
+    sequence-parallel group when each model call runs one slice of the packed rows' columns."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, sp: SequenceParallel | None = None) -> None:
         self.model = model
+        self.sp = sp if sp is not None and sp.size > 1 else None
+        self._width: int | None = None  # the packed rows' width before sp's padding (sp only)
         self.routers = router_modules(model)
         self.recorder = RoutingRecorder(model)
         self._n_cells = 0  # real cells of the micro-batch being recorded or replayed
@@ -49,12 +60,45 @@ class RoutingReplay:
         ] = []  # per model call being recorded: each real cell's position
         # (input_ids, positions) of the current model call, computed once for both hooks
         self._this_call: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._call_shape = (0, 0, 0)  # (rows, local columns, packed width) of the call recorded (sp only)
         self._n_forced = 0  # real cells of the micro-batch being replayed that carry recorded experts
         self.replayed_cells = 0  # token cells forced to recorded experts, summed over replayed model calls
 
     def cell_positions(self, flat_positions: torch.Tensor) -> None:
         """The flat packed position of each real cell of the micro-batch, for the next model call."""
         self._told = flat_positions
+
+    def packed_width(self, real_positions: torch.Tensor, width: int) -> None:
+        """The next model call's packed rows are `width` columns wide before sp's padding (a `real_tokens`
+        hook of the packers: the positions are not needed here)."""
+        self._width = width
+
+    def _sliced(self, ids: torch.Tensor) -> tuple[int, int, int]:
+        """(rows, this rank's columns, packed width before padding) of an sp model call over `ids`."""
+        if self._width is None:
+            raise ConfigError("routing replay under sequence parallelism: the packed width was not told")
+        rows, local = ids.shape
+        return rows, local, self._width
+
+    def _to_local(self, forced: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """(rows x W, L, k) over the whole packed layout -> (rows x local, L, k) over this rank's columns."""
+        assert self.sp is not None
+        rows, local, width = self._sliced(ids)
+        grid = forced.unflatten(0, (rows, width))
+        pad = local * self.sp.size - width
+        if pad:
+            grid = torch.cat([grid, grid.new_full((rows, pad, *grid.shape[2:]), -1)], 1)
+        start = self.sp.rank * local
+        return grid[:, start : start + local].flatten(0, 1)
+
+    def _gathered(self, local_cells: torch.Tensor, rows: int, local: int, width: int) -> torch.Tensor:
+        """(L, rows x local, k) recorded on this rank's columns -> (L, rows x W, k) over the whole layout."""
+        assert self.sp is not None
+        wide = local_cells.to(torch.int32).contiguous()  # gloo has no int16 collectives
+        parts = [torch.empty_like(wide) for _ in range(self.sp.size)]
+        torch.distributed.all_gather(parts, wide, group=self.sp.group)
+        grid = torch.cat([p.unflatten(1, (rows, local)) for p in parts], 2)  # (L, rows, W', k)
+        return grid[:, :, :width].flatten(1, 2).to(local_cells.dtype)
 
     def _positions(self, args: tuple, kwargs: dict) -> tuple[int, torch.Tensor]:
         """(tokens of this model call, the position among them of each real cell of the micro-batch)."""
@@ -79,13 +123,21 @@ class RoutingReplay:
     def _on_model_replay(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         assert self._cells is not None
         tokens, told = self._positions(args, kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        assert isinstance(ids, torch.Tensor)
+        if self.sp is not None:  # the whole packed layout, then this rank's columns of it
+            tokens = ids.shape[0] * self._sliced(ids)[2]
         forced = torch.full((tokens, *self._cells.shape[1:]), -1, dtype=self._cells.dtype, device=told.device)
         forced[told] = self._cells.to(told.device)
-        self._forced = forced
+        self._forced = self._to_local(forced, ids) if self.sp is not None else forced
         self.replayed_cells += self._n_forced
 
     def _on_model_record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._call_positions.append(self._positions(args, kwargs)[1])
+        if self.sp is not None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            assert isinstance(ids, torch.Tensor)
+            self._call_shape = self._sliced(ids)
 
     def _router_hook(self, layer: int) -> Callable[[nn.Module, tuple, tuple], tuple]:
         def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
@@ -154,7 +206,10 @@ class RoutingReplay:
             raise ConfigError(
                 f"routing replay: recording needs one model call per micro-batch; this pass made {len(positions)}"
             )
-        cells = RoutingRecorder.stacked(calls)[:, positions[0].to(calls[0][0].device)].transpose(0, 1)
+        stacked = RoutingRecorder.stacked(calls)
+        if self.sp is not None:
+            stacked = self._gathered(stacked, *self._call_shape)
+        cells = stacked[:, positions[0].to(calls[0][0].device)].transpose(0, 1)
         grid = torch.full((*mask.shape, *cells.shape[1:]), -1, dtype=ROUTE_DTYPE, device=cells.device)
         grid[mask.to(cells.device)] = cells
         return out, grid

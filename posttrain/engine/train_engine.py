@@ -416,7 +416,10 @@ class TrainEngine:
     def _packing_options(self) -> PackingOptions:
         eager = self.config.attn_implementation == "eager"
         mask_dtype = DTYPES[self.config.compute_dtype or self.config.dtype] if eager else None
-        real_tokens = self.router_aux.real_tokens if self.router_aux is not None else None
+        width_hooks = [self.router_aux.real_tokens] if self.router_aux is not None else []
+        if self.routing_replay is not None and self.sp is not None:
+            width_hooks.append(self.routing_replay.packed_width)
+        real_tokens = each_width_hook(width_hooks)
         cells = self.routing_replay.cell_positions if self.routing_replay is not None else None
         return PackingOptions(
             self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp, real_tokens, cells
@@ -430,10 +433,10 @@ class TrainEngine:
         return self._routing_replay().replaying(mb)
 
     def _routing_replay(self) -> RoutingReplay:
-        if self.sp is not None or self.config.head != "lm":
-            raise ConfigError("routing replay needs the lm head and model.sequence_parallel_size=1")
+        if self.config.head != "lm":
+            raise ConfigError("routing replay needs the lm head")
         if self.routing_replay is None:
-            self.routing_replay = RoutingReplay(self.model)
+            self.routing_replay = RoutingReplay(self.model, self.sp)
         return self.routing_replay
 
     def _packed_log_probs(
@@ -718,3 +721,19 @@ class TrainEngine:
             if not exported.exists():
                 exported.write_text(gen_config.read_text())
         dist.barrier()
+
+
+def each_width_hook(
+    hooks: list[Callable[[torch.Tensor, int], None]],
+) -> Callable[[torch.Tensor, int], None] | None:
+    """One packers' `real_tokens` hook (flat real positions, packed width) that calls each of `hooks`."""
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def call_each(positions: torch.Tensor, width: int) -> None:
+        for hook in hooks:
+            hook(positions, width)
+
+    return call_each

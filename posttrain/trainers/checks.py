@@ -78,20 +78,20 @@ def check_router_aux_loss(model: ModelConfig) -> None:
 
 
 def check_router_replay(cfg: RLConfig) -> None:
-    """`actor.router_replay.mode` needs a mixture of experts and a sequence-parallel size of 1 (a rank holds part
-    of each row). R2 records in the trainer's old-log-prob pass, so any rollout engine, placement, async RL or
-    agent loop works; rollout correction's bypass mode has no such pass (its old log-probs are the sampler's:
-    R3). R3 needs the built-in engine (colocated or in a rollout pool of its own) in one synchronous pass per
-    response: the only path that records each token's experts and carries them to the Batch (partial rollouts
-    and agent episodes are assembled without them)."""
+    """`actor.router_replay.mode` needs a mixture of experts (any sequence-parallel size: under sp each rank
+    replays and records its slice of the packed rows, engine.routing_replay). R2 records in the trainer's
+    old-log-prob pass, so any rollout engine, placement, async RL or agent loop works; rollout correction's
+    bypass mode has no such pass (its old log-probs are the sampler's: R3). R3 needs the built-in engine
+    (colocated or in a rollout pool of its own) in one synchronous pass per response: the only path that
+    records each token's experts and carries them to the Batch (partial rollouts and agent episodes are
+    assembled without them)."""
     mode = cfg.actor.router_replay.mode
     if mode == "disabled":
         return
     key = f"actor.router_replay.mode={mode}"
     if not is_moe(load_config(cfg.model.path)):
         raise ConfigError(f"{key} needs a mixture-of-experts model; {cfg.model.path} has no routed experts")
-    sp = cfg.model.sequence_parallel_size
-    refused: list[tuple[bool, str]] = [(sp > 1, f"model.sequence_parallel_size={sp}")]
+    refused: list[tuple[bool, str]] = []
     if mode == "R2":
         bypass = cfg.algorithm.rollout_correction.bypass_mode
         why = (

@@ -1,5 +1,6 @@
 """Mixture-of-experts policies end to end: GRPO and SFT on tiny-moe with the router's load-balancing loss, LoRA on
-the experts, routing replay (R3 colocated and with a rollout pool; R2 with the hf engine, agents, async RL)."""
+the experts, routing replay (R3 colocated and with a rollout pool; R2 with the hf engine, agents, async RL, and
+with sequence parallelism and the aux loss on 2 workers)."""
 
 from __future__ import annotations
 
@@ -107,10 +108,6 @@ def test_grpo_with_r2_through_posttrain_train(
     ):
         bypass = "algorithm.rollout_correction.bypass_mode=true"
         RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "a", *r2, bypass))
-    with pytest.raises(ConfigError, match="R2 is not supported with model.sequence_parallel_size=2"):
-        sp = ["model.sequence_parallel_size=2", "model.router_aux_loss_coef=0", "trainer.backend=ray"]
-        sp += ["trainer.n_workers_per_node=2"]
-        RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, tmp_path / "b", *r2, *sp))
     with pytest.raises(ConfigError, match="R2 needs a mixture-of-experts model"):
         RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "c", *r2))
     with pytest.raises(ConfigError, match=r"R3 is not supported with agent.enable=true .*R2 works with it"):
@@ -173,6 +170,27 @@ def test_grpo_with_r2_and_asynchronous_rollouts(
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["actor/grad_norm"] > 0 and r["timing/old_log_prob"] > 0 for r in steps)
     assert all(r["actor/replayed_tokens"] > 0 for r in steps)
+
+
+@pytest.mark.slow  # Ray: 2 workers, one sp group
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_grpo_with_routing_replay_and_the_aux_loss_under_sequence_parallelism(
+    tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None, mode: str
+) -> None:
+    """MoE end to end on 2 workers with sp=2 (each rank holds half of every packed row): the aux loss summed over
+    the sp group, routing replayed in two mini-batch updates (R2: recorded by the old-log-prob pass, each
+    rank's slice gathered; R3: the sampler's), the native sampler's log-probs still the trainer's."""
+    run = tmp_path / "run"
+    sp = ["model.sequence_parallel_size=2", "trainer.backend=ray", "trainer.n_workers_per_node=2"]
+    extra = [f"actor.router_replay.mode={mode}", "actor.mini_batch_size=8", "model.router_aux_loss_coef=0.01"]
+    extra += ["trainer.total_steps=2", "trainer.val_every=0", *sp, *LOCAL[1:], reward_file(tmp_path)]
+    RLTrainer(rl_config(tiny_moe_dir, arithmetic_data, run, *extra)).fit()
+    steps = [r for r in rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/logprob_diff_max"] < 1e-4
+        assert r["actor/grad_norm"] > 0 and r["actor/replayed_tokens"] > 0
+        assert 1.9 < r["actor/router_aux_loss"] < 4.0
 
 
 def test_sft_on_tiny_moe_logs_the_aux_loss(tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
