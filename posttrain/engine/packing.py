@@ -12,7 +12,7 @@ Pure tensor code around one model call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +227,23 @@ class PackingOptions:
     # told the flat packed position of each real cell of the input (`attention_mask.bool()` order) before each
     # model call (engine.routing_replay maps the recorded experts of each cell onto the packed layout)
     cell_positions: Callable[[torch.Tensor], None] | None = None
+    # rows of different labels never share a prompt or a prefix, whatever their tokens: a vision-language
+    # micro-batch's rows whose images differ (engine.packed_images.image_labels); None: tokens alone decide
+    row_labels: tuple[int, ...] | None = None
+
+
+def each_hook(hooks: Sequence[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None] | None:
+    """One `cell_positions` hook that calls each of `hooks` in turn (None for none)."""
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def call_each(cell_pos: torch.Tensor) -> None:
+        for hook in hooks:
+            hook(cell_pos)
+
+    return call_each
 
 
 def layout_attention(
@@ -254,8 +271,9 @@ def response_outputs(
     A response token always follows at least one prompt token of its own sequence, so the position
     before it is inside the same sequence (plain packing) or is the prompt's last token (shared prompts).
     """
-    if options.share_prompt and has_shared_prompts(input_ids, attention_mask, response_width):
-        shared = pack_shared_prompts(input_ids, attention_mask, response_width, options.row_tokens)
+    labels = options.row_labels
+    if options.share_prompt and has_shared_prompts(input_ids, attention_mask, response_width, labels):
+        shared = pack_shared_prompts(input_ids, attention_mask, response_width, options.row_tokens, labels)
         width = shared.input_ids.shape[1]
         mask, segments = layout_attention(model, shared.segments, width, input_ids.device, options)
         valid = shared.predict_pos >= 0
@@ -323,17 +341,29 @@ def packed_next_token_log_probs(
     row_tokens: int,
     sp: SequenceParallel | None = None,
     real_tokens: Callable[[torch.Tensor, int], None] | None = None,
+    cell_positions: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """(B, T) log-prob of each real token given the ones before it; 0 for the first token and padding.
-    `real_tokens`: as `PackingOptions.real_tokens`."""
+    `real_tokens`, `cell_positions`: as in `PackingOptions`."""
     layout = pack(input_ids, attention_mask, row_tokens)
     if real_tokens is not None:
         real_tokens(layout.real_pos(), layout.input_ids.shape[1])
+    if cell_positions is not None:
+        cell_positions(layout.flat_pos[attention_mask.bool()])
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
     logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=sp)
     targets = layout.input_ids.reshape(-1)[target_pos]
     return unpack_rows(token_log_probs(logits, targets), has_context)
+
+
+def combined_labels(*labelings: Sequence[int] | None) -> list[int] | None:
+    """One label per row that differs wherever any of `labelings` does (None ones ignored; None if all are)."""
+    given = [list(labels) for labels in labelings if labels is not None]
+    if not given:
+        return None
+    ids: dict[tuple[int, ...], int] = {}
+    return [ids.setdefault(key, len(ids)) for key in zip(*given, strict=True)]
 
 
 def packed_target_log_probs(
@@ -349,7 +379,8 @@ def packed_target_log_probs(
     position i of `input_ids` (the explicit API's layout, where the target need not be the next input).
 
     With `options.share_prompt`, rows that begin with the same tokens (the n samples of one prompt, as the
-    explicit API receives them: datums, nothing declared) run their common prefix once
+    explicit API receives them: datums, nothing declared) and have the same `options.row_labels` run their
+    common prefix once
     (`shared_prompt.detect_shared_prefixes`). The outputs at a shared position are the same for every row
     of the group; each row gathers its own target from them, so the vocabulary-wide log-softmax runs once
     per distinct packed position, not once per row.
@@ -361,8 +392,9 @@ def packed_target_log_probs(
     device = input_ids.device
     sequences, _ = real_tokens(input_ids, attention_mask)
     groups: list[PrefixGroup] = []
-    if options.share_prompt and routes is not None:
-        groups = detect_shared_prefixes_within(sequences, routes.row_slots.tolist())
+    labels = combined_labels(routes.row_slots.tolist() if routes is not None else None, options.row_labels)
+    if options.share_prompt and labels is not None:
+        groups = detect_shared_prefixes_within(sequences, labels)
     elif options.share_prompt:
         groups = detect_shared_prefixes(sequences)
     mask: torch.Tensor | None = None

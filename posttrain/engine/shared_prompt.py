@@ -18,6 +18,7 @@ it; the engine uses plain packing there. Pure tensor code, no model call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,19 +69,28 @@ def real_tokens(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[
     return tokens, columns
 
 
-def group_rows_by_prompt(prompts: list[list[int]]) -> list[list[int]]:
-    """Row indices grouped by identical prompt tokens, in order of first appearance."""
-    groups: dict[tuple[int, ...], list[int]] = {}
+def group_rows_by_prompt(prompts: list[list[int]], labels: Sequence[int] | None = None) -> list[list[int]]:
+    """Row indices grouped by identical prompt tokens, in order of first appearance. `labels`: rows of
+    different labels never group, whatever their tokens (rows whose images differ: the same image tokens
+    stand for other pixels)."""
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i, prompt in enumerate(prompts):
-        groups.setdefault(tuple(prompt), []).append(i)
+        label = labels[i] if labels is not None else 0
+        groups.setdefault((label, tuple(prompt)), []).append(i)
     return list(groups.values())
 
 
-def has_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> bool:
-    """Whether any two rows carry the same prompt (otherwise sharing saves nothing)."""
+def has_shared_prompts(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    labels: Sequence[int] | None = None,
+) -> bool:
+    """Whether any two rows carry the same prompt (otherwise sharing saves nothing); `labels` as in
+    `group_rows_by_prompt`."""
     prompt_width = input_ids.shape[1] - response_width
     prompts, _ = real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
-    return len(group_rows_by_prompt(prompts)) < input_ids.shape[0]
+    return len(group_rows_by_prompt(prompts, labels)) < input_ids.shape[0]
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -99,9 +109,10 @@ class PrefixGroup:
     prefix_len: int
 
 
-def detect_shared_prefixes_within(sequences: list[list[int]], labels: list[int]) -> list[PrefixGroup]:
+def detect_shared_prefixes_within(sequences: list[list[int]], labels: Sequence[int]) -> list[PrefixGroup]:
     """`detect_shared_prefixes` among the rows of each label separately: rows of different labels (tokens of
-    different LoRA adapters in one pass) never share a prefix, whose outputs would differ between them."""
+    different LoRA adapters in one pass, or of different images) never share a prefix, whose outputs would
+    differ between them."""
     groups: list[PrefixGroup] = []
     for label in sorted(set(labels)):
         rows = [i for i, x in enumerate(labels) if x == label]
@@ -235,15 +246,19 @@ def pack_prefix_groups(
 
 
 def pack_shared_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int, row_tokens: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    row_tokens: int,
+    labels: Sequence[int] | None = None,
 ) -> SharedPromptLayout:
     """Pack [left-padded prompt | right-padded response] rows with one prompt copy per group of rows with
-    identical real prompt tokens (`pack_prefix_groups` with the prompt as the prefix)."""
+    identical real prompt tokens and equal `labels` (`pack_prefix_groups` with the prompt as the prefix)."""
     batch, total = input_ids.shape
     prompt_width = total - response_width
     prompts, _ = real_tokens(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
     responses, response_cells = real_tokens(input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
-    groups = [PrefixGroup(rows, len(prompts[rows[0]])) for rows in group_rows_by_prompt(prompts)]
+    groups = [PrefixGroup(rows, len(prompts[rows[0]])) for rows in group_rows_by_prompt(prompts, labels)]
     sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
     layout = pack_prefix_groups(sequences, groups, row_tokens, input_ids.device)
     # the output before each response token predicts it (the prompt's last output predicts token 0)

@@ -47,10 +47,11 @@ from posttrain.engine.memory import MemoryLevers, explain_out_of_memory
 from posttrain.engine.moe import RouterAuxLoss, resolve_aux_loss_coef
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.multimodal import has_images, image_model
-from posttrain.engine.packed_images import packed_image_model, vision_attention_apart
+from posttrain.engine.packed_images import PackedWithImages, packed_image_model, vision_attention_apart
 from posttrain.engine.packing import (
     PackingOptions,
     Routes,
+    each_hook,
     packed_next_token_log_probs,
     packed_response_log_probs,
     packed_response_values,
@@ -370,26 +371,19 @@ class TrainEngine:
             return response_log_probs(model, ids, mask, pos, width, temperature, with_entropy)
         return next_token_log_probs(model, ids, mask, pos), None
 
-    def _packed_vl_model(self, mb: Batch) -> torch.nn.Module | None:
-        """For packed rows of a vision-language model (lm head), the model bound to the micro-batch's packed
-        layout, images and M-RoPE positions (engine.packed_images), text-only micro-batches included: their
-        position ids then reach the model in the packed form from which eager attention builds its
-        block-diagonal mask. None for any other model."""
+    def _packed_vl_model(self, mb: Batch) -> PackedWithImages | None:
+        """For packed rows of a vision-language model (lm head), the model bound to the micro-batch's images
+        and M-RoPE positions (engine.packed_images), which the packing helpers place on their layout, plain
+        or with shared prompts; text-only micro-batches included: their position ids then reach the model in
+        the packed form from which eager attention builds its block-diagonal mask. None for any other model."""
         if self.image_token_id is None or self.config.head != "lm" or not self.config.remove_padding:
             return None
-        if self.config.share_prompt:
-            raise ConfigError(
-                "model.share_prompt=true is not supported for a vision-language model: shared prompts are packed "
-                "without their images' multimodal positions; set model.share_prompt=false"
-            )
         if self.sp is not None:
             raise ConfigError(
                 "model.sequence_parallel_size > 1 is not supported for a vision-language model: set "
                 "model.sequence_parallel_size=1"
             )
-        return packed_image_model(
-            self.model, mb, self.image_token_id, self.config.pack_row_tokens, self.device
-        )
+        return packed_image_model(self.model, mb, self.image_token_id)
 
     def _target_log_probs(
         self, mb: Batch, temperature: float, model: torch.nn.Module | None = None
@@ -404,25 +398,35 @@ class TrainEngine:
             if keys.API_ADAPTER not in mb:
                 raise ConfigError(f"a routed pass needs each row's adapter ({keys.API_ADAPTER})")
             routes = Routes(mb[keys.API_ADAPTER], self.adapters.set_routes)
+        options = self._packing_options(model if isinstance(model, PackedWithImages) else None)
         model = self.model if model is None else model
         if self.config.remove_padding:
-            return packed_target_log_probs(
-                model, ids, mask, targets, self._packing_options(), temperature, routes
-            )
+            return packed_target_log_probs(model, ids, mask, targets, options, temperature, routes)
         if routes is not None:
             routes.set_routes(routes.row_slots[:, None].expand_as(ids).reshape(-1), None)
         return target_log_probs(model, ids, mask, mb[keys.POSITION_IDS], targets, temperature)
 
-    def _packing_options(self) -> PackingOptions:
+    def _packing_options(self, images: PackedWithImages | None = None) -> PackingOptions:
+        """How the packing helpers lay out a micro-batch; `images`: a vision-language micro-batch's model,
+        which learns where each cell lands (its images and M-RoPE positions follow) and whose rows share a
+        prompt only when their images are equal too."""
         eager = self.config.attn_implementation == "eager"
         mask_dtype = DTYPES[self.config.compute_dtype or self.config.dtype] if eager else None
         width_hooks = [self.router_aux.real_tokens] if self.router_aux is not None else []
         if self.routing_replay is not None and self.sp is not None:
             width_hooks.append(self.routing_replay.packed_width)
         real_tokens = each_width_hook(width_hooks)
-        cells = self.routing_replay.cell_positions if self.routing_replay is not None else None
+        hooks = [self.routing_replay.cell_positions] if self.routing_replay is not None else []
+        if images is not None:
+            hooks.append(images.place)
         return PackingOptions(
-            self.config.pack_row_tokens, self.config.share_prompt, mask_dtype, self.sp, real_tokens, cells
+            self.config.pack_row_tokens,
+            self.config.share_prompt,
+            mask_dtype,
+            self.sp,
+            real_tokens,
+            each_hook(hooks),
+            images.labels if images is not None else None,
         )
 
     def _replay(self, mb: Batch) -> contextlib.AbstractContextManager[None]:
@@ -443,21 +447,22 @@ class TrainEngine:
         self, mb: Batch, temperature: float, with_entropy: bool, model: torch.nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed rows; `model`: the model bound to a vision-language micro-batch's packed layout."""
+        options = self._packing_options(model if isinstance(model, PackedWithImages) else None)
         model = self.model if model is None else model
         ids, mask = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK]
         if keys.RESPONSES not in mb:
-            rows = self.config.pack_row_tokens
-            real_tokens = self.router_aux.real_tokens if self.router_aux is not None else None
-            return packed_next_token_log_probs(model, ids, mask, rows, self.sp, real_tokens), None
+            return packed_next_token_log_probs(
+                model, ids, mask, options.row_tokens, self.sp, options.real_tokens, options.cell_positions
+            ), None
         width = mb[keys.RESPONSES].shape[1]
         if self.config.head == "value":
-            return packed_response_values(model, ids, mask, width, self._packing_options()), None
+            return packed_response_values(model, ids, mask, width, options), None
         return packed_response_log_probs(
             model,
             ids,
             mask,
             response_width=width,
-            options=self._packing_options(),
+            options=options,
             temperature=temperature,
             with_entropy=with_entropy,
         )

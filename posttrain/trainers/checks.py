@@ -170,11 +170,6 @@ def check_rl_vision_language(cfg: RLConfig) -> None:
     engine and their images reach the actor's and the reference's passes; what does not carry images yet is
     refused here, naming the key."""
     check_vision_language_model(cfg.model)
-    if cfg.model.share_prompt:
-        raise ConfigError(
-            "model.share_prompt=true is not supported for a vision-language model: shared prompts are packed "
-            "without their images' multimodal positions; set model.share_prompt=false"
-        )
     refused = (
         (
             cfg.rollout.name in ROLLOUT_ENGINES and cfg.rollout.name != "native",

@@ -170,15 +170,19 @@ def per_row_log_probs(model: torch.nn.Module, batch: Batch, image_id: int) -> to
     return out
 
 
-@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    ("remove_padding", "share_prompt"),
+    [(False, False), (True, False), (True, True)],
+    ids=["padded", "packed", "shared"],
+)
 @pytest.mark.parametrize("split", ["micro_batch_size", "token_budget"])
 def test_images_stay_with_their_rows_through_the_update_split(
-    vl_dir: Path, rows_file: Path, tmp_path: Path, split: str, remove_padding: bool
+    vl_dir: Path, rows_file: Path, tmp_path: Path, split: str, remove_padding: bool, share_prompt: bool
 ) -> None:
     """The step's rows as the trainer builds them (prompts repeated for the n samples, responses appended, rows
     balanced over 2 workers), updated in 2 mini-batches of micro-batches of 2 rows (or of a token budget that
-    regroups rows), padded or packed: every mini-batch carries its rows' images, and the log-probs the update
-    computes equal a per-row HF computation (`rollout/logprob_diff_max`)."""
+    regroups rows), padded, packed or packed with shared prompts: every mini-batch carries its rows' images, and
+    the log-probs the update computes equal a per-row HF computation (`rollout/logprob_diff_max`)."""
     trainer = RLTrainer(rl_config(vl_dir, rows_file, tmp_path, "actor.mini_batch_size=5"))
     prompts = trainer.loader.next_batch()
     rows = prompts.repeat(trainer.cfg.rollout.n, interleave=True)
@@ -200,7 +204,9 @@ def test_images_stay_with_their_rows_through_the_update_split(
     if split == "token_budget":
         budget = {"micro_batch_size": 64, "max_token_len": 2 * int(batch[keys.ATTENTION_MASK].sum(1).max())}
     engine = TrainEngine(
-        EngineConfig(model_path=str(vl_dir), remove_padding=remove_padding, share_prompt=False, **budget)
+        EngineConfig(
+            model_path=str(vl_dir), remove_padding=remove_padding, share_prompt=share_prompt, **budget
+        )
     )
     actor = EngineActor(engine)
     trainer.actor, trainer.rollout = actor, object()  # type: ignore[assignment]
@@ -221,11 +227,6 @@ def test_images_stay_with_their_rows_through_the_update_split(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ([], "model.share_prompt=true is not supported for a vision-language model"),
-        (
-            ["model.remove_padding=false"],
-            "model.share_prompt=true is not supported for a vision-language model",
-        ),
         ([*PADDED, "model.sequence_parallel_size=2"], "model.sequence_parallel_size=2 is not supported"),
         ([*PADDED, "rollout.name=hf"], "rollout.name=hf cannot sample image prompts"),
         ([*PADDED, "algorithm=ppo"], "critic.enable=true: the critic's value head does not take images"),
@@ -242,15 +243,19 @@ def test_what_does_not_carry_images_is_refused(
         check_rl_config(cfg)
 
 
-def test_grpo_steps_on_packed_rows(vl_dir: Path, rows_file: Path, tmp_path: Path) -> None:
-    """`posttrain train` with packed rows (`model.remove_padding=true`, the default; shared prompts off), one
-    in-process worker: 2 GRPO steps on image prompts, the trainer's packed log-probs equal the sampler's."""
+@pytest.mark.parametrize("share_prompt", [[], ["model.share_prompt=false"]], ids=["defaults", "unshared"])
+def test_grpo_steps_on_packed_rows(
+    vl_dir: Path, rows_file: Path, tmp_path: Path, share_prompt: list[str]
+) -> None:
+    """`posttrain train` on rl.yaml's model defaults (packed rows, `model.share_prompt=true`: the n samples of
+    an image prompt share one prompt pass) and with shared prompts off, one in-process worker: 2 GRPO steps on
+    image prompts, the trainer's packed log-probs equal the sampler's."""
     run = tmp_path / "run"
     args = [
         f"model.path={vl_dir}",
         f"data.train_files=[{rows_file}]",
         f"trainer.run_dir={run}",
-        "model.share_prompt=false",
+        *share_prompt,
         "trainer.backend=local",
         "trainer.threads_per_worker=1",
         "trainer.total_steps=2",
