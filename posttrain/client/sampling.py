@@ -7,6 +7,7 @@ step does not pile up engines).
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 from tinker import types
@@ -56,6 +57,15 @@ def engine_sampling(params: types.SamplingParams, prompt_length: int, context: i
     return sampling
 
 
+@functools.lru_cache(maxsize=16)
+def _model_facts(base_model: str) -> tuple[int, ModelInputReader]:
+    """(context length, the reader of its ModelInputs: image chunks through the model's own processor) of a
+    base model, read once per process: an RL loop on the API makes a sampler every step, and parsing the
+    config (and loading the processor) for each cost milliseconds per step."""
+    context = int(getattr(load_text_config(base_model), "max_position_embeddings", 2048))
+    return context, ModelInputReader(base_model)
+
+
 class SamplingClient(ResolvedFuture):
     """Samples from one sampler (`sampler_id`) of a backend; `base_model` is the model directory."""
 
@@ -63,8 +73,7 @@ class SamplingClient(ResolvedFuture):
         self._backend = backend
         self.sampler_id = sampler_id
         self._base_model = base_model
-        self._context = int(getattr(load_text_config(base_model), "max_position_embeddings", 2048))
-        self._inputs = ModelInputReader(base_model)  # image chunks through the model's own processor
+        self._context, self._inputs = _model_facts(base_model)
         weakref.finalize(self, _close_sampler, backend, sampler_id)
 
     def get_base_model(self) -> str:
