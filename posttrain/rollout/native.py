@@ -118,7 +118,7 @@ class NativeRolloutEngine:
         self._closing = False
         self_ref = weakref.ref(self)
         atexit.register(lambda: (engine := self_ref()) is not None and engine.close())
-        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "slot_moves": 0}
         self.adapters: AdapterRouter | None = None
         self.recorder = RoutingRecorder(self.model) if record_routing else None
 
@@ -371,15 +371,34 @@ class NativeRolloutEngine:
         self.stats["prefill_tokens"] += int(lengths.sum())
         self._append_tokens(members, logits[rows], running, free)
 
+    def _compact(self, running: list[_Sequence], free: list[int]) -> None:
+        """Keep the running sequences in slots 0..len(running)-1, in slot order, so a decode step reads the
+        cache through a view: each sequence past that prefix moves into a free slot inside it (a copy of its
+        own keys and values, once; gathering every sequence's at each step cost more). Free slots stay
+        sorted so that the next admitted prompt takes the lowest."""
+        count = len(running)
+        holes = sorted(slot for slot in free if slot < count)
+        if holes:
+            outside = sorted((s for s in running if s.slot >= count), key=lambda s: s.slot)
+            taken = set(holes)
+            for hole, seq in zip(holes, outside, strict=True):
+                self.cache.move(seq.slot, hole, seq.position)
+                free.append(seq.slot)
+                seq.slot = hole
+            free[:] = [slot for slot in free if slot not in taken]
+            self.stats["slot_moves"] += len(holes)
+        free.sort(reverse=True)  # `free.pop()` gives the lowest
+        running.sort(key=lambda s: s.slot)
+
     def _decode_step(self, running: list[_Sequence], free: list[int]) -> None:
+        self._compact(running, free)
         tokens = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         positions = torch.tensor([s.position for s in running], device=self.device)
-        slots = torch.tensor([s.slot for s in running], device=self.device)
         rope = None
         if self.vision:
             rope = positions + torch.tensor([s.rope_delta for s in running], device=self.device)
         with self._adapter_routes([s.request.adapter for s in running], 1), self._routing() as calls:
-            logits = self.runner.decode(self.cache, tokens, positions, slots, rope)
+            logits = self.runner.decode(self.cache, tokens, positions, None, rope)
         if calls is not None:
             routes = RoutingRecorder.stacked(calls)  # (layers, running, k)
             for i, seq in enumerate(running):

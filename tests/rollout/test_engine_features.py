@@ -28,6 +28,21 @@ def test_continuous_batching_with_few_slots_equals_one_at_a_time(tiny_model_dir:
     assert small.cache.slots == 2
 
 
+def test_sequences_that_finish_early_leave_no_hole_in_the_cache(tiny_model_dir: Path) -> None:
+    """Sequences finishing at scattered steps: the ones after them move down into the freed slots (so a decode
+    step reads the cache through a view), and every result, log-probs included, is what it is alone."""
+    ps = prompts(tiny_model_dir) * 2
+    engine = NativeRolloutEngine(str(tiny_model_dir), max_batch_size=8)
+    mixed = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(5, 9, 17, 23, 31, 40, 44))
+    batched = engine.generate(ps, mixed)
+    assert engine.stats["slot_moves"] > 0
+    assert len({len(r.token_ids) for r in batched}) > 1  # they did finish at different steps
+    single = [engine.generate([p], mixed)[0] for p in ps]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    for b, one in zip(batched, single, strict=True):
+        assert b.log_probs == pytest.approx(one.log_probs, abs=1e-5)
+
+
 def test_a_group_prompt_is_prefilled_once(tiny_model_dir: Path) -> None:
     engine = NativeRolloutEngine(str(tiny_model_dir))
     p = prompts(tiny_model_dir)[0]
