@@ -126,6 +126,6 @@ def test_sft_two_steps(vl_dir: Path, shapes: dict, tmp_path: Path) -> None:  # n
 
 
 def test_grpo_two_steps(vl_dir: Path, rows_file: Path, tmp_path: Path) -> None:  # noqa: F811
-    """`posttrain train` (GRPO, local backend, packed rows) on shapes-task image prompts: 2 steps, the trainer's
-    log-probs equal the built-in sampler's within 1e-5."""
-    rl_tests.test_grpo_steps_on_packed_rows(vl_dir, rows_file, tmp_path)
+    """`posttrain train` (GRPO, local backend, rl.yaml's defaults: packed rows, shared prompts) on shapes-task
+    image prompts: 2 steps, the trainer's log-probs equal the built-in sampler's within 1e-5."""
+    rl_tests.test_grpo_steps_on_packed_rows(vl_dir, rows_file, tmp_path, share_prompt=[])
