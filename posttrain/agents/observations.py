@@ -33,8 +33,14 @@ class ObservationReader:
     """Observations as `InputRow`s for the model in `model_dir` (None: token ids and text-only ModelInputs,
     an image chunk is then a ValueError naming the missing model)."""
 
-    def __init__(self, model_dir: str | Path | None = None) -> None:
-        self.model = ModelInputReader(model_dir) if model_dir is not None else None
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> None:
+        # the images' pixel bounds: the model's own unless given (the run's data.min_pixels / data.max_pixels)
+        self.model = ModelInputReader(model_dir, min_pixels, max_pixels) if model_dir is not None else None
         self._cache: ImageCache = {}
 
     def row(self, observation: Observation, what: str = "observation") -> InputRow:

@@ -83,10 +83,14 @@ def pointer_refusal(chunk: types.ImageAssetPointerChunk, where: str) -> str:
 
 class ModelInputReader:
     """Rows of ModelInputs for the model in `model_dir`: token chunks as they are, image chunks through the
-    model's own image processor. The processor is loaded on the first image."""
+    model's own image processor, in its pixel bounds unless `min_pixels` / `max_pixels` replace them (the
+    trainer's data.min_pixels / data.max_pixels). The processor is loaded on the first image."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(
+        self, model_dir: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> None:
         self.model_dir = str(model_dir)
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
 
     @cached_property
     def _config(self) -> Any:
@@ -99,7 +103,7 @@ class ModelInputReader:
         from posttrain.models import load_processor
 
         try:
-            return load_processor(self.model_dir)
+            return load_processor(self.model_dir, self.min_pixels, self.max_pixels)
         except ModelError as exc:
             raise ValueError(f"cannot process image chunks for {self.model_dir}: {exc}") from None
 

@@ -90,6 +90,10 @@ class DataConfig:
     overlong_prompts: Literal["filter", "error"] = "filter"
     shuffle: bool = True
     response_key: str = "extra_info.answer"  # SFT only: dotted path of the target response in a row
+    # vision-language models: each image is resized to an area (width * height) within these bounds, by the image
+    # processor and in the image-token counts against max_prompt_length alike
+    min_pixels: int | None = None  # vision-language: smallest image area in pixels; null = the model's own
+    max_pixels: int | None = None  # vision-language: largest image area in pixels; null = the model's own
 
 
 @dataclass(frozen=True)

@@ -181,22 +181,42 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_processor(path: str | Path) -> Any:
-    """The image + text processor of a vision-language directory (tokenizer and PIL image processor).
+def load_image_processor(
+    path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
+) -> Any:
+    """The PIL image processor of a vision-language directory, its resize bounds (`size`: shortest_edge and
+    longest_edge, in pixels) replaced by `min_pixels` / `max_pixels` where given (None: the directory's own).
+
+    Asked for by backend (`IMAGE_PROCESSOR_BACKEND`, Pillow), so an installed torchvision is never chosen nor
+    imported. A directory without preprocessor_config.json, or bounds that are not 1 <= min <= max, are a
+    ModelError.
+    """
+    p = _require_dir(path)
+    if not (p / "preprocessor_config.json").is_file():
+        raise ModelError(f"no preprocessor_config.json in {p}: not a vision-language model directory")
+    bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(
+            p, local_files_only=True, backend=IMAGE_PROCESSOR_BACKEND, **bounds
+        )
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"cannot load the image processor from {p}: {e}") from e
+    lo, hi = int(image_processor.size.shortest_edge), int(image_processor.size.longest_edge)
+    if not 1 <= lo <= hi:
+        raise ModelError(
+            f"image pixel bounds of {p} must satisfy 1 <= min_pixels <= max_pixels, got {lo} and {hi}"
+        )
+    return image_processor
+
+
+def load_processor(path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
+    """The image + text processor of a vision-language directory (tokenizer and PIL image processor, with the
+    pixel bounds of `load_image_processor`: the directory's own unless given).
 
     Returns `posttrain.models.vl.VLProcessor`, which needs no torchvision (transformers 5's `Qwen2VLProcessor`
-    does). The image processor is asked for by backend (`IMAGE_PROCESSOR_BACKEND`, Pillow), so an installed
-    torchvision is never chosen nor imported. A directory without preprocessor_config.json is a ModelError.
+    does). Every image it processes, and every image-token count taken from it, uses the same bounds.
     """
     from posttrain.models.vl import VLProcessor
 
     p = _require_dir(path)
-    if not (p / "preprocessor_config.json").is_file():
-        raise ModelError(f"no preprocessor_config.json in {p}: not a vision-language model directory")
-    try:
-        image_processor = AutoImageProcessor.from_pretrained(
-            p, local_files_only=True, backend=IMAGE_PROCESSOR_BACKEND
-        )
-    except (OSError, ValueError, KeyError, ImportError) as e:
-        raise ModelError(f"cannot load the image processor from {p}: {e}") from e
-    return VLProcessor(image_processor, load_tokenizer(p))
+    return VLProcessor(load_image_processor(p, min_pixels, max_pixels), load_tokenizer(p))

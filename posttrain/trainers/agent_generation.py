@@ -111,8 +111,9 @@ class AgentStage:
             max_tokens_per_turn=cfg.data.max_response_length,
             max_total_tokens=agent.max_total_tokens,
         )
-        # observations with images, read with the model's processor; a text model refuses image chunks
-        self.reader = ObservationReader(cfg.model.path)
+        # observations with images, read with the model's processor in the run's pixel bounds (data.min_pixels,
+        # data.max_pixels, as the dataset's images); a text model refuses image chunks
+        self.reader = ObservationReader(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
         self.images = is_vision_language(cfg.model.path)  # rows carry `multi_modal_inputs` (maybe {})
         self.loop = asyncio.new_event_loop()  # one loop for the run: the tool pool's semaphore lives in it
         self._results: list[RewardResult] = []

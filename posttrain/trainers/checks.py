@@ -27,6 +27,7 @@ from posttrain.tracking import check_backends
 from posttrain.trainers.agent_generation import check_agent_config
 from posttrain.trainers.async_rollout import check_async_config
 from posttrain.trainers.on_policy_distill import check_distill_rl_config
+from posttrain.trainers.pixel_bounds import check_pixel_bounds
 from posttrain.trainers.setup import policy_loss_options
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo")
@@ -204,6 +205,7 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_model_dir(cfg.model.path)
     if is_vision_language(cfg.model.path):
         check_rl_vision_language(cfg)
+    check_pixel_bounds(cfg.data, cfg.model.path)
     check_context(cfg)
     check_model_options(
         cfg.model,

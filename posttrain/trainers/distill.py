@@ -37,6 +37,7 @@ from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.checks import check_files, check_model_options
+from posttrain.trainers.pixel_bounds import pixel_bounds_set
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.trainers.step_loop import StepResult, StepTrainer
@@ -52,6 +53,11 @@ def check_distill_config(cfg: DistillConfig) -> None:
     check_model_dir(cfg.model.path)
     check_model_options(cfg.model, cfg.data.max_prompt_length + cfg.data.max_response_length, {})
     check_files(cfg.data.train_files, "data.train_files")
+    if pixel_bounds_set(cfg.data):
+        raise ConfigError(
+            "data.min_pixels / data.max_pixels are set, but distill reads text rows only (no images): leave them "
+            "unset (null)"
+        )
     d = cfg.distill
     if not d.teacher_path:
         raise ConfigError("distill.teacher_path is required: the teacher's model directory")

@@ -34,7 +34,7 @@ from posttrain.data.mm_dataset import (
     pixel_bounds,
 )
 from posttrain.errors import ConfigError, RewardError, WorkerError
-from posttrain.models import is_vision_language, load_processor, load_tokenizer
+from posttrain.models import is_vision_language, load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
@@ -51,6 +51,7 @@ from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
 from posttrain.trainers.on_policy_distill import distill_advantages
+from posttrain.trainers.pixel_bounds import run_processor
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.trainers.setup import (
@@ -81,7 +82,8 @@ def prompt_dataset(
     cfg: RLConfig, files: Sequence[str], tokenizer: Any, processor: VisionProcessor | None
 ) -> PromptDataset | MultimodalPromptDataset:
     """The prompt rows of `files`: verl's text rows, or with a vision-language model's processor its
-    multimodal rows (images in the model's pixel bounds, their tokens counted in data.max_prompt_length)."""
+    multimodal rows (images in the processor's pixel bounds: data.min_pixels / data.max_pixels, or the model's
+    own; their tokens counted in data.max_prompt_length)."""
     data = cfg.data
     if processor is None:
         return PromptDataset(files, tokenizer, data.max_prompt_length, data.overlong_prompts)
@@ -106,7 +108,7 @@ class RLTrainer:
         self.pad_id = self.tokenizer.pad_token_id
         # a vision-language model reads verl's multimodal rows: each row's images travel in the Batch column
         # `multi_modal_inputs` to the sampler and to every pass of the actor and the reference
-        processor = load_processor(cfg.model.path) if is_vision_language(cfg.model.path) else None
+        processor = run_processor(cfg.model.path, cfg.data) if is_vision_language(cfg.model.path) else None
         self.image_keys = [MULTI_MODAL_INPUTS] if processor is not None else []
         self.collate: CollateFn = collate_prompts if processor is None else collate_multimodal_prompts
         self.train_set = prompt_dataset(cfg, cfg.data.train_files, self.tokenizer, processor)

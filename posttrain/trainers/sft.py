@@ -26,7 +26,7 @@ from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, pixel_bounds
 from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimodal_sft
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
 from posttrain.errors import ConfigError
-from posttrain.models import check_model_dir, is_vision_language, load_processor, load_tokenizer
+from posttrain.models import check_model_dir, is_vision_language, load_tokenizer
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.checks import (
     check_files,
@@ -35,6 +35,7 @@ from posttrain.trainers.checks import (
     check_vision_language_model,
     data_parallel_size,
 )
+from posttrain.trainers.pixel_bounds import check_pixel_bounds, run_processor
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
@@ -55,6 +56,7 @@ def check_sft_config(cfg: SFTConfig) -> None:
         {"optim.max_token_len_per_worker": cfg.optim.max_token_len_per_worker},
     )
     check_files(cfg.data.train_files, "data.train_files")
+    check_pixel_bounds(cfg.data, cfg.model.path)
     if cfg.model.share_prompt:
         raise ConfigError(
             "model.share_prompt=true is for RL, where n samples share a prompt; SFT has one response per "
@@ -85,7 +87,7 @@ class SFTTrainer(StepTrainer[ActorGroup]):
         max_length = cfg.data.max_prompt_length + cfg.data.max_response_length
         # a vision-language model reads verl's multimodal rows: images travel with their rows in the Batch
         self.multimodal = is_vision_language(cfg.model.path)
-        processor = load_processor(cfg.model.path) if self.multimodal else None
+        processor = run_processor(cfg.model.path, cfg.data) if self.multimodal else None
         data = cfg.data
 
         def make(files: Sequence[str]) -> SFTDataset | MultimodalSFTDataset:
@@ -93,7 +95,7 @@ class SFTTrainer(StepTrainer[ActorGroup]):
                 return SFTDataset(
                     files, self.tokenizer, max_length, data.response_key, data.overlong_prompts, data.train_on
                 )
-            min_pixels, max_pixels = pixel_bounds(processor)  # the model's own
+            min_pixels, max_pixels = pixel_bounds(processor)  # data.min_pixels / max_pixels, or the model's
             return MultimodalSFTDataset(
                 files,
                 processor,

@@ -283,3 +283,23 @@ def test_a_tool_chat_on_a_multimodal_row_carries_its_images(tiny_vl_dir: Path, t
     assert "<tool_response>\n5\n</tool_response>" in tok.decode(second.tokens[len(first.tokens) :])
     (seq,) = trajectory_sequences(trajectory)
     assert torch.equal(seq.images["pixel_values"], row_images["pixel_values"])
+
+
+def test_observation_images_take_the_runs_pixel_bounds(tiny_vl_dir: Path) -> None:
+    """An observation's image is read in the pixel bounds the reader is given (the run's data.min_pixels /
+    data.max_pixels, as the dataset's images): a 112x112 image is 16 tokens in tiny-vl's own bounds, 4 under
+    max_pixels=3136, and its pixels are the processor's for those bounds."""
+    tok = load_tokenizer(tiny_vl_dir)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    data = png_bytes(Image.new("RGB", (112, 112), "red"))
+    model_input = types.ModelInput(
+        chunks=[
+            types.EncodedTextChunk(tokens=tok.encode("<|vision_start|>", add_special_tokens=False)),
+            types.ImageChunk(data=data, format="png"),
+            types.EncodedTextChunk(tokens=tok.encode("<|vision_end|>", add_special_tokens=False)),
+        ]
+    )
+    own = ObservationReader(tiny_vl_dir).row(model_input)
+    bounded = ObservationReader(tiny_vl_dir, 784, 3136).row(model_input)
+    assert own.tokens.count(image_id) == 16 and bounded.tokens.count(image_id) == 4
+    assert bounded.images["image_grid_thw"].tolist() == [[1, 4, 4]]

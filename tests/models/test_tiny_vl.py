@@ -180,3 +180,20 @@ def test_make_model_command_writes_a_vl_directory(tmp_path):
     assert main(["make-model", "--preset", "tiny-vl", "--out", str(out), "--corpus-size", "300"]) == 0
     assert (out / "preprocessor_config.json").is_file()
     assert is_vision_language(out)
+
+
+def test_load_processor_takes_pixel_bounds(vl_dir):
+    """Given bounds replace the directory's own in the image processor (one given: the other kept), so its
+    resize and its token counts agree; bounds that are not 1 <= min <= max are a ModelError."""
+    own = load_processor(vl_dir).image_processor
+    assert (own.size.shortest_edge, own.size.longest_edge) == (56 * 56, 112 * 112)
+    ip = load_processor(vl_dir, 28 * 28, 56 * 56).image_processor
+    assert (ip.size.shortest_edge, ip.size.longest_edge) == (28 * 28, 56 * 56)
+    assert ip.get_number_of_image_patches(112, 112, {}) // 4 == 4
+    assert ip(images=[square((112, 112), "red")], return_tensors="pt")["image_grid_thw"].tolist() == [
+        [1, 4, 4]
+    ]
+    one = load_processor(vl_dir, max_pixels=80 * 80).image_processor
+    assert (one.size.shortest_edge, one.size.longest_edge) == (56 * 56, 80 * 80)
+    with pytest.raises(ModelError, match="1 <= min_pixels <= max_pixels, got 3136 and 1000"):
+        load_processor(vl_dir, max_pixels=1000)

@@ -117,6 +117,7 @@ def test_cli_distill(
         (("model.remove_padding=true",), "model.remove_padding"),
         (("optim.max_token_len_per_worker=64",), "optim.max_token_len_per_worker"),
         (("distill.teacher_path=",), "distill.teacher_path is required"),
+        (("data.max_pixels=3136",), "distill reads text rows only"),
     ],
 )
 def test_unsupported_settings_are_refused(

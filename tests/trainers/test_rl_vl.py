@@ -469,3 +469,94 @@ def test_grpo_with_lora_on_images(warm: Path, shapes: dict, tmp_path: Path) -> N
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in steps)
     assert steps[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # adapter B = 0: policy == reference
     assert steps[1]["actor/grad_norm"] > 0 and steps[1]["actor/kl_loss"] > 0  # moved away from the base
+
+
+BOUNDS = ["data.min_pixels=784", "data.max_pixels=3136"]  # 28x28 .. 56x56: tiny-vl's own are 56x56 .. 112x112
+
+
+def image_tokens(batch: Batch, image_id: int) -> list[int]:
+    return (batch[keys.INPUT_IDS] == image_id).sum(1).tolist()
+
+
+def test_pixel_bounds_reach_the_images_their_token_counts_and_the_engine(
+    vl_dir: Path, rows_file: Path, tmp_path: Path
+) -> None:
+    """`data.max_pixels` below the model's own: the train and validation prompts' images are resized within the
+    bounds (grids of at most 3136 pixels), each gives fewer image tokens, the prompt lengths counted against
+    data.max_prompt_length are the shorter ones (a limit the model's bounds exceed now holds every row), and the
+    train engine's pass on the step's rows (its check of each row's image tokens against its grids) equals a
+    per-row HF computation on the same pixels."""
+    image_id = load_causal_lm(vl_dir).config.image_token_id
+    default = RLTrainer(rl_config(vl_dir, rows_file, tmp_path / "a")).loader.next_batch()
+    bounded_trainer = RLTrainer(
+        rl_config(vl_dir, rows_file, tmp_path / "b", *BOUNDS, f"data.val_files=[{rows_file}]")
+    )
+    bounded = bounded_trainer.loader.next_batch()
+    assert image_tokens(default, image_id) == [4, 8, 0, 12, 8]
+    assert image_tokens(bounded, image_id) == [4, 3, 0, 7, 3]  # 112x56 -> 84x28: 3 tokens
+    for mm in bounded[MULTI_MODAL_INPUTS]:
+        if mm:
+            assert all(h * w * 14 * 14 <= 3136 for _, h, w in mm["image_grid_thw"].tolist())
+    assert bounded_trainer.val_set is not None
+    val = [
+        bounded_trainer.val_set[i]["input_ids"].count(image_id) for i in range(len(bounded_trainer.val_set))
+    ]
+    assert val == [4, 3, 0, 7, 3]
+    longest = int(bounded[keys.ATTENTION_MASK].sum(1).max())
+    limit = [f"data.max_prompt_length={longest}", "data.overlong_prompts=error", "data.train_batch_prompts=5"]
+    with pytest.raises(DataError, match="data.max_prompt_length"):
+        RLTrainer(rl_config(vl_dir, rows_file, tmp_path / "c", *limit))
+    assert len(RLTrainer(rl_config(vl_dir, rows_file, tmp_path / "d", *limit, *BOUNDS)).train_set) == 5
+
+    rows = bounded.repeat(2, interleave=True)
+    gen = torch.Generator().manual_seed(0)
+    results = [
+        GenerationResult(torch.randint(3, 200, (1 + r % 4,), generator=gen).tolist(), [0.0] * (1 + r % 4), "", "stop")
+        for r in range(len(rows))
+    ]  # fmt: skip
+    batch = results_batch(rows, results, bounded_trainer.pad_id, 4, 0.0, 1.0).union(
+        rows.select(tensor_keys=[])
+    )
+    want = per_row_log_probs(load_causal_lm(vl_dir), batch, image_id)
+    for packed in (False, True):  # padded rows; packed rows with shared prompts (the RL defaults)
+        engine = TrainEngine(
+            EngineConfig(
+                model_path=str(vl_dir), remove_padding=packed, share_prompt=packed, micro_batch_size=4
+            )
+        )
+        got = engine.compute_log_prob(batch) * batch[keys.RESPONSE_MASK]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.min_pixels=0"], r"data.min_pixels=0: an image's area in pixels, must be a positive integer"),
+        (["data.max_pixels=-1"], r"data.max_pixels=-1: an image's area"),
+        (
+            ["data.min_pixels=5000", "data.max_pixels=4000"],
+            r"data.min_pixels=5000 is above data.max_pixels=4000",
+        ),
+        (["data.min_pixels=20000"], r"data.min_pixels=20000 is above the model's max_pixels=12544"),
+        (["data.max_pixels=1000"], r"the model's min_pixels=3136 is above data.max_pixels=1000"),
+    ],
+)
+def test_pixel_bounds_are_checked_at_start(
+    vl_dir: Path, rows_file: Path, tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RLTrainer(rl_config(vl_dir, rows_file, tmp_path, *overrides))
+
+
+def test_pixel_bounds_on_a_text_model_are_refused(tiny_model_dir: Path, arithmetic_data: dict) -> None:
+    cfg = load_config(
+        RLConfig,
+        "rl",
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.train_files=[{arithmetic_data['train']}]",
+            "data.max_pixels=3136",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"data.max_pixels=3136 set, but model.path=.* has no vision tower"):
+        check_rl_config(cfg)

@@ -97,3 +97,30 @@ def test_vl_sft_refuses_sequence_parallelism(vl_dir, shapes, tmp_path):
         ConfigError, match="model.sequence_parallel_size=2 is not supported for the vision-language"
     ):
         SFTTrainer(sft_config(vl_dir, shapes, tmp_path, "model.sequence_parallel_size=2"))
+
+
+def test_vl_sft_pixel_bounds(vl_dir, tmp_path_factory, tmp_path):
+    """`data.max_pixels` below the model's own: 84x84 images (9 image tokens in tiny-vl's bounds) become 56x56
+    (4 tokens) in the training and validation rows alike, and a step trains on them (the engine checks each
+    row's image tokens against its grids)."""
+    shapes84 = write_shapes_dataset(
+        tmp_path_factory.mktemp("shapes84"), n_train=16, n_test=4, size=84, seed=0
+    )
+    image_id = load_causal_lm(vl_dir).config.image_token_id
+
+    def counts(trainer: SFTTrainer) -> set[int]:
+        sets = [trainer.train_set, trainer.val_set]
+        return {s[i]["input_ids"].count(image_id) for s in sets if s is not None for i in range(len(s))}
+
+    assert counts(SFTTrainer(sft_config(vl_dir, shapes84, tmp_path / "a"))) == {9}
+    bounds = ["data.min_pixels=784", "data.max_pixels=3136", "trainer.total_steps=1"]
+    trainer = SFTTrainer(sft_config(vl_dir, shapes84, tmp_path / "b", *bounds))
+    assert counts(trainer) == {4}
+    assert trainer.train_set[0]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    trainer.fit()
+    assert all(math.isfinite(x) for x in losses(tmp_path / "b"))
+
+
+def test_vl_sft_pixel_bounds_are_checked(vl_dir, shapes, tmp_path):
+    with pytest.raises(ConfigError, match="data.min_pixels=5000 is above data.max_pixels=4000"):
+        SFTTrainer(sft_config(vl_dir, shapes, tmp_path, "data.min_pixels=5000", "data.max_pixels=4000"))
