@@ -7,8 +7,7 @@ expression and copying its result into the answer. An SFT warm start on tool-usi
 `agent.enable=true`) is then meant to raise the share of held-out episodes with a successful call and the
 accuracy. Repeated over seeds (the warm start is shared; each seed is a GRPO run).
 
-Not learning yet (issue 15, item 9): GRPO has found no warm start to improve. Measured, greedy held-out
-accuracy on 64 prompts (`bench/results/agent_curve.json`: the default settings, 3 seeds, 3.1% -> 1.6-3.1%):
+Measured so far (issue 15, item 9), greedy held-out accuracy on 64 prompts never trained on:
 - SFT alone, 500 steps on 2,000 demonstrations: well-formed calls (tool success 100%) with made-up operands
   and made-up answers, 0%. The model had not learned to copy digits.
 - `--pretrain-steps 1500` (continued pre-training, plain `text` rows with loss on every token, 40,000 of the
@@ -16,14 +15,22 @@ accuracy on 64 prompts (`bench/results/agent_curve.json`: the default settings, 
   tool's result 40/40 and both operands 15/40.
 - That pre-training, then SFT on 8,000 chat demonstrations (batch 32, lr 1e-3 cosine): 150 steps 0%, 300
   steps 3.1%, 600 steps 100%. Copying appears as a jump between 300 and 600 steps, so there is no
-  part-way warm start for GRPO to raise; from 3.1%, 20 GRPO steps at lr 5e-5 stayed at 1.6-3.1% (train
-  reward 0-3%, little signal).
+  part-way warm start for GRPO to raise; from 3.1% (`--sft-steps 300`), 30 GRPO steps at lr 5e-5 stayed at
+  1.6-3.1% over 3 seeds (train reward 0-3%, little signal; code 2aaa46f).
 - From the 100% warm start, one GRPO step at lr 3e-4 dropped it to 3.1% (the tiny model does not survive
   Adam's first step at that rate, which moves every weight by about lr); at lr 5e-5 it stayed at 100%
   over 5 steps.
-Defaults are these settings (`--sft-steps 300`, `--lr 5e-5`).
+- The warm start GRPO can raise (the defaults): the 600-step SFT above, then a second SFT stage of 100 steps
+  (`--mix-steps 100`, lr 3e-4 cosine, warmup 10) on the same 8,000 demonstrations with half of them
+  (`--no-tool-share 0.5`) answering at once without a call ("The answer is <product>.", the right product:
+  the tiny model can only imitate its form). Greedy held-out, the warm start calls the tool on 20.3% of the
+  problems and is right on the same share (20.3%). One GRPO seed
+  at lr 5e-5 (20 steps, 8 prompts x 8 episodes, `tool_use_bonus` 0.1): 96.9% / 100% (accuracy / tool
+  success) after 5 steps, 100% / 100% from step 10 on. The first setting tried, no search over shares, steps
+  or rates. GRPO's gain is choosing the tool; copying operands and result was already learned by SFT.
+  The 3-seed figures are in `bench/results/agent_curve.json` and README.
 
-    python bench/agent_curve.py                      # 3 seeds x 30 steps (~10 min on 2 cores)
+    python bench/agent_curve.py                      # 3 seeds x 20 steps, SFT stages cached in --work
     python bench/agent_curve.py --steps 10 --repeats 1
 
 Writes bench/results/agent_curve.json (BENCHMARKS.md format) and bench/results/agent_curve.png.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import sys
@@ -75,7 +83,7 @@ RL_OVERRIDES = [
     "agent.max_turns=3",
     "agent.max_total_tokens=900",
     "agent.tool_use_bonus=0.1",
-    "trainer.val_every=5",
+    "trainer.val_every=1",
     "data.val_max_prompts=64",
     "trainer.save_every=0",
     "trainer.loggers=[jsonl]",
@@ -113,12 +121,51 @@ def pretrain(work: Path, base: Path, steps: int) -> Path:
     return out / "hf"
 
 
-def warm_start(work: Path, n_sft: int, sft_steps: int, pretrain_steps: int) -> tuple[Path, list[str]]:
+def without_tool(sft_file: Path, out: Path, share: float) -> Path:
+    """`sft_file` with a share of its demonstrations (chosen at random, seed 0) answering at once, without a
+    call: the user's question, then the assistant's "The answer is <product>." (the tools still offered)."""
+    rows = pq.read_table(sft_file).to_pylist()
+    rng = random.Random(0)
+    for i in rng.sample(range(len(rows)), round(share * len(rows))):
+        messages = rows[i]["messages"]
+        rows[i]["messages"] = [messages[0], messages[-1]]
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out
+
+
+def sft(model: Path, demos: Path, out: Path, steps: int, overrides: list[str]) -> Path:
+    """SFT (cached in `out`) of `model` on `demos` for `steps` steps."""
+    if not (out / "hf" / "config.json").exists():
+        cfg = load_config(
+            SFTConfig,
+            "sft",
+            [
+                f"model.path={model}",
+                f"data.train_files=[{demos}]",
+                f"trainer.run_dir={out}",
+                f"trainer.total_steps={steps}",
+                *SFT_OVERRIDES,
+                *overrides,
+            ],
+        )
+        SFTTrainer(cfg).fit()
+    return out / "hf"
+
+
+def warm_start(
+    work: Path,
+    n_sft: int,
+    sft_steps: int,
+    pretrain_steps: int,
+    no_tool_share: float = 0.0,
+    mix_steps: int = 0,
+    mix_lr: float = 3e-4,
+) -> tuple[Path, list[str]]:
     """The model (tokenizer trained with the tool format), pre-trained on the task's texts, the task files,
-    and the SFT warm start."""
+    and the SFT warm start: `sft_steps` on the tool-using demonstrations, then (`mix_steps` > 0) on the same
+    demonstrations with `no_tool_share` of them answering without the tool."""
     tools = [t.schema() for t in build_tools(["calculator"], None)]
     model, data = work / "model", work / f"data-{n_sft}"
-    sft = work / f"sft-p{pretrain_steps}-{n_sft}x{sft_steps}"
     if not (model / "config.json").exists():
         texts = arithmetic.corpus(10000, seed=0) + tool_multiplication.corpus(10000, seed=0, tools=tools)
         make_tiny_model("tiny", model, texts)
@@ -128,23 +175,18 @@ def warm_start(work: Path, n_sft: int, sft_steps: int, pretrain_steps: int) -> t
             data, tools, n_train=2000, n_test=128, n_sft=n_sft
         )
     files = [f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]"]
-    if not (sft / "hf" / "config.json").exists():
-        cfg = load_config(
-            SFTConfig,
-            "sft",
-            [
-                f"model.path={model}",
-                f"data.train_files=[{data / 'sft.parquet'}]",
-                f"trainer.run_dir={sft}",
-                f"trainer.total_steps={sft_steps}",
-                *SFT_OVERRIDES,
-            ],
-        )
-        SFTTrainer(cfg).fit()
-    return sft / "hf", files
+    name = f"sft-p{pretrain_steps}-{n_sft}x{sft_steps}"
+    model = sft(model, data / "sft.parquet", work / name, sft_steps, [])
+    if mix_steps:
+        mixed = without_tool(data / "sft.parquet", data / f"sft-nt{no_tool_share:g}.parquet", no_tool_share)
+        out = work / f"{name}-nt{no_tool_share:g}x{mix_steps}-lr{mix_lr:g}"
+        model = sft(model, mixed, out, mix_steps, [f"optim.lr={mix_lr}", "optim.warmup_steps=10"])
+    return model, files
 
 
-def run(seed: int, model: Path, files: list[str], run_dir: Path, steps: int, lr: float) -> list[dict]:
+def run(
+    seed: int, model: Path, files: list[str], run_dir: Path, steps: int, lr: float, extra: list[str]
+) -> list[dict]:
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed one
     cfg = load_config(
         RLConfig,
@@ -157,6 +199,7 @@ def run(seed: int, model: Path, files: list[str], run_dir: Path, steps: int, lr:
             f"trainer.total_steps={steps}",
             f"trainer.seed={seed}",
             f"actor.optim.lr={lr}",
+            *extra,
         ],
     )
     RLTrainer(cfg).fit()
@@ -175,12 +218,12 @@ def run(seed: int, model: Path, files: list[str], run_dir: Path, steps: int, lr:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--n-sft", type=int, default=8000, help="tool-using demonstrations for the warm start"
     )
-    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=5e-5, help="GRPO's learning rate")
     parser.add_argument(
         "--pretrain-steps",
@@ -188,21 +231,41 @@ def main() -> None:
         default=1500,
         help="continued pre-training on the task's texts; 0 = none",
     )
+    parser.add_argument(
+        "--no-tool-share",
+        type=float,
+        default=0.5,
+        help="share of the second SFT stage's demonstrations that answer at once, without the tool",
+    )
+    parser.add_argument(
+        "--mix-steps", type=int, default=100, help="second SFT stage's steps (0 = no second stage)"
+    )
+    parser.add_argument("--mix-lr", type=float, default=3e-4, help="second SFT stage's peak lr")
+    parser.add_argument(
+        "--rl", nargs="*", default=[], help="further GRPO overrides (key=value), after the bench's own"
+    )
     parser.add_argument("--work", default="/tmp/posttrain-bench-agent")
     args = parser.parse_args()
     quiet_transformers()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model, files = warm_start(work, args.n_sft, args.sft_steps, args.pretrain_steps)
+    model, files = warm_start(
+        work, args.n_sft, args.sft_steps, args.pretrain_steps, args.no_tool_share, args.mix_steps, args.mix_lr
+    )
     curves = []
     for seed in range(args.repeats):
-        curves.append(run(seed, model, files, work / f"grpo-seed{seed}", args.steps, args.lr))
+        curves.append(run(seed, model, files, work / f"grpo-seed{seed}", args.steps, args.lr, args.rl))
         first, last = curves[-1][0], curves[-1][-1]
         print(
             f"seed {seed}: tool success {first['tool_success']:.3f} -> {last['tool_success']:.3f}, "
             f"accuracy {first['val_acc']:.3f} -> {last['val_acc']:.3f}",
             flush=True,
+        )
+    warm = f"SFT {args.sft_steps} steps on {args.n_sft} tool demos"
+    if args.mix_steps:
+        warm += (
+            f", then {args.mix_steps} steps with {args.no_tool_share:g} of them answering without the tool"
         )
     rows = []
     for metric in ("val_acc", "tool_success"):
@@ -210,7 +273,7 @@ def main() -> None:
         end = [c[-1][metric] for c in curves]
         rows.append(
             {
-                "case": f"tool_multiplication 3-4 digits, tiny, GRPO {args.steps} steps from SFT on {args.n_sft} demos",
+                "case": f"tool_multiplication 3-4 digits, tiny, GRPO {args.steps} steps at lr {args.lr:g} from {warm}",
                 "metric": f"held_out_{metric}",
                 "value": round(statistics.median(end), 4),
                 "baseline_name": "sft_warm_start",
@@ -219,6 +282,7 @@ def main() -> None:
                 "higher_is_better": True,
                 "repeats": len(end),
                 "spread": [round(min(end), 4), round(max(end), 4)],
+                "mean": round(statistics.mean(end), 4),
                 "per_seed_start": start,
                 "per_seed_end": end,
             }
