@@ -42,6 +42,7 @@ from posttrain.controller.roles import ApiGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.models import is_vision_language
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_worker import ApiLossSpec, ApiWorker, ApiWorkerSpec, ModelSpec
 
@@ -136,6 +137,7 @@ class Backend:
             )
             self.group = ApiGroup(started["api"])
         self.world_size = self.group.world_size
+        self.vision_tower = worker.vision_tower
         self.models: dict[str, ModelSpec] = {}
         self.calls = CallQueue(self._run_passes, worker.shared_pass_tokens)
         self._lock = threading.Lock()
@@ -268,6 +270,12 @@ class Backend:
             raise ValueError(f"rank={model.lora_rank} is outside 1..{MAX_LORA_RANK} (0 = full weights)")
         if not Path(model.base_model).is_dir():
             raise ValueError(f"base_model {model.base_model!r} is not a model directory on this machine")
+        if model.lora_rank > 0 and self.vision_tower == "trained" and is_vision_language(model.base_model):
+            raise ValueError(
+                "ApiWorkerSpec(vision_tower='trained') with a LoRA client: LoRA adapts the language model only "
+                "and keeps the vision tower frozen; use create_training_client (full weights) to train the "
+                "tower, or vision_tower='auto' / 'frozen'"
+            )
         for model_id, other in self.models.items():
             if model.lora_rank == 0 or other.lora_rank == 0:
                 raise ValueError(

@@ -32,6 +32,7 @@ from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import is_vision_language
+from posttrain.models.vl import VISION_TOWER_MODES
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
 from posttrain.workers.process import prepare_worker_process, rank_seed
@@ -57,6 +58,16 @@ class ApiWorkerSpec:
     # waiting forward/backward requests of different LoRA adapters run as one pass over the shared base, up
     # to this many tokens (0: one request per pass); see client/call_queue.py
     shared_pass_tokens: int = 16384
+    # a vision-language model's vision tower, as the trainers' model.vision_tower: auto (trained for a model
+    # make-model built from scratch, frozen for a pretrained one), frozen or trained. Full-weight clients
+    # follow it; LoRA clients adapt the language model only, so `trained` with a LoRA client is refused.
+    vision_tower: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.vision_tower not in VISION_TOWER_MODES:
+            raise ValueError(
+                f"ApiWorkerSpec(vision_tower={self.vision_tower!r}) unknown; valid: {', '.join(VISION_TOWER_MODES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,7 @@ class ApiWorker:
             remove_padding=packed,
             pack_row_tokens=self.spec.pack_row_tokens,
             share_prompt=packed and self.spec.attn_implementation in MASKED_ATTENTION,  # common prefixes
+            vision_tower=self.spec.vision_tower,
             **overrides,
         )
 

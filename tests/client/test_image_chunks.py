@@ -5,6 +5,8 @@ training moves the vision tower, sampling sees the image, and what cannot work i
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +22,8 @@ from posttrain.data import keys
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.tasks.shapes import corpus
 from posttrain.models import load_causal_lm, load_processor, make_tiny_model
-from posttrain.models.vl import vision_tower
-from posttrain.workers.api_worker import ApiLossSpec
+from posttrain.models.vl import FROM_SCRATCH_KEY, vision_tower
+from posttrain.workers.api_worker import ApiLossSpec, ApiWorkerSpec
 
 QUESTION = (
     "<|vision_end|>How many squares? Answer with one word or number.<|im_end|>\n<|im_start|>assistant\n"
@@ -157,6 +159,74 @@ def test_training_on_an_image_moves_the_vision_tower(
         if not torch.equal(p, q)
     ]
     assert len(moved) == len(list(original.parameters()))  # every weight of the tower got a gradient
+
+
+@pytest.fixture(scope="module")
+def pretrained_vl_dir(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-vl without make-model's from-scratch marker, as a downloaded model: `auto` freezes its tower."""
+    out = tmp_path_factory.mktemp("pretrained") / "model"
+    shutil.copytree(vl_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop(FROM_SCRATCH_KEY)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def weights_moved(svc: tinker.ServiceClient, base: Path) -> tuple[bool, bool]:
+    """(every vision-tower weight moved, the language model moved) after 2 full-weight steps on image datums."""
+    tc = svc.create_training_client(str(base), seed=0)
+    tok = tc.get_tokenizer()
+    data = [sft_datum(tok, image_bytes("red"), 4), sft_datum(tok, image_bytes("green", (112, 56)), 8)]
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2))
+    folder = svc.backend.resolve(tc.save_weights_for_sampler("after").result().path, "sampler_weights")[1]
+    original, trained = load_causal_lm(base), load_causal_lm(folder)
+    tower = [
+        not torch.equal(p, q)
+        for p, q in zip(vision_tower(original).parameters(), vision_tower(trained).parameters(), strict=True)
+    ]
+    lm = original.model.language_model.layers[0].mlp.up_proj.weight
+    assert all(tower) or not any(tower)  # the tower trains whole or not at all
+    return all(tower), not torch.equal(lm, trained.model.language_model.layers[0].mlp.up_proj.weight)
+
+
+def test_the_api_vision_tower_setting_reaches_the_engine(
+    vl_dir: Path, pretrained_vl_dir: Path, tmp_path: Path
+) -> None:
+    """`ApiWorkerSpec.vision_tower` (the trainers' model.vision_tower) on the local backend: `frozen` keeps a
+    from-scratch tower (which `auto` trains) as it was while the language model trains; `trained` trains a
+    pretrained tower (which `auto` freezes)."""
+    runs = [
+        (vl_dir, "frozen", False),
+        (pretrained_vl_dir, "trained", True),
+        (pretrained_vl_dir, "auto", False),
+    ]
+    for base, mode, tower_trains in runs:
+        worker = ApiWorkerSpec(vision_tower=mode)
+        with tinker.ServiceClient(backend="local", root_dir=tmp_path / mode, seed=0, worker=worker) as svc:
+            assert weights_moved(svc, base) == (tower_trains, True), mode
+
+
+def test_the_api_vision_tower_setting_reaches_ray_workers(
+    vl_dir: Path, tmp_path: Path, ray_cluster: None
+) -> None:
+    """The same setting on the `ray` backend (the spec travels to each Ray worker): `frozen` keeps the
+    from-scratch tower as it was on 2 workers."""
+    worker = ApiWorkerSpec(vision_tower="frozen")
+    with tinker.ServiceClient(
+        backend="ray", n_workers=2, root_dir=tmp_path, device="cpu", worker=worker
+    ) as svc:
+        assert weights_moved(svc, vl_dir) == (False, True)
+
+
+def test_the_api_vision_tower_setting_is_checked(vl_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"ApiWorkerSpec\(vision_tower='sometimes'\) unknown; valid: auto"):
+        ApiWorkerSpec(vision_tower="sometimes")
+    worker = ApiWorkerSpec(vision_tower="trained")
+    with tinker.ServiceClient(backend="local", root_dir=tmp_path, worker=worker) as svc:
+        with pytest.raises(ValueError, match="vision_tower='trained'\\) with a LoRA client"):
+            svc.create_lora_training_client(str(vl_dir), rank=4)
 
 
 def test_grpo_step_sample_then_train_on_an_image_prompt(lora, vl_dir: Path) -> None:

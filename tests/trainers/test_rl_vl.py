@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -31,6 +32,7 @@ from posttrain.data.tasks.shapes import write_shapes_dataset
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import is_vision_language, load_causal_lm
+from posttrain.models.vl import FROM_SCRATCH_KEY, vision_tower
 from posttrain.rollout.base import GenerationResult
 from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.rl import RLTrainer
@@ -560,3 +562,69 @@ def test_pixel_bounds_on_a_text_model_are_refused(tiny_model_dir: Path, arithmet
     )
     with pytest.raises(ConfigError, match=r"data.max_pixels=3136 set, but model.path=.* has no vision tower"):
         check_rl_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def pretrained_vl_dir(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-vl without make-model's from-scratch marker, as a downloaded model: `auto` freezes its tower."""
+    out = tmp_path_factory.mktemp("pretrained") / "model"
+    shutil.copytree(vl_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop(FROM_SCRATCH_KEY)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def moved(base: Path, trained: Path) -> tuple[list[bool], bool]:
+    """(for each vision-tower weight, whether it changed; whether the language model changed)."""
+    a, b = load_causal_lm(base), load_causal_lm(trained)
+    tower = [
+        not torch.equal(p, q)
+        for p, q in zip(vision_tower(a).parameters(), vision_tower(b).parameters(), strict=True)
+    ]
+    lm = [
+        not torch.equal(p, q)
+        for p, q in zip(a.model.language_model.parameters(), b.model.language_model.parameters(), strict=True)
+    ]
+    return tower, any(lm)
+
+
+@pytest.mark.parametrize("mode", ["frozen", "trained"])
+def test_model_vision_tower_reaches_the_grpo_engine(
+    vl_dir: Path, pretrained_vl_dir: Path, rows_file: Path, tmp_path: Path, mode: str
+) -> None:
+    """`model.vision_tower` in `posttrain train`: `frozen` on a from-scratch model (which `auto` trains) leaves
+    every tower weight as it was after a GRPO step while the language model moves; `trained` on a pretrained
+    model (which `auto` freezes) moves every tower weight. A reward by the answer's parity gives the groups
+    rewards that differ, so the step has a gradient."""
+    base = vl_dir if mode == "frozen" else pretrained_vl_dir
+    scorer = tmp_path / "parity.py"
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 2)\n"
+    )
+    run = tmp_path / "run"
+    args = [
+        f"model.path={base}",
+        f"model.vision_tower={mode}",
+        f"data.train_files=[{rows_file}]",
+        f"trainer.run_dir={run}",
+        f"reward.custom_function_path={scorer}",
+        "trainer.backend=local",
+        "trainer.threads_per_worker=1",
+        "trainer.total_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.val_every=0",
+        "trainer.plots=false",
+        "trainer.loggers=[jsonl]",
+        "data.train_batch_prompts=5",
+        "data.max_prompt_length=128",
+        "data.max_response_length=4",
+        "rollout.n=4",
+        "actor.optim.lr=1e-2",
+    ]
+    assert main(["train", *args]) == 0
+    assert main(["export", str(run / "step_1"), "--out", str(tmp_path / "hf")]) == 0
+    tower, lm = moved(base, tmp_path / "hf")
+    assert lm
+    assert all(tower) if mode == "trained" else not any(tower)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from posttrain.cli import main
 from posttrain.config.load import load_config
@@ -124,3 +126,25 @@ def test_vl_sft_pixel_bounds(vl_dir, tmp_path_factory, tmp_path):
 def test_vl_sft_pixel_bounds_are_checked(vl_dir, shapes, tmp_path):
     with pytest.raises(ConfigError, match="data.min_pixels=5000 is above data.max_pixels=4000"):
         SFTTrainer(sft_config(vl_dir, shapes, tmp_path, "data.min_pixels=5000", "data.max_pixels=4000"))
+
+
+@pytest.mark.parametrize("mode", ["frozen", "trained"])
+def test_model_vision_tower_reaches_the_sft_engine(vl_dir, shapes, tmp_path, mode):
+    """`model.vision_tower` in `posttrain sft`: `frozen` on a from-scratch model (which `auto` trains) leaves
+    every tower weight as it was after a step, the language model moving; `trained` on a pretrained copy
+    (which `auto` freezes) moves every tower weight."""
+    base = vl_dir
+    if mode == "trained":
+        base = tmp_path / "pretrained"
+        shutil.copytree(vl_dir, base)
+        config = json.loads((base / "config.json").read_text())
+        config.pop(FROM_SCRATCH_KEY)
+        (base / "config.json").write_text(json.dumps(config))
+    cfg = sft_config(base, shapes, tmp_path / "run", f"model.vision_tower={mode}", "trainer.total_steps=1")
+    trainer = SFTTrainer(cfg)
+    trainer.fit()
+    before, after = load_causal_lm(base), load_causal_lm(trainer.hf_dir)
+    pairs = zip(before.model.visual.parameters(), after.model.visual.parameters(), strict=True)
+    tower = [not torch.equal(p, q) for p, q in pairs]
+    assert not torch.equal(before.lm_head.weight, after.lm_head.weight)
+    assert all(tower) if mode == "trained" else not any(tower)
