@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, machine_info, write_result
+from common import RESULTS, code_commit, machine_info, write_result
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
@@ -105,6 +105,46 @@ def grpo(
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def summarise(runs: list[dict], args: argparse.Namespace, seconds: float, code: str) -> dict:
+    """The bench's JSON (BENCHMARKS.md format): mean held-out accuracy after GRPO against the SFT warm start
+    over the seeds, each seed's run, and the code commit the run was made on (`common.code_commit()`, as the
+    other benches record it)."""
+    before = [r["val_acc"][0][1] for r in runs]
+    after = [r["val_acc"][-1][1] for r in runs]
+    gains = [a - b for a, b in zip(after, before, strict=True)]
+    result = {
+        "bench": "vl_grpo",
+        "machine": machine_info(torch.get_num_threads()),
+        "command": "python " + " ".join(sys.argv),
+        "settings": vars(args),
+        "code": code,
+        "seconds": seconds,
+        "rows": [
+            {
+                "case": f"tiny-vl shapes {args.kind}, SFT {args.sft_steps} steps then GRPO {args.grpo_steps} steps",
+                "metric": "held-out accuracy after GRPO, "
+                + (
+                    "greedy"
+                    if args.val_temperature == 0
+                    else f"sampled at temperature {args.val_temperature:g}"
+                ),
+                "statistic": "mean",
+                "value": round(statistics.mean(after), 4),
+                "baseline_name": "SFT warm start",
+                "baseline_value": round(statistics.mean(before), 4),
+                "ratio": round(statistics.mean(after) / max(statistics.mean(before), 1e-9), 3),
+                "higher_is_better": True,
+                "repeats": len(runs),
+                "spread": [round(min(after), 4), round(max(after), 4)],
+                "baseline_spread": [round(min(before), 4), round(max(before), 4)],
+                "gain_per_seed": [round(g, 4) for g in gains],
+            }
+        ],  # fmt: skip
+        "runs": runs,
+    }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -140,6 +180,7 @@ def main() -> None:
         )  # fmt: skip
     files = [f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]"]
     started = time.perf_counter()
+    code = code_commit()  # the code this invocation runs, read before the minutes of training
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run_dir = work / f"grpo-{data_name}-sft{args.sft_steps}-t{args.val_temperature:g}-seed{seed}"
@@ -158,42 +199,12 @@ def main() -> None:
             "train_reward_last5": statistics.mean(r["reward/mean"] for r in train[-5:]),
             "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in train),
             "seconds_per_step": statistics.median(r["timing/step"] for r in train),
+            "code": code,  # a seed taken back with --reuse keeps the code it ran on
         }
         summary.write_text(json.dumps(run))
         runs.append(run)
         print(f"seed {seed}: {json.dumps(run)}", flush=True)
-    before = [r["val_acc"][0][1] for r in runs]
-    after = [r["val_acc"][-1][1] for r in runs]
-    gains = [a - b for a, b in zip(after, before, strict=True)]
-    result = {
-        "bench": "vl_grpo",
-        "machine": machine_info(torch.get_num_threads()),
-        "command": "python " + " ".join(sys.argv),
-        "settings": vars(args),
-        "seconds": round(time.perf_counter() - started, 1),
-        "rows": [
-            {
-                "case": f"tiny-vl shapes {args.kind}, SFT {args.sft_steps} steps then GRPO {args.grpo_steps} steps",
-                "metric": "held-out accuracy after GRPO, "
-                + (
-                    "greedy"
-                    if args.val_temperature == 0
-                    else f"sampled at temperature {args.val_temperature:g}"
-                ),
-                "statistic": "mean",
-                "value": round(statistics.mean(after), 4),
-                "baseline_name": "SFT warm start",
-                "baseline_value": round(statistics.mean(before), 4),
-                "ratio": round(statistics.mean(after) / max(statistics.mean(before), 1e-9), 3),
-                "higher_is_better": True,
-                "repeats": len(runs),
-                "spread": [round(min(after), 4), round(max(after), 4)],
-                "baseline_spread": [round(min(before), 4), round(max(before), 4)],
-                "gain_per_seed": [round(g, 4) for g in gains],
-            }
-        ],  # fmt: skip
-        "runs": runs,
-    }
+    result = summarise(runs, args, round(time.perf_counter() - started, 1), code)
     name = f"vl_grpo_{args.kind}" + ("_greedy" if args.val_temperature == 0 else "")
     path = write_result(f"{name}.json", result)
     plot(runs, args, RESULTS / f"{name}.png")
