@@ -107,6 +107,12 @@ def _add_task_parser(tasks: argparse._SubParsersAction, name: str) -> None:
             default=defaults["rejected_per_problem"],
             help="pairs per problem, one per distinct wrong answer",
         )
+        p.add_argument(
+            "--near-slips",
+            default="",
+            help="comma-separated sizes k >= 1: also a pair per near answer (the answer + k and - k) of each "
+            "problem, e.g. 1,2,3,10",
+        )
     if name in ("arithmetic", "arithmetic_pairs"):
         p.add_argument("--ops", default=",".join(defaults["ops"]), help="operators, comma-separated")
     else:
@@ -193,6 +199,7 @@ def _write_task(args: argparse.Namespace) -> None:
         options["ops"] = tuple(args.ops.split(","))
         if args.task == "arithmetic_pairs":
             options["rejected_per_problem"] = args.rejected_per_problem
+            options["near_slips"] = tuple(int(k) for k in args.near_slips.split(",") if k.strip())
     else:
         options |= {"tail_prob": args.tail_prob, "tail_digits": args.tail_digits}
     _print_paths(write_task(args.task, args.out, **options))

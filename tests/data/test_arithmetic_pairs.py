@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from posttrain.cli import main
 from posttrain.data.tasks import get_task_writer
 from posttrain.data.tasks.arithmetic import OPS, _problem_key
-from posttrain.data.tasks.arithmetic_pairs import write_arithmetic_pairs, wrong_answer
+from posttrain.data.tasks.arithmetic_pairs import near_answers, write_arithmetic_pairs, wrong_answer
 
 
 def test_wrong_answers_are_wrong_and_plausible() -> None:
@@ -65,3 +66,39 @@ def test_data_command_rejected_per_problem(tmp_path) -> None:
     args = ["data", "arithmetic_pairs", "--out", str(out), "--n-train", "8", "--n-test", "4"]
     assert main([*args, "--rejected-per-problem", "2"]) == 0
     assert pq.read_table(out / "train.parquet").num_rows == 16
+
+
+def test_near_slips_add_the_answers_next_to_the_right_one(tmp_path) -> None:
+    plain = write_arithmetic_pairs(tmp_path / "plain", n_train=40, n_test=10, seed=2, rejected_per_problem=2)
+    near = write_arithmetic_pairs(
+        tmp_path / "near", n_train=40, n_test=10, seed=2, rejected_per_problem=2, near_slips=(1, 10)
+    )
+    for split in ("train", "test"):
+        by_question: dict[str, list[int]] = {}
+        for row in pq.read_table(near[split]).to_pylist():
+            by_question.setdefault(row["extra_info"]["question"], []).append(
+                int(row["rejected"][0]["content"])
+            )
+        sampled: dict[str, list[int]] = {}
+        for row in pq.read_table(plain[split]).to_pylist():
+            sampled.setdefault(row["extra_info"]["question"], []).append(int(row["rejected"][0]["content"]))
+        assert list(by_question) == list(sampled)  # the same problems, in the same split
+        for question, wrongs in by_question.items():
+            answer = int(OPS["+"](*map(int, question.split("+"))))
+            near_ones = {w for w in (answer + 1, answer - 1, answer + 10, answer - 10) if w >= 0}
+            assert wrongs[:2] == sampled[question]  # the sampled slips first, as drawn without near_slips
+            assert set(wrongs) == set(sampled[question]) | near_ones
+            assert len(wrongs) == len(set(wrongs)) and answer not in wrongs
+
+
+def test_near_slips_refuse_sizes_below_one(tmp_path) -> None:
+    with pytest.raises(ValueError, match="near_slips"):
+        write_arithmetic_pairs(tmp_path, n_train=4, n_test=2, near_slips=(0,))
+    assert near_answers(3, (1, 5), exclude=(4,)) == [2, 8]
+
+
+def test_data_command_near_slips(tmp_path) -> None:
+    out = tmp_path / "pairs"
+    args = ["data", "arithmetic_pairs", "--out", str(out), "--n-train", "8", "--n-test", "4"]
+    assert main([*args, "--near-slips", "1,2"]) == 0
+    assert pq.read_table(out / "train.parquet").num_rows > 8
