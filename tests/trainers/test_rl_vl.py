@@ -397,19 +397,21 @@ def language_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [PADDED, []], ids=["padded", "defaults"])
 def test_grpo_on_shapes_with_tiny_vl_on_two_ray_workers(
-    warm: Path, shapes: dict, tmp_path: Path, ray_cluster: None
+    warm: Path, shapes: dict, tmp_path: Path, ray_cluster: None, layout: list[str]
 ) -> None:
     """`posttrain train` from an SFT warm start: 3 GRPO steps on 2 FSDP workers with the shapes scorer, KL to the
     reference (its pass takes the images), 2 mini-batches per step (the old-log-prob pass too), micro-batches of
-    2 rows; validation on held-out image prompts; the checkpoint exports as a vision-language model."""
+    2 rows; validation on held-out image prompts; the checkpoint exports as a vision-language model. Padded
+    rows, and rl.yaml's defaults (packed rows, shared prompts)."""
     run = tmp_path / "run"
     args = [
         f"model.path={warm}",
         f"data.train_files=[{shapes['train']}]",
         f"data.val_files=[{shapes['test']}]",
         f"trainer.run_dir={run}",
-        *PADDED,
+        *layout,
         "trainer.backend=ray",
         "trainer.n_workers_per_node=2",
         "trainer.threads_per_worker=1",
