@@ -23,7 +23,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, init_distributed, same_head_on_every_rank
 from posttrain.engine.fsdp import apply_fsdp
-from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine, check_device_support, lr_factor
+from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine, check_device_support
 from posttrain.errors import ConfigError, ModelError
 
 REWARD_HEAD = "reward"  # EngineConfig.head of a reward model
@@ -115,33 +115,11 @@ class RewardEngine(TrainEngine):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.requires_grad_(False)
-        self.lora = False
-        # what TrainEngine's shared passes read: no sequence parallelism, no images, no MoE auxiliary loss
-        # (a reward model trains on the Bradley-Terry loss alone)
-        self.sp = None
-        self.image_token_id = None
-        self.vision_tower_trained = False
-        self.vision_pass = None
-        self.router_aux = None
-        self.routing_replay = None  # a classifier's passes replay no routing
-        self.router_aux_loss_coef = 0.0
+        # TrainEngine's class defaults hold for the rest: no LoRA, sequence parallelism, images or MoE
+        # auxiliary loss (a reward model trains on the Bradley-Terry loss alone)
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
-        self.adapters = None
-        self.optimizer = None
-        self.scheduler = None
-        if config.trainable:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad],
-                lr=config.optim.lr,
-                betas=config.optim.betas,
-                eps=config.optim.eps,
-                weight_decay=config.optim.weight_decay,
-                fused=True,
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lr_factor(config.optim, config.total_steps)
-            )
+        self._build_optimizer()
 
     def _log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool

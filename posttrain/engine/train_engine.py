@@ -156,7 +156,19 @@ def check_device_support(config: EngineConfig, device: torch.device) -> None:
 class TrainEngine:
     """Model + optimizer under FSDP2. `forward_backward` accumulates, `optim_step` applies."""
 
+    # What the shared passes read, off unless __init__ sets it for the model it builds (a subclass building
+    # another kind of model, the reward model's classifier, keeps these defaults)
     sp: SequenceParallel | None = None  # this rank's sequence-parallel group (sequence_parallel_size > 1)
+    lora: bool = False
+    image_token_id: int | None = None  # a vision-language model's image placeholder
+    vision_tower_trained: bool = False
+    vision_pass: VisionPass | None = None  # several ranks shard the vision tower: text-only passes run it too
+    router_aux: RouterAuxLoss | None = None  # a trained MoE policy's load-balancing loss
+    router_aux_loss_coef: float = 0.0
+    routing_replay: RoutingReplay | None = None  # built by the first pass with routed_experts (_replay)
+    adapters: MultiLora | None = None  # tenants' LoRA adapters over a frozen base (attach_adapters)
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
     def __init__(self, config: EngineConfig, dist_info: DistInfo | None = None) -> None:
         dist_info = dist_info or DistInfo()
@@ -209,24 +221,19 @@ class TrainEngine:
                 raise ConfigError("LoRA is supported for the policy (lm head) only; the critic trains fully")
             model = apply_lora(model, config.lora)
             same_adapters_on_every_rank(model)  # each rank drew its own; FSDP would shard a mix of them
-        self.router_aux: RouterAuxLoss | None = None  # set for a trained MoE policy with a coefficient > 0
-        self.routing_replay: RoutingReplay | None = (
-            None  # built by the first pass with routed_experts (_replay)
-        )
-        self.router_aux_loss_coef = 0.0
         if config.trainable and config.head == "lm":
             self.router_aux_loss_coef = resolve_aux_loss_coef(model.config, config.router_aux_loss_coef)
         if self.router_aux_loss_coef > 0:
             self.router_aux = RouterAuxLoss(model, int(model.config.num_experts_per_tok), self.sp)
         compute_dtype = DTYPES[config.compute_dtype] if config.compute_dtype else None
         self.model = apply_fsdp(model, self.mesh, compute_dtype=compute_dtype, offload=config.offload)
-        # several ranks shard the vision tower: text-only passes run it too (engine.vision_pass)
-        self.vision_pass: VisionPass | None = (
-            VisionPass(self.model, self.device) if has_vision_tower and self.mesh.size() > 1 else None
-        )
-        self.adapters: MultiLora | None = None  # tenants' LoRA adapters over a frozen base (attach_adapters)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if has_vision_tower and self.mesh.size() > 1:  # engine.vision_pass
+            self.vision_pass = VisionPass(self.model, self.device)
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """AdamW (fused) over the trainable parameters and the schedule of `config.optim` (trainable only)."""
+        config = self.config
         if config.trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
