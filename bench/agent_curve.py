@@ -204,16 +204,19 @@ def run(
     )
     RLTrainer(cfg).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {
-            "step": r["step"],
-            "val_acc": r["val/acc"],
-            "tool_success": r["val/agent/tool_success"],
-            "turns": r["val/agent/turns_mean"],
-        }
-        for r in rows
-        if "val/acc" in r
-    ]
+    curve = []
+    for r in rows:
+        point: dict = {"step": r["step"]}
+        if "val/acc" in r:  # greedy, held-out, after `step` updates
+            point.update(
+                val_acc=r["val/acc"],
+                tool_success=r["val/agent/tool_success"],
+                turns=r["val/agent/turns_mean"],
+            )
+        if "acc" in r:  # this step's sampled (temperature 1) training episodes, drawn before its update
+            point.update(train_acc=r["acc"], train_tool_calls=r["agent/tool_calls_per_episode"])
+        curve.append(point)
+    return curve
 
 
 def main() -> None:
@@ -256,7 +259,7 @@ def main() -> None:
     curves = []
     for seed in range(args.repeats):
         curves.append(run(seed, model, files, work / f"grpo-seed{seed}", args.steps, args.lr, args.rl))
-        first, last = curves[-1][0], curves[-1][-1]
+        first, last = curves[-1][0], curves[-1][-1]  # step 0 and the last step are validated
         print(
             f"seed {seed}: tool success {first['tool_success']:.3f} -> {last['tool_success']:.3f}, "
             f"accuracy {first['val_acc']:.3f} -> {last['val_acc']:.3f}",
@@ -268,13 +271,21 @@ def main() -> None:
             f", then {args.mix_steps} steps with {args.no_tool_share:g} of them answering without the tool"
         )
     rows = []
-    for metric in ("val_acc", "tool_success"):
-        start = [c[0][metric] for c in curves]
-        end = [c[-1][metric] for c in curves]
+    for metric, name in (
+        ("val_acc", "held_out_val_acc"),
+        ("tool_success", "held_out_tool_success"),
+        (
+            "train_acc",
+            "sampled_train_acc",
+        ),  # start: step 1's episodes (the warm start's), end: the last step's
+        ("train_tool_calls", "sampled_train_tool_calls_per_episode"),
+    ):
+        start = [next(c for c in curve if metric in c)[metric] for curve in curves]
+        end = [curve[-1][metric] for curve in curves]
         rows.append(
             {
                 "case": f"tool_multiplication 3-4 digits, tiny, GRPO {args.steps} steps at lr {args.lr:g} from {warm}",
-                "metric": f"held_out_{metric}",
+                "metric": name,
                 "value": round(statistics.median(end), 4),
                 "baseline_name": "sft_warm_start",
                 "baseline_value": round(statistics.median(start), 4),
@@ -312,26 +323,33 @@ def plot(curves: list[list[dict]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for metric, color, label in (
-        ("val_acc", "tab:blue", "accuracy"),
-        ("tool_success", "tab:orange", "tool-use success"),
-    ):
+    series = (
+        ("val_acc", "tab:blue", "-", "held-out accuracy (greedy)"),
+        ("tool_success", "tab:orange", "-", "held-out tool-use success (greedy)"),
+        ("train_acc", "tab:blue", ":", "training episodes' accuracy (sampled)"),
+        ("train_tool_calls", "tab:orange", ":", "training episodes' tool calls (sampled)"),
+    )
+    for metric, color, style, label in series:
         for i, curve in enumerate(curves):
+            # sampled episodes of step k come from the policy after k - 1 updates: plotted at k - 1
+            shift = 1 if metric.startswith("train_") else 0
+            points = [c for c in curve if metric in c]
             ax.plot(
-                [c["step"] for c in curve],
-                [c[metric] for c in curve],
+                [c["step"] - shift for c in points],
+                [c[metric] for c in points],
                 color=color,
+                linestyle=style,
                 alpha=0.9 if i == 0 else 0.45,
                 label=label if i == 0 else None,
-                marker="o",
+                marker="o" if style == "-" else None,
                 markersize=3,
             )
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("held-out share of episodes (greedy)")
+    ax.set_xlabel("GRPO updates")
+    ax.set_ylabel("share of episodes / tool calls per episode")
     ax.set_title("tiny Qwen2 learning to use a calculator (GRPO on multi-turn episodes)")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
