@@ -41,6 +41,11 @@ from posttrain.engine.varlen_attention import (
 )
 from posttrain.errors import ConfigError
 
+# (logits of some kept positions (n, vocab), their indices into `keep` (n,)) -> (n, d) numbers per position
+Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (logits (n, vocab), the token each position predicts (n,)) -> (n, d) numbers per position
+PerTarget = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class PackedLayout:
@@ -106,6 +111,7 @@ def packed_model_output(
     keep: torch.Tensor | None = None,
     segments: Segments | None = None,
     sp: SequenceParallel | None = None,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """The model's per-token outputs (logits, or value-head outputs) flattened to (rows * width, dim).
 
@@ -119,15 +125,27 @@ def packed_model_output(
 
     `sp` (a sequence-parallel group of more than one rank): every rank of the group passes the same rows;
     each runs the model on its slice of the columns (engine.sequence_parallel) and gets the same result.
+
+    `reduce` (with `keep` and an LM head): `reduce(logits, index)` turns the logits of kept positions
+    `keep[index]` into a few numbers per position (a target's log-prob, the entropy), and those are returned
+    instead of the logits. Under sp each rank reduces the positions it holds and only the reduced rows are
+    gathered, so no rank holds (or runs the softmax over) the vocabulary-wide logits of the whole row.
     """
     if sp is not None and sp.size > 1:
-        return _sequence_parallel_output(model, input_ids, position_ids, attention_mask, keep, segments, sp)
+        return _sequence_parallel_output(
+            model, input_ids, position_ids, attention_mask, keep, segments, sp, reduce
+        )
     extra = {}
     if uses_varlen(model):
         if attention_mask is not None:
             raise ValueError("a posttrain_varlen model takes its packed layout as segments, not as a mask")
         extra[SEGMENTS_KWARG] = segments if segments is not None else segments_from_position_ids(position_ids)
-    return _model_output(model, input_ids, position_ids, attention_mask, keep, extra)
+    out = _model_output(model, input_ids, position_ids, attention_mask, keep, extra)
+    if reduce is None:
+        return out
+    if keep is None or model.get_output_embeddings() is None:
+        raise ValueError("reduce needs kept positions and an LM head")
+    return reduce(out, torch.arange(len(keep), device=out.device))
 
 
 def _model_output(
@@ -170,6 +188,7 @@ def _sequence_parallel_output(
     keep: torch.Tensor | None,
     segments: Segments | None,
     sp: SequenceParallel,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """`packed_model_output` with the columns of every row split across the ranks of `sp`."""
     if not uses_varlen(model):
@@ -189,7 +208,13 @@ def _sequence_parallel_output(
     if keep is not None and head is not None:  # the head on this rank's kept positions, gathered
         local_keep, counts, order = kept_on_ranks(keep, sliced, sp)
         out = _model_output(model, sliced.input_ids, sliced.position_ids, None, local_keep, extra)
+        if reduce is not None:  # reduced here, on this rank's positions (`keep[mine]`), before the gather
+            start = sum(counts[: sp.rank])
+            mine = torch.argsort(order)[start : start + counts[sp.rank]]
+            out = reduce(out, mine)
         return gather_rows(out, sp, counts)[order]
+    if reduce is not None:
+        raise ValueError("reduce needs kept positions and an LM head")
     out = _model_output(model, sliced.input_ids, sliced.position_ids, None, None, extra)
     rows = input_ids.shape[0]
     local = out.view(rows, -1, out.shape[-1])  # (rows, W'/sp, dim) -> rows of every rank's columns
@@ -265,12 +290,23 @@ def response_outputs(
     attention_mask: torch.Tensor,
     response_width: int,
     options: PackingOptions,
+    per_target: PerTarget | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(outputs (N, dim) at the positions that predict each real response token, valid cells (B, R)).
 
     A response token always follows at least one prompt token of its own sequence, so the position
     before it is inside the same sequence (plain packing) or is the prompt's last token (shared prompts).
+    `per_target(logits, targets)`: the outputs are these numbers per position instead of the logits, reduced
+    where the logits are computed (`packed_model_output`'s `reduce`).
     """
+    responses = input_ids[:, input_ids.shape[1] - response_width :]
+
+    def reduce_for(valid: torch.Tensor) -> Reduce | None:
+        if per_target is None:
+            return None
+        targets = responses[valid]
+        return lambda logits, index: per_target(logits, targets[index])
+
     labels = options.row_labels
     if options.share_prompt and has_shared_prompts(input_ids, attention_mask, response_width, labels):
         shared = pack_shared_prompts(input_ids, attention_mask, response_width, options.row_tokens, labels)
@@ -283,7 +319,7 @@ def response_outputs(
         if options.cell_positions is not None:
             options.cell_positions(shared.cell_pos)
         out = packed_model_output(
-            model, shared.input_ids, shared.position_ids, mask, keep, segments, options.sp
+            model, shared.input_ids, shared.position_ids, mask, keep, segments, options.sp, reduce_for(valid)
         )
         return out, valid
     layout = pack(input_ids, attention_mask, options.row_tokens)
@@ -294,8 +330,9 @@ def response_outputs(
     if options.cell_positions is not None:
         options.cell_positions(layout.flat_pos[attention_mask.bool()])
     out = packed_model_output(
-        model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=options.sp
-    )
+        model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=options.sp,
+        reduce=reduce_for(valid),
+    )  # fmt: skip
     return out, valid
 
 
@@ -310,16 +347,21 @@ def packed_response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log_probs.response_log_probs` on packed sequences: (B, R) log-probs (and entropy), zeros on padding.
 
-    Only the logits that predict response tokens go through the (vocab-wide) softmax.
+    Only the logits that predict response tokens go through the (vocab-wide) softmax, on the rank that
+    computed them (under sequence parallelism only the log-probs and entropies are gathered).
     """
-    logits, valid = response_outputs(model, input_ids, attention_mask, response_width, options)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, input_ids.shape[1] - response_width :][valid]
-    if with_entropy:
-        log_probs, entropy = chunked_log_probs_and_entropy(logits[None], targets[None])
-        return unpack_rows(log_probs[0], valid), unpack_rows(entropy[0], valid)
-    return unpack_rows(token_log_probs(logits, targets), valid), None
+
+    def per_target(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        if with_entropy:
+            log_probs, entropy = chunked_log_probs_and_entropy(logits[None], targets[None])
+            return torch.stack([log_probs[0], entropy[0]], -1)
+        return token_log_probs(logits, targets)[:, None]
+
+    out, valid = response_outputs(model, input_ids, attention_mask, response_width, options, per_target)
+    entropy = unpack_rows(out[:, 1], valid) if with_entropy else None
+    return unpack_rows(out[:, 0], valid), entropy
 
 
 def packed_response_values(
@@ -352,9 +394,12 @@ def packed_next_token_log_probs(
         cell_positions(layout.flat_pos[attention_mask.bool()])
     has_context = attention_mask.bool() & (attention_mask.cumsum(1) > 1)
     target_pos = layout.flat_pos[has_context]
-    logits = packed_model_output(model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=sp)
     targets = layout.input_ids.reshape(-1)[target_pos]
-    return unpack_rows(token_log_probs(logits, targets), has_context)
+    log_probs = packed_model_output(
+        model, layout.input_ids, layout.position_ids, keep=target_pos - 1, sp=sp,
+        reduce=lambda logits, index: token_log_probs(logits, targets[index]),
+    )  # fmt: skip
+    return unpack_rows(log_probs, has_context)
 
 
 def combined_labels(*labelings: Sequence[int] | None) -> list[int] | None:

@@ -229,7 +229,9 @@ def test_activation_memory_per_rank_falls_with_sp(tiny_model_dir: Path, tmp_path
     alone = saved_activation_mib(str(tiny_model_dir), None, 1)
     per_rank = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
     print(f"saved activations: sp=1 {alone:.1f} MiB, sp=2 per rank {per_rank}")
-    assert max(per_rank) <= 0.6 * alone
+    # 0.50x: every activation halves, the response logits too (each rank reduces its own to log-probs and
+    # entropies before the gather; gathering the logits, as before, gave 0.52x on this model's small vocabulary)
+    assert max(per_rank) <= 0.51 * alone
 
 
 def _attention_rank_main(rank: int, port: int, out: str) -> None:
