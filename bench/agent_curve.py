@@ -24,11 +24,17 @@ Measured so far (issue 15, item 9), greedy held-out accuracy on 64 prompts never
   (`--mix-steps 100`, lr 3e-4 cosine, warmup 10) on the same 8,000 demonstrations with half of them
   (`--no-tool-share 0.5`) answering at once without a call ("The answer is <product>.", the right product:
   the tiny model can only imitate its form). Greedy held-out, the warm start calls the tool on 20.3% of the
-  problems and is right on the same share (20.3%). One GRPO seed
-  at lr 5e-5 (20 steps, 8 prompts x 8 episodes, `tool_use_bonus` 0.1): 96.9% / 100% (accuracy / tool
-  success) after 5 steps, 100% / 100% from step 10 on. The first setting tried, no search over shares, steps
-  or rates. GRPO's gain is choosing the tool; copying operands and result was already learned by SFT.
-  The 3-seed figures are in `bench/results/agent_curve.json` and README.
+  problems and is right on the same share (20.3%). The first setting tried, no search over shares, steps or
+  rates; one GRPO seed first (flags, the code of 1ca3a9a): 96.9% / 100% (accuracy / tool success) after
+  5 steps, 100% / 100% from step 10; 3 seeds at 1ca3a9a ended as below.
+- The defaults, 3 seeds of GRPO from that warm start (lr 5e-5, 20 steps, 8 prompts x 8 episodes,
+  `tool_use_bonus` 0.1; code 2dfefd8, `bench/results/agent_curve.json`): greedy held-out tool success
+  20.3% -> 100% on every seed, accuracy 20.3% -> 100%, 100%, 98.4% (mean 99.5%). The greedy jump comes
+  after the first update (the warm start's greedy choice sits near the margin: its sampled episodes call
+  the tool 42-47% of the time); the sampled training episodes show the learning: tool calls per episode
+  0.42-0.47 at step 1, >= 0.87 from step 5, 1.0 at step 20 on every seed, sampled accuracy 38-42% ->
+  73-94% (copying at temperature 1 still errs). GRPO's gain is choosing the tool; copying operands and
+  result was learned by SFT.
 
     python bench/agent_curve.py                      # 3 seeds x 20 steps, SFT stages cached in --work
     python bench/agent_curve.py --steps 10 --repeats 1
