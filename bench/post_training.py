@@ -12,17 +12,16 @@ held-out problems and no stage trains on a problem it is scored on.
   the sft term alone. Target: +10 points.
 - **rm**: `posttrain rm` (Bradley-Terry) on the train pairs; held-out pairwise accuracy. Target: >= 85%. The
   reward model starts from the RM base: the same SFT recipe on the same train problems run to its end (800
-  steps, no early stop) instead of the warm start. A reward model on the warm start (84.4% held-out pairwise
-  accuracy after 2,000 steps) ranks the right answer first among it and its 14 nearest slips (+-1..3, 9..11,
-  20) on only 11-17% of held-out problems, and GRPO on it converges to those slips (37.9% -> 17.1%); on the
-  RM base it learns to check the sum (see the README's figures).
+  steps, no early stop) instead of the warm start (from the warm start: 84.4% after 2,000 steps, and GRPO on
+  those reward models fell 37.9% -> 17.1%; they rank the right answer first among it and its 14 nearest slips
+  on 11-17% of held-out problems, and GRPO converges to the slips they prefer).
 - **grpo_rm**: `posttrain train` (GRPO, the demo's settings, 2 FSDP workers on Ray) from the warm start with
   `reward.model.path` = that seed's reward model and no rule reward; `val/acc` is the rule scorer's, which the
   run never sees. Target: +10 points (mean of the last three validations against the start).
 
 Each stage runs the CLI in a child process (the commands are printed, so any run can be repeated by hand)
-and caches its output in `--work` with the settings it ran with (a run with other settings runs again);
-`--fresh` starts over.
+and caches its output in `--work` (the RM base, rm and grpo_rm runs with the settings they ran with: a run
+with other settings runs again); `--fresh` starts over.
 
     python bench/post_training.py --threads 1           # all stages, 3 seeds
     python bench/post_training.py --stages rm,grpo_rm --seeds 3 --grpo-steps 60 --threads 1
