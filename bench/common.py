@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+POSTTRAIN = [sys.executable, "-m", "posttrain"]  # the CLI, in a child process per command
 
 # The long-response task's SFT warm start (bench/vs_trl.py, bench/async_rl.py): the worked solutions, stopped
 # early once held-out NLL per token reaches LONG_SFT_STOP_NLL (checked every 20 steps), under a step cap the
@@ -81,3 +85,31 @@ def median_row(
         "spread": [round(min(values), 3), round(max(values), 3)],
         "baseline_spread": [round(min(baselines), 3), round(max(baselines), 3)],
     }
+
+
+def run_posttrain(cmd: list[str], log: Path) -> None:
+    """Run a posttrain command (POSTTRAIN + arguments) from the repository, its output to `log`; raise naming
+    the log on failure. The command is printed, so any run can be repeated by hand."""
+    print("  $ posttrain " + " ".join(cmd[len(POSTTRAIN) :]), flush=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"command failed ({done.returncode}), see {log}:\n{log.read_text()[-3000:]}")
+
+
+def held_out_accuracy(model: Path, data: Path, out: Path, max_response_length: int = 8) -> float:
+    """Greedy accuracy on `data`/test.parquet by the rule scorer (`posttrain eval`), cached in
+    `out/results.json`."""
+    results = out / "results.json"
+    if not results.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        run_posttrain(
+            [
+                *POSTTRAIN, "eval", str(model), "--data", str(data / "test.parquet"), "--out", str(out),
+                "--temperature", "0", "--max-prompt-length", "128",
+                "--max-response-length", str(max_response_length),
+            ],
+            out / "eval.log",
+        )  # fmt: skip
+    return float(json.loads(results.read_text())["accuracy"])

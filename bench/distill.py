@@ -30,16 +30,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, code_commit, machine_info, write_result
+from common import POSTTRAIN, RESULTS, code_commit, held_out_accuracy, machine_info, write_result
+from common import run_posttrain as run
 
-ROOT = Path(__file__).resolve().parents[1]
-POSTTRAIN = [sys.executable, "-m", "posttrain"]
 SAMPLES_PER_STEP = 32 * 8  # the demo's data.train_batch_prompts x rollout.n
 TEACHER_SFT = [  # the small preset's SFT (bench/vs_trl.py's 10M warm start uses lr 1e-3)
     "trainer.total_steps=3000",
@@ -50,16 +48,6 @@ TEACHER_SFT = [  # the small preset's SFT (bench/vs_trl.py's 10M warm start uses
     "trainer.val_every=25",
     "trainer.loggers=[jsonl]",
 ]
-
-
-def run(cmd: list[str], log: Path) -> None:
-    """Run a posttrain command, its output to `log`; raise naming the log on failure."""
-    print("  $ posttrain " + " ".join(cmd[len(POSTTRAIN) :]), flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with log.open("w") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"command failed ({done.returncode}), see {log}:\n{log.read_text()[-3000:]}")
 
 
 def sft(model: Path, data: Path, run_dir: Path, overrides: list[str], threads: int) -> Path:
@@ -82,21 +70,6 @@ def sft(model: Path, data: Path, run_dir: Path, overrides: list[str], threads: i
             run_dir / "run.log",
         )
     return run_dir / "hf"
-
-
-def held_out_accuracy(model: Path, data: Path, out: Path) -> float:
-    """Greedy held-out accuracy by the rule scorer (`posttrain eval`), cached in `out/results.json`."""
-    results = out / "results.json"
-    if not results.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        run(
-            [
-                *POSTTRAIN, "eval", str(model), "--data", str(data / "test.parquet"), "--out", str(out),
-                "--temperature", "0", "--max-prompt-length", "128", "--max-response-length", "8",
-            ],
-            out / "eval.log",
-        )  # fmt: skip
-    return float(json.loads(results.read_text())["accuracy"])
 
 
 def prepare(work: Path, teacher_nll: float, threads: int) -> dict[str, Any]:

@@ -34,19 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, code_commit, machine_info, write_result
+from common import POSTTRAIN, RESULTS, code_commit, held_out_accuracy, machine_info, write_result
+from common import run_posttrain as run
 
-ROOT = Path(__file__).resolve().parents[1]
-POSTTRAIN = [sys.executable, "-m", "posttrain"]
 STAGES = ("dpo", "rm", "grpo_rm")
 
 # RPO-style DPO (Pang et al. 2024, "Iterative reasoning preference optimization"): the sigmoid DPO loss plus
@@ -89,16 +86,6 @@ GRPO_RM_STEPS = 100
 # 2,000 steps reached 84.4% held-out pairwise accuracy (83.3 / 85.9 / 84.0) and GRPO on them fell 37.9% -> 17.1%
 RM_BASE_OVERRIDES = ["trainer.stop_at_val_nll=0", "trainer.val_every=100"]  # after the demo's SFT_OVERRIDES
 REJECTED_PER_PROBLEM = 4  # pairs per problem (distinct wrong answers): 8,800 train / 1,024 held-out pairs
-
-
-def run(cmd: list[str], log: Path) -> None:
-    """Run a posttrain command, its output to `log`; raise naming the log on failure."""
-    print("  $ posttrain " + " ".join(cmd[len(POSTTRAIN) :]), flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with log.open("w") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"command failed ({done.returncode}), see {log}:\n{log.read_text()[-3000:]}")
 
 
 def cached(run_dir: Path, settings: dict[str, Any], done: Path) -> bool:
@@ -181,32 +168,6 @@ def rm_base(paths: dict[str, Path], work: Path, threads: int) -> Path:
         )
         mark_done(run_dir, settings)
     return run_dir / "hf"
-
-
-def held_out_accuracy(model: Path, data: Path, out: Path) -> float:
-    """Greedy held-out accuracy by the rule scorer (`posttrain eval`), cached in `out/results.json`."""
-    results = out / "results.json"
-    if not results.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        run(
-            [
-                *POSTTRAIN,
-                "eval",
-                str(model),
-                "--data",
-                str(data / "test.parquet"),
-                "--out",
-                str(out),
-                "--temperature",
-                "0",
-                "--max-prompt-length",
-                "128",
-                "--max-response-length",
-                "8",
-            ],
-            out / "eval.log",
-        )
-    return float(json.loads(results.read_text())["accuracy"])
 
 
 def sampled_pairs(paths: dict[str, Path], work: Path) -> Path:

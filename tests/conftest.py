@@ -41,6 +41,23 @@ def tiny_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("models") / "tiny-vl", corpus(2000), seed=0)
 
 
+@pytest.fixture(scope="module")
+def pretrained_vl_dir(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's `vl_dir` without make-model's from-scratch marker, as a downloaded model would be:
+    `model.vision_tower=auto` freezes its tower."""
+    import json
+    import shutil
+
+    from posttrain.models.vl import FROM_SCRATCH_KEY
+
+    out = tmp_path_factory.mktemp("pretrained") / "model"
+    shutil.copytree(vl_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop(FROM_SCRATCH_KEY)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 @pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from posttrain.data.tasks.arithmetic import write_arithmetic_dataset

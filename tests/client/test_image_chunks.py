@@ -5,8 +5,6 @@ training moves the vision tower, sampling sees the image, and what cannot work i
 from __future__ import annotations
 
 import io
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from posttrain.data import keys
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.tasks.shapes import corpus
 from posttrain.models import load_causal_lm, load_processor, make_tiny_model
-from posttrain.models.vl import FROM_SCRATCH_KEY, vision_tower
+from posttrain.models.vl import vision_tower
 from posttrain.workers.api_worker import ApiLossSpec, ApiWorkerSpec
 
 QUESTION = (
@@ -159,17 +157,6 @@ def test_training_on_an_image_moves_the_vision_tower(
         if not torch.equal(p, q)
     ]
     assert len(moved) == len(list(original.parameters()))  # every weight of the tower got a gradient
-
-
-@pytest.fixture(scope="module")
-def pretrained_vl_dir(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-vl without make-model's from-scratch marker, as a downloaded model: `auto` freezes its tower."""
-    out = tmp_path_factory.mktemp("pretrained") / "model"
-    shutil.copytree(vl_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    config.pop(FROM_SCRATCH_KEY)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def weights_moved(svc: tinker.ServiceClient, base: Path) -> tuple[bool, bool]:

@@ -6,8 +6,6 @@ these padded ones: tests/engine/test_packed_images.py (which reuses this file's 
 from __future__ import annotations
 
 import io
-import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,24 +25,13 @@ from posttrain.engine.multimodal import gather_images
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_processor, make_tiny_model
-from posttrain.models.vl import FROM_SCRATCH_KEY, vision_tower_trained
+from posttrain.models.vl import vision_tower_trained
 from posttrain.workers.losses import LossSpec, build_loss
 
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("tiny-vl", tmp_path_factory.mktemp("vl") / "model", corpus(500), seed=0)
-
-
-@pytest.fixture(scope="module")
-def pretrained_vl_dir(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same model without make-model's from-scratch marker, as a downloaded model would be."""
-    out = tmp_path_factory.mktemp("vl_pre") / "model"
-    shutil.copytree(vl_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    config.pop(FROM_SCRATCH_KEY)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def png(size: tuple[int, int], color: str, box: tuple[int, int, int, int]) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,7 +31,7 @@ from posttrain.data.tasks.shapes import write_shapes_dataset
 from posttrain.engine.train_engine import EngineConfig, TrainEngine
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import is_vision_language, load_causal_lm
-from posttrain.models.vl import FROM_SCRATCH_KEY, vision_tower
+from posttrain.models.vl import vision_tower
 from posttrain.rollout.base import GenerationResult
 from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.rl import RLTrainer
@@ -564,17 +563,6 @@ def test_pixel_bounds_on_a_text_model_are_refused(tiny_model_dir: Path, arithmet
     )
     with pytest.raises(ConfigError, match=r"data.max_pixels=3136 set, but model.path=.* has no vision tower"):
         check_rl_config(cfg)
-
-
-@pytest.fixture(scope="module")
-def pretrained_vl_dir(vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-vl without make-model's from-scratch marker, as a downloaded model: `auto` freezes its tower."""
-    out = tmp_path_factory.mktemp("pretrained") / "model"
-    shutil.copytree(vl_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    config.pop(FROM_SCRATCH_KEY)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def moved(base: Path, trained: Path) -> tuple[list[bool], bool]:
