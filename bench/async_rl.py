@@ -1,8 +1,10 @@
 """Asynchronous RL against the best synchronous configuration on the same 2 cores: samples trained per second.
 
-The long-response task (long_addition: every column and carry written out, 50-150 tokens; `--tail` adds a long
-tail of responses several times longer), from an SFT warm start on its worked solutions (stopped at held-out
-NLL 0.04 per token, as bench/vs_trl.py; `common.LONG_ADDITION_SFT`). Configurations:
+The long-response task (long_addition: every column and carry written out; 5-9 digit sums, 42-83 tokens), in two
+cases: "mixed" as it is, and "tail" where a tenth of the problems have 10-50 digits (~100-520 tokens, up to ~8x
+the median), so a few responses hold up each synchronous step. Each case starts from an SFT warm start on its own
+worked solutions (stopped at held-out NLL 0.04 per token, as bench/vs_trl.py; `common.LONG_ADDITION_SFT`).
+Configurations:
 
     sync-colocated   one worker holding trainer + rollout, using both cores (the best synchronous setting)
     sync-split k=0   one rollout worker + one training worker, synchronous (each waits for the other)
@@ -44,6 +46,7 @@ from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.workers.process import quiet_transformers
 
+MAX_PROMPT = 160
 SFT_MAX_STEPS = (
     1500  # the warm start's cap; it stops earlier at common.LONG_SFT_STOP_NLL (as bench/vs_trl.py)
 )
@@ -61,16 +64,21 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def prepare(work: Path, preset: str, tail: bool) -> tuple[Path, dict[str, Path]]:
-    model, data, sft = (
-        work / f"model-{preset}",
-        work / ("data-tail" if tail else "data"),
-        work / f"sft-{preset}",
-    )
+# the long tail: a tenth of the problems have 10 to TAIL_DIGITS digits, worked solutions of ~100 to ~520 tokens
+# against the mixed set's 42-83, so a few responses are up to ~8x the median (the issue's "10x longer")
+TAIL_PROB, TAIL_DIGITS = 0.1, 50
+MAX_RESPONSE = {"mixed": 400, "tail": 600}
+
+
+def prepare(work: Path, preset: str, case: str) -> tuple[Path, dict[str, Path]]:
+    """The model, the case's data and its SFT warm start (each cached in `work`). The tail case's warm start
+    is trained on the tail's own problems: one trained on the mixed set stops long sums early, and the "long
+    tail" then has no long responses."""
+    model, data, sft = work / f"model-{preset}", work / f"data-{case}", work / f"sft-{preset}-{case}"
     if not (model / "config.json").exists():
         make_tiny_model(preset, model, long_addition.corpus(10000, seed=0))
     if not (data / "test.parquet").exists():
-        extra = {"tail_prob": 0.1, "tail_digits": 30} if tail else {}
+        extra = {"tail_prob": TAIL_PROB, "tail_digits": TAIL_DIGITS} if case == "tail" else {}
         long_addition.write_long_addition_dataset(
             data, n_train=2000, n_test=64, min_digits=5, max_digits=9, **extra
         )
@@ -79,12 +87,15 @@ def prepare(work: Path, preset: str, tail: bool) -> tuple[Path, dict[str, Path]]
         overrides = [
             f"model.path={model}", f"data.train_files=[{files['train']}]", f"data.val_files=[{files['test']}]",
             f"trainer.run_dir={sft}", f"trainer.total_steps={SFT_MAX_STEPS}", *LONG_ADDITION_SFT,
+            f"data.max_response_length={MAX_RESPONSE[case]}", f"data.max_prompt_length={MAX_PROMPT}",
         ]  # fmt: skip
         SFTTrainer(load_config(SFTConfig, "sft", overrides)).fit()
     return sft / "hf", files
 
 
-def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: int, seed: int) -> dict:
+def run(
+    name: str, case: str, model: Path, files: dict[str, Path], run_dir: Path, steps: int, seed: int
+) -> dict:
     cfg = load_config(
         RLConfig,
         "rl",
@@ -98,8 +109,8 @@ def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: in
             "trainer.backend=ray",
             "data.train_batch_prompts=8",
             "rollout.n=4",
-            "data.max_response_length=400",
-            "data.max_prompt_length=160",  # the tail's 30-digit problems (the default 64 dropped them all)
+            f"data.max_response_length={MAX_RESPONSE[case]}",
+            f"data.max_prompt_length={MAX_PROMPT}",  # the tail's long problems (the default 64 drops them)
             "actor.optim.lr=1e-4",
             f"trainer.val_every={steps}",  # held-out accuracy once, after the last step (not timed in it)
             "trainer.val_before_train=false",
@@ -123,6 +134,7 @@ def run(name: str, model: Path, files: dict[str, Path], run_dir: Path, steps: in
         ),
         "reward": statistics.fmean(r["reward/mean"] for r in steady),
         "response_length": statistics.fmean(r["response_length/mean"] for r in steady),
+        "response_length_max": max(r["response_length/max"] for r in steady),
         "samples_trained": 8 * 4 * steps,
         "val_acc_after": [r["val/acc"] for r in rows if "val/acc" in r][-1],
     }
@@ -155,12 +167,12 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for case in args.cases.split(","):
-        model, files = prepare(work, args.preset, tail=case == "tail")
+        model, files = prepare(work, args.preset, case)
         results: dict[str, list[dict]] = {name: [] for name in names}
         for repeat in range(args.repeats):
             for name in names:  # alternating, as BENCHMARKS.md asks
                 results[name].append(
-                    run(name, model, files, work / f"{case}-{name}-{repeat}", args.steps, repeat)
+                    run(name, case, model, files, work / f"{case}-{name}-{repeat}", args.steps, repeat)
                 )
                 print(f"{case} {name} repeat {repeat}: {results[name][-1]}", flush=True)
         base = statistics.median(r["samples_per_s"] for r in results["sync-colocated"])

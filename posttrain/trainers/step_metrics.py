@@ -56,6 +56,8 @@ def batch_metrics(batch: Batch, epoch: int) -> Metrics:
         "reward/mean": float(scores.mean()),
         "acc": float((scores >= 1.0).float().mean()),
         "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),  # verl's names; a long tail shows in max, not mean
+        "response_length/min": float(lengths.min()),
         "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
         "throughput/gen_tokens": gen_tokens,
         "epoch": float(epoch),
