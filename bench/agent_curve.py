@@ -51,17 +51,23 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from common import RESULTS, machine_info, write_result
 
+from posttrain.agents.registry import AgentSetup, agent_names, register_agent
+from posttrain.agents.tool_env import ToolChatGroup, tool_agent
 from posttrain.agents.tools import build_tools
+from posttrain.agents.types import Trajectory
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
 from posttrain.data.tasks import arithmetic, tool_multiplication
+from posttrain.errors import ConfigError
 from posttrain.models import make_tiny_model
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.sft import SFTTrainer
@@ -95,6 +101,75 @@ RL_OVERRIDES = [
     "trainer.loggers=[jsonl]",
     "trainer.resume=false",
 ]
+
+
+# ---- the shuffled-reward control ------------------------------------------------------------------------
+SHUFFLED_AGENT = "tool_agent_shuffled_reward"  # the control's rows name this agent loop (agent_name)
+GroupReward = Callable[[Sequence[Trajectory]], list[float]]  # a ToolChatGroup's group_reward
+
+
+class ShuffledRewards:
+    """The control's group reward hook: every episode of a group is paid the reward of the episode a seeded,
+    uniformly random permutation of the group assigns it, so what an episode did says nothing about what it
+    is paid. A uniform permutation (not a derangement, which would pay every episode another's reward): an
+    episode's expected pay is then the group's mean whatever it did, so its expected GRPO advantage is 0; a
+    derangement would pay (group sum - its own) / (n - 1), an advantage of minus its true one / (n - 1), a
+    signal against the reward. The group's rewards, mean and spread are unchanged, so the update's size is
+    the real runs'. `reseed` before each run (one random stream per run: groups draw in the order they
+    finish, deterministic in a seeded run)."""
+
+    def __init__(self) -> None:
+        self.rng: random.Random | None = None
+
+    def reseed(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def permutation(self, n: int) -> list[int]:
+        if self.rng is None:
+            raise ConfigError(f"agent {SHUFFLED_AGENT!r}: ShuffledRewards.reseed(seed) was not called")
+        order = list(range(n))
+        self.rng.shuffle(order)
+        return order
+
+    def hook(self, inner: GroupReward | None) -> GroupReward:
+        """A group reward hook over `inner` (the group's own hook, None: none): the episodes' rewards
+        (the environment's steps + `inner`'s), permuted; returned as what the hook adds to each episode."""
+
+        def shuffled(trajectories: Sequence[Trajectory]) -> list[float]:
+            added = list(inner(trajectories)) if inner is not None else [0.0] * len(trajectories)
+            own = [sum(t.reward for t in tr.transitions) for tr in trajectories]
+            total = [o + a for o, a in zip(own, added, strict=True)]
+            order = self.permutation(len(trajectories))
+            # the episode's total becomes total[order[i]]; answer_score (the accuracy) stays its own
+            return [total[j] - o for j, o in zip(order, own, strict=True)]
+
+        return shuffled
+
+
+SHUFFLE = ShuffledRewards()
+
+
+def shuffled_tool_agent(row: Mapping[str, Any], setup: AgentSetup) -> ToolChatGroup:
+    """`tool_agent`'s episodes, paid through `SHUFFLE` (the registry's public hook: a row's agent_name)."""
+    group = tool_agent(row, setup)
+    group.group_reward = SHUFFLE.hook(group.group_reward)
+    return group
+
+
+def register_control() -> None:
+    """Register the control's agent loop (once per process: the registry refuses a name twice)."""
+    if SHUFFLED_AGENT not in agent_names():
+        register_agent(SHUFFLED_AGENT)(shuffled_tool_agent)
+
+
+def control_rows(train_file: Path, out: Path) -> Path:
+    """`train_file`'s rows with agent_name `SHUFFLED_AGENT`: the same prompts, in the same order, run by the
+    control's loop (validation rows keep `tool_agent`: one greedy episode each, nothing to shuffle)."""
+    table = pq.read_table(train_file)
+    names = pa.array([SHUFFLED_AGENT] * table.num_rows, type=pa.string())
+    table = table.set_column(table.schema.get_field_index("agent_name"), "agent_name", names)
+    pq.write_table(table, out)
+    return out
 
 
 def pretrain(work: Path, base: Path, steps: int) -> Path:
@@ -166,10 +241,11 @@ def warm_start(
     no_tool_share: float = 0.0,
     mix_steps: int = 0,
     mix_lr: float = 3e-4,
-) -> tuple[Path, list[str]]:
-    """The model (tokenizer trained with the tool format), pre-trained on the task's texts, the task files,
-    and the SFT warm start: `sft_steps` on the tool-using demonstrations, then (`mix_steps` > 0) on the same
-    demonstrations with `no_tool_share` of them answering without the tool."""
+) -> tuple[Path, Path]:
+    """The SFT warm start and the task's directory (train, test, demonstrations). The model (tokenizer
+    trained with the tool format) is pre-trained on the task's texts, then SFT: `sft_steps` on the tool-using
+    demonstrations, then (`mix_steps` > 0) on the same demonstrations with `no_tool_share` of them answering
+    without the tool."""
     tools = [t.schema() for t in build_tools(["calculator"], None)]
     model, data = work / "model", work / f"data-{n_sft}"
     if not (model / "config.json").exists():
@@ -180,20 +256,37 @@ def warm_start(
         tool_multiplication.write_tool_multiplication_dataset(
             data, tools, n_train=2000, n_test=128, n_sft=n_sft
         )
-    files = [f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]"]
     name = f"sft-p{pretrain_steps}-{n_sft}x{sft_steps}"
     model = sft(model, data / "sft.parquet", work / name, sft_steps, [])
     if mix_steps:
         mixed = without_tool(data / "sft.parquet", data / f"sft-nt{no_tool_share:g}.parquet", no_tool_share)
         out = work / f"{name}-nt{no_tool_share:g}x{mix_steps}-lr{mix_lr:g}"
         model = sft(model, mixed, out, mix_steps, [f"optim.lr={mix_lr}", "optim.warmup_steps=10"])
-    return model, files
+    return model, data
+
+
+def task_files(data: Path, control: str) -> list[str]:
+    """The GRPO run's train and validation files; the control trains on the same rows run by its loop."""
+    train = data / "train.parquet"
+    if control == "shuffled":
+        register_control()
+        train = control_rows(train, data / "train-shuffled-reward.parquet")
+    return [f"data.train_files=[{train}]", f"data.val_files=[{data / 'test.parquet'}]"]
 
 
 def run(
-    seed: int, model: Path, files: list[str], run_dir: Path, steps: int, lr: float, extra: list[str]
+    seed: int,
+    model: Path,
+    files: list[str],
+    run_dir: Path,
+    steps: int,
+    lr: float,
+    extra: list[str],
+    control: str = "none",
 ) -> list[dict]:
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed one
+    if control == "shuffled":
+        SHUFFLE.reseed(seed)  # this run's permutations
     cfg = load_config(
         RLConfig,
         "rl",
@@ -225,6 +318,40 @@ def run(
     return curve
 
 
+CONTROL_CASE = "shuffled-reward control (each episode paid a random groupmate's reward): "
+
+
+def summary_rows(curves: list[list[dict]], case: str) -> list[dict]:
+    """One row per metric: its value at the warm start (baseline) and after the last step, over the seeds."""
+    rows = []
+    for metric, name in (
+        ("val_acc", "held_out_val_acc"),
+        ("tool_success", "held_out_tool_success"),
+        # start: step 1's sampled episodes (the warm start's), end: the last step's
+        ("train_acc", "sampled_train_acc"),
+        ("train_tool_calls", "sampled_train_tool_calls_per_episode"),
+    ):
+        start = [next(c for c in curve if metric in c)[metric] for curve in curves]
+        end = [curve[-1][metric] for curve in curves]
+        rows.append(
+            {
+                "case": case,
+                "metric": name,
+                "value": round(statistics.median(end), 4),
+                "baseline_name": "sft_warm_start",
+                "baseline_value": round(statistics.median(start), 4),
+                "ratio": round(statistics.median(end) / max(statistics.median(start), 1e-9), 4),
+                "higher_is_better": True,
+                "repeats": len(end),
+                "spread": [round(min(end), 4), round(max(end), 4)],
+                "mean": round(statistics.mean(end), 4),
+                "per_seed_start": start,
+                "per_seed_end": end,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -251,6 +378,13 @@ def main() -> None:
     )
     parser.add_argument("--mix-lr", type=float, default=3e-4, help="second SFT stage's peak lr")
     parser.add_argument(
+        "--control",
+        choices=["none", "shuffled"],
+        default="none",
+        help="shuffled: the same GRPO runs (warm start, seeds) with each episode paid the reward of a "
+        "random episode of its group (a seeded permutation per group); writes agent_curve_control.json/.png",
+    )
+    parser.add_argument(
         "--rl", nargs="*", default=[], help="further GRPO overrides (key=value), after the bench's own"
     )
     parser.add_argument("--work", default="/tmp/posttrain-bench-agent")
@@ -259,12 +393,16 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model, files = warm_start(
+    model, data = warm_start(
         work, args.n_sft, args.sft_steps, args.pretrain_steps, args.no_tool_share, args.mix_steps, args.mix_lr
     )
+    files = task_files(data, args.control)
+    runs = "grpo-shuffled-seed" if args.control == "shuffled" else "grpo-seed"
     curves = []
     for seed in range(args.repeats):
-        curves.append(run(seed, model, files, work / f"grpo-seed{seed}", args.steps, args.lr, args.rl))
+        curves.append(
+            run(seed, model, files, work / f"{runs}{seed}", args.steps, args.lr, args.rl, args.control)
+        )
         first, last = curves[-1][0], curves[-1][-1]  # step 0 and the last step are validated
         print(
             f"seed {seed}: tool success {first['tool_success']:.3f} -> {last['tool_success']:.3f}, "
@@ -276,53 +414,34 @@ def main() -> None:
         warm += (
             f", then {args.mix_steps} steps with {args.no_tool_share:g} of them answering without the tool"
         )
-    rows = []
-    for metric, name in (
-        ("val_acc", "held_out_val_acc"),
-        ("tool_success", "held_out_tool_success"),
-        (
-            "train_acc",
-            "sampled_train_acc",
-        ),  # start: step 1's episodes (the warm start's), end: the last step's
-        ("train_tool_calls", "sampled_train_tool_calls_per_episode"),
-    ):
-        start = [next(c for c in curve if metric in c)[metric] for curve in curves]
-        end = [curve[-1][metric] for curve in curves]
-        rows.append(
-            {
-                "case": f"tool_multiplication 3-4 digits, tiny, GRPO {args.steps} steps at lr {args.lr:g} from {warm}",
-                "metric": name,
-                "value": round(statistics.median(end), 4),
-                "baseline_name": "sft_warm_start",
-                "baseline_value": round(statistics.median(start), 4),
-                "ratio": round(statistics.median(end) / max(statistics.median(start), 1e-9), 4),
-                "higher_is_better": True,
-                "repeats": len(end),
-                "spread": [round(min(end), 4), round(max(end), 4)],
-                "mean": round(statistics.mean(end), 4),
-                "per_seed_start": start,
-                "per_seed_end": end,
-            }
-        )
+    case = f"tool_multiplication 3-4 digits, tiny, GRPO {args.steps} steps at lr {args.lr:g} from {warm}"
+    name = "agent_curve_control" if args.control == "shuffled" else "agent_curve"
+    if args.control == "shuffled":
+        case = CONTROL_CASE + case
+    rows = summary_rows(curves, case)
     result = {
         "bench": "agent_curve",
+        "control": args.control,
         "machine": machine_info(torch.get_num_threads()),
         "command": "python " + " ".join(sys.argv),
         "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
         "curves": curves,
     }
-    write_result("agent_curve.json", result)
-    plot(curves, RESULTS / "agent_curve.png")
+    write_result(f"{name}.json", result)
+    title = "tiny Qwen2 learning to use a calculator (GRPO on multi-turn episodes)"
+    if args.control == "shuffled":
+        title = "control: GRPO with each episode paid a random groupmate's reward"
+    plot(curves, RESULTS / f"{name}.png", title)
     for row in rows:
         print(
             f"{row['metric']:<26} start {row['baseline_value']:.3f}  end median {row['value']:.3f} "
             f"[{row['spread'][0]:.3f}, {row['spread'][1]:.3f}] over {row['repeats']} seeds"
         )
-    print(f"wrote {RESULTS / 'agent_curve.json'} and agent_curve.png ({result['seconds']} s)")
+    print(f"wrote {RESULTS / name}.json and {name}.png ({result['seconds']} s)")
 
 
-def plot(curves: list[list[dict]], out: Path) -> None:
+def plot(curves: list[list[dict]], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,7 +471,7 @@ def plot(curves: list[list[dict]], out: Path) -> None:
             )
     ax.set_xlabel("GRPO updates")
     ax.set_ylabel("share of episodes / tool calls per episode")
-    ax.set_title("tiny Qwen2 learning to use a calculator (GRPO on multi-turn episodes)")
+    ax.set_title(title)
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
