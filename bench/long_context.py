@@ -43,8 +43,9 @@ from common import machine_info, median_row, write_result  # noqa: E402
 from posttrain.data import keys  # noqa: E402
 from posttrain.data.batch import Batch  # noqa: E402
 from posttrain.engine.distributed import DistInfo, free_port, shutdown_distributed  # noqa: E402
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.saved_tensors import record_saved_tensors  # noqa: E402
-from posttrain.engine.train_engine import EngineConfig, TrainEngine  # noqa: E402
+from posttrain.engine.train_engine import TrainEngine  # noqa: E402
 from posttrain.tracking.flops import measure_matmul_flops, train_flops  # noqa: E402
 
 SP1, SP2, SP2_CKPT = "sp1", "sp2", "sp2_checkpointing"

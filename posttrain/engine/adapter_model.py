@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from posttrain.config.schema import OptimConfig
 from posttrain.data.batch import Batch
+from posttrain.engine.engine_config import DTYPES, LossFn
 from posttrain.engine.multi_lora import AdapterSpec, LoraAdapter, MultiLora
-from posttrain.engine.train_engine import DTYPES, LossFn, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec
 
 import torch
 from torch import nn
@@ -40,6 +41,8 @@ from posttrain.engine.varlen_attention import (
     uses_varlen,
 )
 from posttrain.errors import ConfigError
+
+P = ParamSpec("P")
 
 # (logits of some kept positions (n, vocab), their indices into `keep` (n,)) -> (n, d) numbers per position
 Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -257,16 +260,17 @@ class PackingOptions:
     row_labels: tuple[int, ...] | None = None
 
 
-def each_hook(hooks: Sequence[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None] | None:
-    """One `cell_positions` hook that calls each of `hooks` in turn (None for none)."""
+def each_hook(hooks: Sequence[Callable[P, None]]) -> Callable[P, None] | None:
+    """One hook that calls each of `hooks` in turn with the same arguments (None for none): the packers'
+    `cell_positions` and `real_tokens` hooks, each of which several engine features may want."""
     if not hooks:
         return None
     if len(hooks) == 1:
         return hooks[0]
 
-    def call_each(cell_pos: torch.Tensor) -> None:
+    def call_each(*args: P.args, **kwargs: P.kwargs) -> None:
         for hook in hooks:
-            hook(cell_pos)
+            hook(*args, **kwargs)
 
     return call_each
 

@@ -22,8 +22,9 @@ from transformers import PreTrainedModel
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, init_distributed, same_head_on_every_rank
+from posttrain.engine.engine_config import DTYPES, EngineConfig, check_device_support
 from posttrain.engine.fsdp import apply_fsdp
-from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine, check_device_support
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError, ModelError
 
 REWARD_HEAD = "reward"  # EngineConfig.head of a reward model

@@ -9,27 +9,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 
-from posttrain.config.schema import LoraConfig, OptimConfig
+from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.partition import first_fit_decreasing, split_to_count
 from posttrain.engine.distributed import DistInfo, init_distributed, same_head_on_every_rank
+from posttrain.engine.engine_config import (
+    DTYPES,
+    EngineConfig,
+    LossFn,
+    check_device_support,
+    lr_factor,
+)
+from posttrain.engine.engine_state import export_hf_directory, load_sharded, save_sharded
 from posttrain.engine.fsdp import apply_fsdp, full_named_tensors, reshard_all
 from posttrain.engine.log_probs import (
     next_token_log_probs,
@@ -39,7 +39,6 @@ from posttrain.engine.log_probs import (
 )
 from posttrain.engine.lora import (
     apply_lora,
-    export_peft_model,
     merged_lora_weights,
     same_adapters_on_every_rank,
 )
@@ -59,98 +58,12 @@ from posttrain.engine.packing import (
 )
 from posttrain.engine.routing_replay import RoutingReplay
 from posttrain.engine.sequence_parallel import SequenceParallel, check_sequence_parallel
-from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
 from posttrain.engine.vision_pass import VisionPass
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_config, load_value_model
 from posttrain.models.routing import ROUTE_DTYPE
 from posttrain.models.vl import vision_tower, vision_tower_trained
-
-# loss_fn(log_probs, entropy_or_None, micro_batch) -> (scalar loss, metrics). The loss is already
-# normalised over the global mini-batch (see algorithms.aggregation), so micro-batch losses are summed.
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, Batch], tuple[torch.Tensor, dict[str, float]]]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-    trainable: bool = True  # False: a frozen model (reference policy), no optimizer
-    head: str = "lm"  # lm: causal LM (log-probs) | value: one-output token head (critic values)
-    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and its schedule (trainable engines)
-    total_steps: int = 0  # optimizer steps of the run; the cosine schedule needs it
-    micro_batch_size: int = 64  # rows per forward/backward on this rank (when max_token_len is 0)
-    max_token_len: int = 0  # token budget per micro-batch on this rank (real tokens); 0 = by row count
-    remove_padding: bool = True  # pack sequences: no compute on padding (see engine.packing)
-    pack_row_tokens: int = 256  # tokens per packed row (sdpa attends per sequence: varlen_attention)
-    share_prompt: bool = True  # packed rows with the same prompt run it once (see engine.shared_prompt)
-    compute_dtype: str = ""  # mixed precision: e.g. bfloat16 compute over `dtype` master weights
-    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~1/3 more compute)
-    offload: bool = False  # parameters, gradients and optimizer in CPU memory (accelerators only)
-    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0 = full fine-tuning
-    sequence_parallel_size: int = 1  # sp: each packed row split across sp ranks (engine.sequence_parallel)
-    config_section: str = ""  # the config section of micro_batch_size (actor, critic, optim), for OOM errors
-    token_budget_key: bool = (
-        True  # OOM advice may name <section>.max_token_len_per_worker (not DPO/RM/distill)
-    )
-    rows_per_unit: int = (
-        1  # engine rows per configured micro-batch unit (2: DPO/RM count pairs), for OOM errors
-    )
-    # mixture of experts: weight of the router's load-balancing loss in forward_backward (engine.moe);
-    # None = the model config's router_aux_loss_coef (0 for a dense model), 0 = off
-    router_aux_loss_coef: float | None = None
-    vision_tower: str = "auto"  # auto | frozen | trained (models.vl.vision_tower_trained)
-
-
-LR_SCHEDULES = ("constant", "cosine")
-
-
-def lr_factor(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """The learning-rate multiplier per optimizer step: linear warm-up, then constant or cosine decay."""
-    if optim.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"lr_schedule '{optim.lr_schedule}' unknown; valid: {', '.join(LR_SCHEDULES)}")
-    if optim.lr_schedule == "cosine" and total_steps <= optim.warmup_steps:
-        raise ConfigError(
-            f"the cosine schedule needs total_steps ({total_steps}) > warmup_steps ({optim.warmup_steps})"
-        )
-    warmup, total, floor = optim.warmup_steps, total_steps, optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if optim.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / (total - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def bf16_supported(device: torch.device) -> bool:
-    """Native bfloat16 compute: CUDA's own check; on CPUs, oneDNN's (AVX512-BF16 / AMX)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return True
-
-
-def check_device_support(config: EngineConfig, device: torch.device) -> None:
-    """Reject at start what this device cannot do, naming the setting."""
-    if "bfloat16" in (config.dtype, config.compute_dtype):
-        if not bf16_supported(device):
-            setting = "model.compute_dtype" if config.compute_dtype == "bfloat16" else "model.dtype"
-            raise ConfigError(f"{setting}=bfloat16 but device {device} has no bfloat16 support")
-    check_share_prompt(config.share_prompt, config.remove_padding, config.attn_implementation)
-    if config.offload and device.type == "cpu":
-        raise ConfigError(
-            "offload=true needs an accelerator: on a CPU device parameters and optimizer already live in "
-            "CPU memory"
-        )
 
 
 class TrainEngine:
@@ -422,7 +335,7 @@ class TrainEngine:
         width_hooks = [self.router_aux.real_tokens] if self.router_aux is not None else []
         if self.routing_replay is not None and self.sp is not None:
             width_hooks.append(self.routing_replay.packed_width)
-        real_tokens = each_width_hook(width_hooks)
+        real_tokens = each_hook(width_hooks)
         hooks = [self.routing_replay.cell_positions] if self.routing_replay is not None else []
         if images is not None:
             hooks.append(images.place)
@@ -633,119 +546,20 @@ class TrainEngine:
         """
         return merged_lora_weights(self.model) if self.lora else full_named_tensors(self.model)
 
-    @property
-    def _state_options(self) -> StateDictOptions:
-        # LoRA: the frozen base is the model directory itself; checkpoints hold adapters and optimizer only
-        # (strict=False on load is safe: dcp.load already failed on any requested key it did not find)
-        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
-
-    def _trainable_only(self, model_sd: dict) -> dict:
-        """With LoRA, drop frozen tensors that survive `ignore_frozen_params` (a tied LM head does)."""
-        if not self.lora:
-            return model_sd
-        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in model_sd.items() if k in trainable}
-
-    # ---- checkpoints ---------------------------------------------------------------------------
+    # ---- checkpoints (engine.engine_state) ------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Sharded model + optimizer state with torch.distributed.checkpoint (every rank writes its shard)."""
-        path = Path(path)
-        if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
-            state = {"model": self._trainable_only(model_sd), "optim": optim_sd}
-        else:
-            state = {
-                "model": self._trainable_only(get_model_state_dict(self.model, options=self._state_options))
-            }
-        dcp.save(state, checkpoint_id=str(path))
-        if self.rank == 0 and self.scheduler is not None:
-            torch.save({"scheduler": self.scheduler.state_dict()}, path / "scheduler.pt")
-        dist.barrier()
+        save_sharded(self.model, self.optimizer, self.scheduler, Path(path), lora=self.lora, rank=self.rank)
 
     def load(self, path: str | Path, with_optimizer: bool = True) -> None:
         """Load what `save` wrote (same world size, or any other that DCP can reshard to); without
         `with_optimizer`, the weights alone (the optimizer keeps its state, e.g. fresh)."""
-        path = Path(path)
-        if self.optimizer is not None and with_optimizer:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
-            state = {"model": self._trainable_only(model_sd), "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=self._state_options,
-            )
-            extra = torch.load(path / "scheduler.pt", weights_only=False)
-            self.scheduler.load_state_dict(extra["scheduler"])  # type: ignore[union-attr]
-        else:
-            state = {
-                "model": self._trainable_only(get_model_state_dict(self.model, options=self._state_options))
-            }
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(
-                self.model,
-                [],
-                model_state_dict=state["model"],
-                optim_state_dict={},
-                options=self._state_options,
-            )
+        optimizer = self.optimizer if with_optimizer else None
+        load_sharded(self.model, optimizer, self.scheduler, Path(path), lora=self.lora)
 
     def export_hf(self, out_dir: str | Path, merged: bool = True) -> None:
         """Write a Hugging Face directory from rank 0: the full model (config, safetensors, tokenizer), or
         with LoRA and `merged=False` the adapter alone (adapter_config.json + adapter_model.safetensors)."""
-        from posttrain.models import load_config, load_tokenizer
-
-        full = get_model_state_dict(
-            self.model,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora),
+        export_hf_directory(
+            self.model, self.config, Path(out_dir), merged=merged, lora=self.lora, rank=self.rank
         )
-        if self.rank == 0 and self.lora:
-            model = export_peft_model(
-                self.config.model_path, self.config.lora, full, DTYPES[self.config.dtype]
-            )
-            (model.merge_and_unload() if merged else model).save_pretrained(out_dir)
-            load_tokenizer(self.config.model_path).save_pretrained(out_dir)
-        elif self.rank == 0:
-            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-            from posttrain.models import is_vision_language
-
-            config = load_config(self.config.model_path)
-            auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-            model = auto.from_config(config, dtype=DTYPES[self.config.dtype])
-            missing, unexpected = model.load_state_dict(full, strict=False)
-            tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-            if unexpected or set(missing) - tied:
-                raise RuntimeError(
-                    f"export_hf: state dict mismatch: missing {missing}, unexpected {unexpected}"
-                )
-            model.tie_weights()
-            model.save_pretrained(out_dir)
-            load_tokenizer(self.config.model_path).save_pretrained(out_dir)
-        image_config = Path(self.config.model_path) / "preprocessor_config.json"  # a vision model's processor
-        if self.rank == 0 and image_config.exists():
-            (Path(out_dir) / image_config.name).write_text(image_config.read_text())
-        gen_config = Path(self.config.model_path) / "generation_config.json"
-        exported = Path(out_dir) / "generation_config.json"
-        if self.rank == 0 and (self.lora and merged or not self.lora) and gen_config.exists():
-            if not exported.exists():
-                exported.write_text(gen_config.read_text())
-        dist.barrier()
-
-
-def each_width_hook(
-    hooks: list[Callable[[torch.Tensor, int], None]],
-) -> Callable[[torch.Tensor, int], None] | None:
-    """One packers' `real_tokens` hook (flat real positions, packed width) that calls each of `hooks`."""
-    if not hooks:
-        return None
-    if len(hooks) == 1:
-        return hooks[0]
-
-    def call_each(positions: torch.Tensor, width: int) -> None:
-        for hook in hooks:
-            hook(positions, width)
-
-    return call_each

@@ -22,8 +22,8 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.chat_masks import completion_tokens
 from posttrain.data.sft_dataset import collate_sft
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.reward_engine import REWARD_HEAD
-from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, RewardError
 from posttrain.models import check_model_dir, load_config, load_tokenizer
 from posttrain.workers.reward_model import RM_SCORE, RewardModelSpec

@@ -23,7 +23,7 @@ from posttrain.config.schema import (
 )
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.train_engine import EngineConfig
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec

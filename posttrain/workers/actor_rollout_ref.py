@@ -19,7 +19,8 @@ import torch.distributed as dist
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
-from posttrain.engine.train_engine import DTYPES, EngineConfig, TrainEngine
+from posttrain.engine.engine_config import DTYPES, EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.losses import LossSpec, build_loss

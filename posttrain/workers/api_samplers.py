@@ -20,10 +20,11 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.engine.adapter_model import AdapterModel
+from posttrain.engine.engine_config import DTYPES
 from posttrain.engine.lora import untie_output_embeddings
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.multimodal import has_images, image_model
-from posttrain.engine.train_engine import DTYPES, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams

@@ -27,9 +27,10 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.distributed import DistInfo
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.multi_lora import AdapterSpec
 from posttrain.engine.shared_prompt import MASKED_ATTENTION
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import is_vision_language
 from posttrain.models.vl import VISION_TOWER_MODES

@@ -13,7 +13,8 @@ from pathlib import Path
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.workers.losses import LossSpec, build_loss
 from posttrain.workers.process import prepare_worker_process, rank_seed
 

@@ -22,7 +22,7 @@ from posttrain.algorithms.rollout_correction import RolloutCorrection
 from posttrain.algorithms.value_loss import clipped_value_loss
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.train_engine import LossFn
+from posttrain.engine.engine_config import LossFn
 from posttrain.errors import ConfigError
 
 # A loss builder: (the spec's options, data-parallel size) -> the callable the engine runs per micro-batch.

@@ -21,7 +21,7 @@ from posttrain.algorithms.preference_losses import (
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.preference_dataset import PAIR_CHOSEN, PAIR_INDEX, REF_SEQ_LOG_PROB
-from posttrain.engine.train_engine import LossFn
+from posttrain.engine.engine_config import LossFn
 from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefWorker
 from posttrain.workers.losses import register_loss

@@ -20,8 +20,8 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.preference_dataset import PAIR_MARGIN
 from posttrain.engine.distributed import DistInfo
+from posttrain.engine.engine_config import EngineConfig, LossFn
 from posttrain.engine.reward_engine import RewardEngine
-from posttrain.engine.train_engine import EngineConfig, LossFn
 from posttrain.errors import ConfigError
 from posttrain.workers.losses import LossSpec, build_loss, register_loss
 from posttrain.workers.preference import check_pairs

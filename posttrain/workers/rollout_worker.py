@@ -22,7 +22,7 @@ import torch
 
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, resolve_device
-from posttrain.engine.train_engine import DTYPES
+from posttrain.engine.engine_config import DTYPES
 from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, SamplingParams

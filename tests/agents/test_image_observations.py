@@ -40,7 +40,8 @@ from posttrain.client.model_inputs import InputRow
 from posttrain.data import keys
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset, pixel_bounds
 from posttrain.data.tasks.shapes import draw_squares, png_bytes, write_shapes_dataset
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import PosttrainError
 from posttrain.models import load_config, load_processor, load_tokenizer
 from posttrain.rollout.base import SamplingParams

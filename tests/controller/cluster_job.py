@@ -67,7 +67,7 @@ def one_update(model: str, pool_nodes: int, per_node: int, out: Path) -> dict:
     from posttrain.controller.resource_pool import PoolSpec, ResourcePool
     from posttrain.controller.worker_group import RayWorkerGroup
     from posttrain.data import keys
-    from posttrain.engine.train_engine import EngineConfig
+    from posttrain.engine.engine_config import EngineConfig
     from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
     from posttrain.workers.losses import LossSpec
 

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
-from posttrain.engine.train_engine import EngineConfig
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.errors import WorkerError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 

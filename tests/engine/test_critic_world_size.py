@@ -9,7 +9,7 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.controller.worker_group import RayWorkerGroup
 from posttrain.data import keys
-from posttrain.engine.train_engine import EngineConfig
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.workers.critic import CriticSpec, CriticWorker
 
 from .helpers import synthetic_rl_batch

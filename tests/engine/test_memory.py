@@ -19,7 +19,8 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.data.batch import Batch
 from posttrain.data import keys
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import OutOfMemoryError
 from posttrain.workers.losses import LossSpec, build_loss
 from tests.engine.helpers import synthetic_rl_batch, with_global_totals

@@ -11,8 +11,9 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine import train_engine
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine import engine_config
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.workers.losses import LossSpec, build_loss
 
@@ -45,7 +46,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir: Path, r
 
 
 @pytest.mark.skipif(
-    not train_engine.bf16_supported(torch.device("cpu")), reason="this CPU has no bfloat16 support"
+    not engine_config.bf16_supported(torch.device("cpu")), reason="this CPU has no bfloat16 support"
 )
 def test_bf16_mixed_precision_is_close_and_keeps_fp32_master_weights(tiny_model_dir: Path, reference) -> None:
     log_probs, loss, grads = step_outputs(tiny_model_dir, compute_dtype="bfloat16")
@@ -58,7 +59,7 @@ def test_bf16_mixed_precision_is_close_and_keeps_fp32_master_weights(tiny_model_
 
 
 def test_bf16_on_a_device_without_it_is_an_error(tiny_model_dir: Path, monkeypatch) -> None:
-    monkeypatch.setattr(train_engine, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(engine_config, "bf16_supported", lambda device: False)
     with pytest.raises(ConfigError, match="model.compute_dtype=bfloat16 but device cpu has no bfloat16"):
         TrainEngine(replace(BASE, model_path=str(tiny_model_dir), compute_dtype="bfloat16"))
 

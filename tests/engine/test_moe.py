@@ -12,8 +12,9 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss
 
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.moe import RouterAuxLoss, load_balancing_loss, resolve_aux_loss_coef
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_config
 from posttrain.workers.losses import LossSpec, build_loss

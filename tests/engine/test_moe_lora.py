@@ -13,8 +13,9 @@ from peft import PeftModel
 from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.lora import check_target_modules
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm
 from posttrain.rollout.base import SamplingParams

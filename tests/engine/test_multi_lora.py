@@ -13,8 +13,9 @@ from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.adapter_model import AdapterModel
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.multi_lora import AdapterSpec, MultiLora
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm
 

@@ -21,8 +21,9 @@ from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimodal_sft
 from posttrain.data.tasks.shapes import corpus
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.multimodal import gather_images
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_processor, make_tiny_model
 from posttrain.models.vl import vision_tower_trained

@@ -11,6 +11,7 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.partition import balanced_partition, first_fit_decreasing, split_to_count
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.log_probs import next_token_log_probs, response_log_probs, response_values
 from posttrain.engine.packing import (
     PackingOptions,
@@ -19,7 +20,7 @@ from posttrain.engine.packing import (
     packed_response_log_probs,
     packed_response_values,
 )
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_value_model
 from posttrain.workers.losses import LossSpec, build_loss

@@ -14,7 +14,8 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models.routing import RoutingRecorder
 from posttrain.rollout.base import SamplingParams

@@ -14,6 +14,7 @@ from posttrain.config.schema import LoraConfig, OptimConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, free_port, shutdown_distributed
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.saved_tensors import record_saved_tensors
 from posttrain.engine.sequence_parallel import (
     SequenceParallel,
@@ -21,7 +22,7 @@ from posttrain.engine.sequence_parallel import (
     kept_on_ranks,
     slice_rows,
 )
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 
 from .helpers import grouped_rl_batch, synthetic_rl_batch

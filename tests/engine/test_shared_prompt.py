@@ -10,6 +10,7 @@ import torch
 
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.log_probs import response_log_probs, response_values, target_log_probs
 from posttrain.engine.packing import (
     PackingOptions,
@@ -25,7 +26,7 @@ from posttrain.engine.shared_prompt import (
     pack_shared_prompts,
     real_tokens,
 )
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_value_model
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from posttrain.config.schema import OptimConfig
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
-from posttrain.engine.train_engine import EngineConfig
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.models import load_causal_lm
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec

@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_leaves
 
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.packing import PackingOptions, pack, packed_model_output, packed_response_log_probs
 from posttrain.engine.shared_prompt import pack_shared_prompts
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.engine.varlen_attention import (
     SEGMENTS_KWARG,
     VARLEN,

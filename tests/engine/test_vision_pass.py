@@ -22,7 +22,8 @@ from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimodal_sft
 from posttrain.data.tasks.shapes import corpus
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.engine.vision_pass import VisionPass, blank_image
 from posttrain.models import load_processor, make_tiny_model
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker

@@ -91,7 +91,8 @@ def test_rollout_log_probs_match_training_engine(engine: NativeRolloutEngine, ti
     """The log-probs returned with each sampled token equal the FSDP engine's recomputation (fp32)."""
     from posttrain.data import keys
     from posttrain.data.batch import Batch
-    from posttrain.engine.train_engine import EngineConfig, TrainEngine
+    from posttrain.engine.engine_config import EngineConfig
+    from posttrain.engine.train_engine import TrainEngine
 
     ps = prompts(tiny_model_dir)
     temperature = 0.8

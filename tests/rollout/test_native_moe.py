@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine

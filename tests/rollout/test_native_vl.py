@@ -15,7 +15,8 @@ from PIL import Image, ImageDraw
 from posttrain.data import keys
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset, collate_multimodal_prompts
 from posttrain.data.tasks.shapes import corpus
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_processor, make_tiny_model
 from posttrain.rollout.base import GenerationRequest, SamplingParams

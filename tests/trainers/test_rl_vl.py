@@ -28,7 +28,8 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, MultimodalPromptDataset
 from posttrain.data.tasks.shapes import write_shapes_dataset
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import is_vision_language, load_causal_lm
 from posttrain.models.vl import vision_tower

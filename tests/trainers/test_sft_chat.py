@@ -13,7 +13,8 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
-from posttrain.engine.train_engine import EngineConfig, TrainEngine
+from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.models import load_tokenizer
 from posttrain.workers.losses import LossSpec, build_loss
 from tests.data.conftest import write_rows

@@ -11,7 +11,7 @@ from posttrain.config.schema import OptimConfig
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.engine.train_engine import EngineConfig
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.models import load_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker

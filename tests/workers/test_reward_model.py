@@ -18,8 +18,8 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.preference_dataset import PAIR_CHOSEN, PAIR_MARGIN, PreferenceDataset, collate_pairs
 from posttrain.data.tasks.arithmetic_pairs import write_arithmetic_pairs
+from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.reward_engine import REWARD_HEAD
-from posttrain.engine.train_engine import EngineConfig
 from posttrain.errors import ConfigError, WorkerError
 from posttrain.models import load_tokenizer
 from posttrain.workers.losses import LossSpec
