@@ -176,13 +176,17 @@ def reuses_update_log_probs(cfg: RLConfig) -> bool:
     """Whether the separate old-log-prob pass can be skipped: with one optimizer step per batch the policy
     has not changed when the update computes its log-probs, so they are the old ones (same weights, same
     tokens); in rollout correction's bypass mode the rollout log-probs are the old ones, whatever the
-    number of steps. KL in the reward needs them before the update, so it keeps the pass."""
+    number of steps. KL in the reward needs them before the update, so it keeps the pass.
+
+    Asynchronous RL too: the old (proximal) policy of the ratio is the trainer's weights when the batch is
+    trained, not the older weights that sampled it (decoupled PPO, Hilton et al. 2021), so with one step per
+    batch a recomputation would give the update's own log-probs again. The sampler's weights enter as the
+    behaviour policy through the rollout log-probs, which `algorithm.rollout_correction` corrects against;
+    the loss reports the gap (`rollout/logprob_diff_*`) from the same forward."""
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, samples)
     bypass = cfg.algorithm.rollout_correction.bypass_mode
-    # asynchronous: the sampling weights are older than the update's, so the old log-probs are recomputed
-    on_policy = cfg.async_rl.staleness == 0
-    skip = bypass or (cfg.actor.reuse_log_probs_on_policy and one_step and on_policy)
+    skip = bypass or (cfg.actor.reuse_log_probs_on_policy and one_step)
     return skip and not cfg.algorithm.use_kl_in_reward
 
 

@@ -147,6 +147,16 @@ def test_rollout_correction_keys_travel_to_the_loss() -> None:
     assert "rollout_correction" not in _start_up_checks(_load())  # off by default: nothing to send
 
 
+def test_async_rl_reuses_the_update_log_probs_with_one_step_per_batch() -> None:
+    # the proximal policy is the trainer's weights at the update, which one step per batch has not moved
+    assert reuses_update_log_probs(_load("async_rl.staleness=1"))
+    assert reuses_update_log_probs(_load("async_rl.staleness=2", "algorithm.rollout_correction.rollout_is=token"))
+    assert not reuses_update_log_probs(_load("async_rl.staleness=1", "actor.ppo_epochs=2"))
+    assert not reuses_update_log_probs(_load("async_rl.staleness=1", "actor.mini_batch_size=8"))
+    assert not reuses_update_log_probs(_load("async_rl.staleness=1", "actor.reuse_log_probs_on_policy=false"))
+    assert not reuses_update_log_probs(_load("async_rl.staleness=1", "algorithm.use_kl_in_reward=true"))
+
+
 def test_bypass_mode_skips_the_old_log_prob_pass_whatever_the_number_of_updates() -> None:
     several_updates = ["actor.ppo_epochs=2"]
     assert not reuses_update_log_probs(_load(*several_updates))
