@@ -70,11 +70,15 @@ TAIL_PROB, TAIL_DIGITS = 0.1, 50
 MAX_RESPONSE = {"mixed": 400, "tail": 600}
 
 
-def prepare(work: Path, preset: str, case: str) -> tuple[Path, dict[str, Path]]:
+def prepare(
+    work: Path, preset: str, case: str, sft_steps: int = SFT_MAX_STEPS, sft_lr: float | None = None
+) -> tuple[Path, dict[str, Path]]:
     """The model, the case's data and its SFT warm start (each cached in `work`). The tail case's warm start
     is trained on the tail's own problems: one trained on the mixed set stops long sums early, and the "long
     tail" then has no long responses."""
-    model, data, sft = work / f"model-{preset}", work / f"data-{case}", work / f"sft-{preset}-{case}"
+    tag = f"-{sft_steps}" if sft_steps != SFT_MAX_STEPS else ""
+    tag += f"-lr{sft_lr:g}" if sft_lr is not None else ""
+    model, data, sft = work / f"model-{preset}", work / f"data-{case}", work / f"sft-{preset}-{case}{tag}"
     if not (model / "config.json").exists():
         make_tiny_model(preset, model, long_addition.corpus(10000, seed=0))
     if not (data / "test.parquet").exists():
@@ -86,7 +90,8 @@ def prepare(work: Path, preset: str, case: str) -> tuple[Path, dict[str, Path]]:
     if not (sft / "hf" / "config.json").exists():
         overrides = [
             f"model.path={model}", f"data.train_files=[{files['train']}]", f"data.val_files=[{files['test']}]",
-            f"trainer.run_dir={sft}", f"trainer.total_steps={SFT_MAX_STEPS}", *LONG_ADDITION_SFT,
+            f"trainer.run_dir={sft}", f"trainer.total_steps={sft_steps}", *LONG_ADDITION_SFT,
+            *([f"optim.lr={sft_lr:g}"] if sft_lr is not None else []),
             f"data.max_response_length={MAX_RESPONSE[case]}", f"data.max_prompt_length={MAX_PROMPT}",
         ]  # fmt: skip
         SFTTrainer(load_config(SFTConfig, "sft", overrides)).fit()
@@ -152,6 +157,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cases", default="mixed,tail")
     parser.add_argument("--work", default="/tmp/posttrain-bench-async")
+    parser.add_argument(
+        "--sft-steps", type=int, default=SFT_MAX_STEPS, help="the warm start's step cap (it may stop earlier)"
+    )
+    parser.add_argument("--sft-lr", type=float, default=None, help="the warm start's lr (default 3e-3)")
+    parser.add_argument("--sft-only", action="store_true", help="prepare the warm starts, time nothing")
+    parser.add_argument("--out", default="async_rl.json", help="results file name in bench/results")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {', '.join(CONFIGS)}")
     args = parser.parse_args()
     names = args.configs.split(",")
@@ -163,11 +174,15 @@ def main() -> None:
     quiet_transformers()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.sft_only:  # untimed: can run beside other work
+        for case in args.cases.split(","):
+            prepare(work, args.preset, case, args.sft_steps, args.sft_lr)
+        return
     start_ray()
     started = time.perf_counter()
     rows = []
     for case in args.cases.split(","):
-        model, files = prepare(work, args.preset, case)
+        model, files = prepare(work, args.preset, case, args.sft_steps, args.sft_lr)
         results: dict[str, list[dict]] = {name: [] for name in names}
         for repeat in range(args.repeats):
             for name in names:  # alternating, as BENCHMARKS.md asks
@@ -209,7 +224,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }
-    write_result("async_rl.json", result)
+    write_result(args.out, result)
     print(f"\n{'case':<48}{'samples/s':>10}{'ratio':>8}{'bound':>8}")
     for row in rows:
         print(
