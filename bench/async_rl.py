@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import LONG_ADDITION_SFT, machine_info, write_result
+from common import LONG_ADDITION_SFT, RESULTS, machine_info, write_result
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
@@ -190,7 +190,8 @@ def main() -> None:
                     run(name, case, model, files, work / f"{case}-{name}-{repeat}", args.steps, repeat)
                 )
                 print(f"{case} {name} repeat {repeat}: {results[name][-1]}", flush=True)
-        base = statistics.median(r["samples_per_s"] for r in results["sync-colocated"])
+        base_runs = [r["samples_per_s"] for r in results["sync-colocated"]]
+        base = statistics.median(base_runs)
         split = results["sync-split"]
         gen, upd = (
             statistics.median(r["gen_s"] for r in split),
@@ -211,6 +212,8 @@ def main() -> None:
                     "higher_is_better": True,
                     "repeats": len(values),
                     "spread": [round(min(values), 3), round(max(values), 3)],
+                    # each repeat against the synchronous run of the same seed (same prompts and lengths)
+                    "ratio_per_repeat": [round(v / b, 3) for v, b in zip(values, base_runs, strict=True)],
                     "two_worker_speedup_bound": round(bound, 3),
                     "val_acc_after": [r["val_acc_after"] for r in runs],
                     "details": runs,
@@ -225,11 +228,46 @@ def main() -> None:
         "rows": rows,
     }
     write_result(args.out, result)
+    plot(rows, RESULTS / args.out.replace(".json", ".png"))
     print(f"\n{'case':<48}{'samples/s':>10}{'ratio':>8}{'bound':>8}")
     for row in rows:
         print(
             f"{row['case']:<48}{row['value']:>10.3f}{row['ratio']:>8.3f}{row['two_worker_speedup_bound']:>8.3f}"
         )
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """Per case: each configuration's samples/s against the best synchronous one (median bar, one dot per
+    repeat against its own seed's synchronous run; the goal and the two-worker bound as lines), and the
+    held-out accuracy after the run (one dot per repeat)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"].split(", ")[0] for r in rows))
+    fig, axes = plt.subplots(2, len(cases), figsize=(5.5 * len(cases), 7), squeeze=False)
+    for col, case in enumerate(cases):
+        mine = [r for r in rows if r["case"].startswith(case + ",")]
+        names = [r["case"].split(", ")[1] for r in mine]
+        speed, acc = axes[0][col], axes[1][col]
+        speed.bar(range(len(mine)), [r["ratio"] for r in mine], color="tab:blue", alpha=0.6)
+        for i, r in enumerate(mine):
+            speed.plot([i] * len(r["ratio_per_repeat"]), r["ratio_per_repeat"], "k.", markersize=5)
+            acc.plot([i] * len(r["val_acc_after"]), r["val_acc_after"], "o", color="tab:green", alpha=0.7)
+        speed.axhline(1.15, color="tab:red", ls="--", label="goal 1.15x")
+        speed.axhline(mine[0]["two_worker_speedup_bound"], color="gray", ls=":", label="(gen + update) / max")
+        speed.set_title(case)
+        speed.set_ylabel("samples trained/s vs sync-colocated")
+        speed.legend(fontsize=8)
+        acc.set_ylabel("held-out accuracy after the run")
+        acc.set_ylim(0, 1)
+        for ax in (speed, acc):
+            ax.set_xticks(range(len(mine)), names, rotation=20, fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
