@@ -241,11 +241,12 @@ def warm_start(
     no_tool_share: float = 0.0,
     mix_steps: int = 0,
     mix_lr: float = 3e-4,
+    sft_batch: int = 32,
 ) -> tuple[Path, Path]:
     """The SFT warm start and the task's directory (train, test, demonstrations). The model (tokenizer
     trained with the tool format) is pre-trained on the task's texts, then SFT: `sft_steps` on the tool-using
     demonstrations, then (`mix_steps` > 0) on the same demonstrations with `no_tool_share` of them answering
-    without the tool."""
+    without the tool; both stages in batches of `sft_batch`."""
     tools = [t.schema() for t in build_tools(["calculator"], None)]
     model, data = work / "model", work / f"data-{n_sft}"
     if not (model / "config.json").exists():
@@ -256,12 +257,13 @@ def warm_start(
         tool_multiplication.write_tool_multiplication_dataset(
             data, tools, n_train=2000, n_test=128, n_sft=n_sft
         )
-    name = f"sft-p{pretrain_steps}-{n_sft}x{sft_steps}"
-    model = sft(model, data / "sft.parquet", work / name, sft_steps, [])
+    name = f"sft-p{pretrain_steps}-{n_sft}x{sft_steps}" + (f"-b{sft_batch}" if sft_batch != 32 else "")
+    batch = [f"optim.batch_size={sft_batch}"]
+    model = sft(model, data / "sft.parquet", work / name, sft_steps, batch)
     if mix_steps:
         mixed = without_tool(data / "sft.parquet", data / f"sft-nt{no_tool_share:g}.parquet", no_tool_share)
         out = work / f"{name}-nt{no_tool_share:g}x{mix_steps}-lr{mix_lr:g}"
-        model = sft(model, mixed, out, mix_steps, [f"optim.lr={mix_lr}", "optim.warmup_steps=10"])
+        model = sft(model, mixed, out, mix_steps, [*batch, f"optim.lr={mix_lr}", "optim.warmup_steps=10"])
     return model, data
 
 
@@ -360,6 +362,7 @@ def main() -> None:
         "--n-sft", type=int, default=8000, help="tool-using demonstrations for the warm start"
     )
     parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--sft-batch", type=int, default=32, help="demonstrations per SFT step (both stages)")
     parser.add_argument("--lr", type=float, default=5e-5, help="GRPO's learning rate")
     parser.add_argument(
         "--pretrain-steps",
@@ -394,7 +397,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model, data = warm_start(
-        work, args.n_sft, args.sft_steps, args.pretrain_steps, args.no_tool_share, args.mix_steps, args.mix_lr
+        work,
+        args.n_sft,
+        args.sft_steps,
+        args.pretrain_steps,
+        args.no_tool_share,
+        args.mix_steps,
+        args.mix_lr,
+        args.sft_batch,
     )
     files = task_files(data, args.control)
     runs = "grpo-shuffled-seed" if args.control == "shuffled" else "grpo-seed"
@@ -409,7 +419,7 @@ def main() -> None:
             f"accuracy {first['val_acc']:.3f} -> {last['val_acc']:.3f}",
             flush=True,
         )
-    warm = f"SFT {args.sft_steps} steps on {args.n_sft} tool demos"
+    warm = f"SFT {args.sft_steps} steps (batch {args.sft_batch}) on {args.n_sft} tool demos"
     if args.mix_steps:
         warm += (
             f", then {args.mix_steps} steps with {args.no_tool_share:g} of them answering without the tool"
