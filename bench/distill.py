@@ -10,6 +10,11 @@ generated samples?
 - **distill**: `posttrain train` with `distill.teacher_path` (the teacher scores the student's own samples;
   per token, -(log p_student - log p_teacher) is the advantage; no task reward in the update).
 - **grpo**: `posttrain train`, the same settings with the rule reward (GRPO's group-normalised advantage).
+- **gkd**: `posttrain distill` (GKD, Agarwal et al. 2024) on the student's own samples (`--gkd-lmbda 1`):
+  the generalised Jensen-Shannon divergence (`--gkd-beta`) between the teacher's and the student's whole
+  next-token distributions at every response position, `--gkd-batch` samples a step, constant lr. Its
+  trainer validates NLL only, so each point of its curve (`--gkd-points`) is a run of its own to that many
+  steps (cached), scored greedily by `posttrain eval` on the same held-out problems.
 
 Both runs: the demo's RL settings (32 prompts x 8 samples a step, lr 2e-4, KL loss 0.001, responses up to 8
 tokens), one worker (`trainer.backend=local`), `--steps` steps, greedy held-out accuracy every `--val-every`
@@ -17,7 +22,8 @@ steps (`val/acc`, the same 256 problems). Generated samples = steps x 256. Half 
 start) / 2; per run, the samples generated before the first validation at or above it (none: not reached).
 Several seeds each (`trainer.seed`); the teacher and the warm start are shared (cached in `--work`).
 
-    python bench/distill.py                      # 3 seeds x (distill, grpo), 60 steps (~40 min on 2 cores)
+    python bench/distill.py                      # 3 seeds x (distill, grpo, gkd), 60 steps
+    python bench/distill.py --kinds gkd          # GKD alone (the other kinds' runs are cached in --work)
     python bench/distill.py --seeds 1 --steps 20
 
 Writes bench/results/distill.json (BENCHMARKS.md format) and distill.png (with matplotlib).
@@ -133,6 +139,40 @@ def rl_run(
     return {"seed": seed, "curve": curve, "kl_to_teacher_first_last": [kl[0], kl[-1]] if kl else None}
 
 
+def gkd_run(prep: dict[str, Any], work: Path, seed: int, points: list[int], args: argparse.Namespace) -> dict:
+    """`posttrain distill` (GKD) from the student's warm start, on the student's own samples
+    (`distill.lmbda`; 1 = every batch), the whole next-token distribution matched to the teacher's at each
+    response position. The SFT-style trainer validates NLL only, so each point of the curve is a run of its own
+    (cached) to that many steps, its exported student scored by `posttrain eval`: the same seed and a constant
+    learning rate, so a shorter run is the start of a longer one."""
+    curve = [{"step": 0, "samples": 0, "val_acc": prep["student_acc"]}]
+    for steps in points:
+        tag = f"seed{seed}-steps{steps}-lr{args.gkd_lr:g}-lmbda{args.gkd_lmbda:g}-beta{args.gkd_beta:g}"
+        run_dir = work / f"gkd-{tag}"
+        if not (run_dir / "hf" / "config.json").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            run(
+                [
+                    *POSTTRAIN, "distill", f"model.path={prep['student']}",
+                    f"distill.teacher_path={prep['teacher']}", f"distill.lmbda={args.gkd_lmbda:g}",
+                    f"distill.beta={args.gkd_beta:g}", f"data.train_files=[{prep['data'] / 'train.parquet'}]",
+                    f"data.val_files=[{prep['data'] / 'test.parquet'}]", "data.max_response_length=8",
+                    f"optim.lr={args.gkd_lr:g}", "optim.lr_schedule=constant", "optim.warmup_steps=0",
+                    f"optim.batch_size={args.gkd_batch}", f"optim.micro_batch_size={args.gkd_batch}",
+                    f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
+                    f"trainer.threads_per_worker={args.threads}", "trainer.loggers=[jsonl]", "trainer.plots=false",
+                ],
+                run_dir / "run.log",
+            )  # fmt: skip
+        acc = held_out_accuracy(run_dir / "hf", prep["data"], run_dir / "eval")
+        # generated samples: the batches the student answered itself (all of them at lmbda=1)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        on_policy = sum(1 for r in rows if r.get("distill/on_policy", 0.0) > 0)
+        curve.append({"step": steps, "samples": on_policy * args.gkd_batch, "val_acc": acc})
+    return {"seed": seed, "curve": curve, "kl_to_teacher_first_last": None}
+
+
 def samples_to(curve: list[dict[str, Any]], target: float) -> int | None:
     """Generated samples before the first validation at or above `target` (None: never within the run)."""
     return next((c["samples"] for c in curve if c["val_acc"] >= target), None)
@@ -148,7 +188,7 @@ def plot(runs: dict[str, list[dict]], prep: dict[str, Any], half: float, path: P
         print("matplotlib not installed: no plot")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"distill": "tab:blue", "grpo": "tab:orange"}
+    colors = {"distill": "tab:blue", "grpo": "tab:orange", "gkd": "tab:green"}
     for kind, kind_runs in runs.items():
         for i, r in enumerate(kind_runs):
             xs = [c["samples"] for c in r["curve"]]
@@ -175,6 +215,14 @@ def main() -> None:
     )
     parser.add_argument("--distill-lr", type=float, default=4e-4, help="the student's lr in distillation")
     parser.add_argument("--grpo-lr", type=float, default=2e-4, help="its lr in GRPO (the demo's)")
+    parser.add_argument("--kinds", default="distill,grpo,gkd", help="a subset of distill, grpo, gkd")
+    parser.add_argument(
+        "--gkd-points", default="8,16,32,60,120", help="GKD's curve: the steps of each (cached) run"
+    )
+    parser.add_argument("--gkd-lr", type=float, default=4e-4, help="the student's lr in GKD (constant)")
+    parser.add_argument("--gkd-batch", type=int, default=64, help="GKD's sequences per step")
+    parser.add_argument("--gkd-lmbda", type=float, default=1.0, help="GKD: share of on-policy batches")
+    parser.add_argument("--gkd-beta", type=float, default=0.5, help="GKD: the JSD's interpolation")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--work", default="/tmp/posttrain-bench-distill")
     parser.add_argument("--out", default="distill.json")
@@ -188,20 +236,33 @@ def main() -> None:
     start, teacher = prep["student_acc"], prep["teacher_acc"]
     half = start + (teacher - start) / 2
     print(f"student warm start {start:.3f}, teacher {teacher:.3f}, half the gap at {half:.3f}", flush=True)
-    runs: dict[str, list[dict]] = {"distill": [], "grpo": []}
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - {"distill", "grpo", "gkd"}:
+        parser.error(f"--kinds: unknown {sorted(unknown)}; choose from distill, grpo, gkd")
+    points = [int(p) for p in args.gkd_points.split(",")]
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for seed in range(args.seeds):
         for kind in runs:  # alternating, so a slower stretch of the machine hits both
-            lr = args.distill_lr if kind == "distill" else args.grpo_lr
-            runs[kind].append(rl_run(kind, prep, work, seed, args.steps, args.val_every, lr))
+            if kind == "gkd":
+                runs[kind].append(gkd_run(prep, work, seed, points, args))
+            else:
+                lr = args.distill_lr if kind == "distill" else args.grpo_lr
+                runs[kind].append(rl_run(kind, prep, work, seed, args.steps, args.val_every, lr))
             r = runs[kind][-1]
             print(f"{kind} seed {seed}: {[c['val_acc'] for c in r['curve']]}", flush=True)
     rows = []
     reached = {kind: [samples_to(r["curve"], half) for r in kind_runs] for kind, kind_runs in runs.items()}
     for kind, kind_runs in runs.items():
         last3 = [statistics.mean(c["val_acc"] for c in r["curve"][-3:]) for r in kind_runs]
+        length = (
+            f"{points[-1]} steps of {args.gkd_batch} (lmbda {args.gkd_lmbda:g}, beta {args.gkd_beta:g}, "
+            f"lr {args.gkd_lr:g})"
+            if kind == "gkd"
+            else f"{args.steps} steps"
+        )
         rows.append(
             {
-                "case": f"{kind} from the student's SFT warm start (tiny, arithmetic 1-2 digit), {args.steps} steps",
+                "case": f"{kind} from the student's SFT warm start (tiny, arithmetic 1-2 digit), {length}",
                 "metric": "held_out_accuracy_last3",
                 "value": round(statistics.mean(last3), 4),
                 "higher_is_better": True,
