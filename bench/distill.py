@@ -198,7 +198,7 @@ def plot(runs: dict[str, list[dict]], prep: dict[str, Any], half: float, path: P
     ax.axhline(half, color="gray", ls=":", label="half the gap")
     ax.set_xlabel("generated samples")
     ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title("student (~1M) from its SFT warm start: on-policy distillation vs GRPO")
+    ax.set_title("student (~1M) from its SFT warm start: distillation (on-policy, GKD) vs GRPO")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
