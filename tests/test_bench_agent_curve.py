@@ -231,3 +231,26 @@ def test_the_control_flag_runs_the_same_seeds_and_writes_beside_the_main_results
     assert acc["per_seed_start"] == [0.2, 0.2] and acc["per_seed_end"] == pytest.approx([0.2, 0.3])
     assert [p[0].name for p in plots] == ["agent_curve_control.png", "agent_curve.png"]
     assert "control" in plots[0][1] and "control" not in plots[1][1]
+
+
+def test_the_warm_starts_sft_batch_reaches_both_stages_and_names_the_cache(
+    agent_curve: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    stages: list[tuple[str, int, list[str]]] = []
+
+    def fake_sft(model: Path, demos: Path, out: Path, steps: int, overrides: list[str]) -> Path:
+        stages.append((out.name, steps, overrides))
+        return out / "hf"
+
+    monkeypatch.setattr(agent_curve, "make_tiny_model", lambda preset, out, texts: out)
+    monkeypatch.setattr(agent_curve, "sft", fake_sft)
+    model, data = agent_curve.warm_start(tmp_path, 40, 600, 0, 0.5, 100, 3e-4, sft_batch=16)
+    assert data == tmp_path / "data-40" and len(pq.read_table(data / "sft.parquet")) == 40
+    assert stages == [
+        ("sft-p0-40x600-b16", 600, ["optim.batch_size=16"]),
+        ("sft-p0-40x600-b16-nt0.5x100-lr0.0003", 100, ["optim.batch_size=16", "optim.lr=0.0003", "optim.warmup_steps=10"]),
+    ]  # fmt: skip
+    assert model == tmp_path / stages[-1][0] / "hf"
+    stages.clear()
+    agent_curve.warm_start(tmp_path, 40, 600, 0, 0.5, 0)  # batch 32: the earlier runs' cache names
+    assert stages == [("sft-p0-40x600", 600, ["optim.batch_size=32"])]
