@@ -19,6 +19,7 @@ timed steps), so that a speedup bought with worse learning shows; every configur
 of samples.
 
     python bench/async_rl.py                 # tiny preset, mixed lengths and the long tail, 2 repeats
+    python bench/async_rl.py --cases tail --repeats 4 --steps 12 --out async_rl_tail12.json
     python bench/async_rl.py --preset small --repeats 3
     python bench/async_rl.py --cases tail --configs sync-colocated,sync-split,async-k2,async-k2-stream
 
