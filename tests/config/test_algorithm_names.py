@@ -150,7 +150,9 @@ def test_rollout_correction_keys_travel_to_the_loss() -> None:
 def test_async_rl_reuses_the_update_log_probs_with_one_step_per_batch() -> None:
     # the proximal policy is the trainer's weights at the update, which one step per batch has not moved
     assert reuses_update_log_probs(_load("async_rl.staleness=1"))
-    assert reuses_update_log_probs(_load("async_rl.staleness=2", "algorithm.rollout_correction.rollout_is=token"))
+    assert reuses_update_log_probs(
+        _load("async_rl.staleness=2", "algorithm.rollout_correction.rollout_is=token")
+    )
     assert not reuses_update_log_probs(_load("async_rl.staleness=1", "actor.ppo_epochs=2"))
     assert not reuses_update_log_probs(_load("async_rl.staleness=1", "actor.mini_batch_size=8"))
     assert not reuses_update_log_probs(_load("async_rl.staleness=1", "actor.reuse_log_probs_on_policy=false"))
