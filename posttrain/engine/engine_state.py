@@ -42,6 +42,15 @@ def trainable_only(model: nn.Module, model_sd: dict[str, Any], lora: bool) -> di
     return {k: v for k, v in model_sd.items() if k in trainable}
 
 
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, lora: bool) -> dict[str, Any]:
+    """What a checkpoint holds: the model's (trainable) state, and the optimizer's when there is one."""
+    options = state_options(lora)
+    if optimizer is None:
+        return {"model": trainable_only(model, get_model_state_dict(model, options=options), lora)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {"model": trainable_only(model, model_sd, lora), "optim": optim_sd}
+
+
 def save_sharded(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -52,13 +61,7 @@ def save_sharded(
     rank: int,
 ) -> None:
     """Model (+ optimizer) state, every rank writing its shard; rank 0 writes the LR schedule's state."""
-    options = state_options(lora)
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": trainable_only(model, model_sd, lora), "optim": optim_sd}
-    else:
-        state = {"model": trainable_only(model, get_model_state_dict(model, options=options), lora)}
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(_state(model, optimizer, lora), checkpoint_id=str(path))
     if rank == 0 and scheduler is not None:
         torch.save({"scheduler": scheduler.state_dict()}, path / SCHEDULER_FILE)
     dist.barrier()
@@ -74,25 +77,18 @@ def load_sharded(
 ) -> None:
     """Load what `save_sharded` wrote (same world size, or any other DCP can reshard to). `optimizer` None: the
     weights alone (an optimizer, if any, keeps its state, e.g. fresh); else the optimizer and schedule too."""
-    options = state_options(lora)
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": trainable_only(model, model_sd, lora), "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=options,
-        )
-        if scheduler is not None:
-            extra = torch.load(path / SCHEDULER_FILE, weights_only=False)
-            scheduler.load_state_dict(extra["scheduler"])
-        return
-    state = {"model": trainable_only(model, get_model_state_dict(model, options=options), lora)}
+    state = _state(model, optimizer, lora)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=options)
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+        options=state_options(lora),
+    )
+    if optimizer is not None and scheduler is not None:
+        extra = torch.load(path / SCHEDULER_FILE, weights_only=False)
+        scheduler.load_state_dict(extra["scheduler"])
 
 
 def export_hf_directory(
