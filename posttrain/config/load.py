@@ -113,17 +113,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             )
         return value
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value or {}, prefix=f"{key}.")
+        return from_dict(typing.cast(type, tp), value or {}, prefix=f"{key}.")
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
         value_type = typing.get_args(tp)[1]
         return {str(k): _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(args[0], value, key)
+        return _coerce(members[0], value, key)
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, Sequence):
             value = [value] if value is not None and value != "" else []
@@ -164,7 +164,8 @@ def to_dict(config: Any) -> dict[str, Any]:
             return {k: convert(x) for k, x in v.items()}
         return v
 
-    return convert(dataclasses.asdict(config))
+    plain: dict[str, Any] = convert(dataclasses.asdict(config))
+    return plain
 
 
 def check_override_keys(schema: type, overrides: Sequence[str]) -> None:

@@ -1,5 +1,12 @@
 """Frozen dataclass schemas: the single source of truth for every configuration key.
 
+This module is the schema's one address (`from posttrain.config.schema import RLConfig`); the dataclasses
+live by command, one idea a file:
+- schema_shared.py: the sections every command shares (model, LoRA, optimizer, data, Ray) and value types;
+- schema_rl.py: `posttrain train` (RLConfig) and its sections (rollout, actor, critic, algorithm, reward,
+  agent, async RL, trainer, resources);
+- schema_sft.py: `posttrain sft`, `dpo`, `rm` and `distill` (SFTConfig, DPOConfig, RMConfig, DistillConfig).
+
 YAML files under `config/yaml/` hold the same defaults (a test keeps them equal) and presets; `load.py`
 turns Hydra's composed config into these dataclasses, rejecting unknown keys by name.
 Counting convention: every batch size counts samples (prompt x response pairs) unless its name says
@@ -8,544 +15,84 @@ Counting convention: every batch size counts samples (prompt x response pairs) u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-
-Dtype = Literal["float32", "bfloat16"]
-Device = Literal["auto", "cpu", "cuda"]
-Backend = Literal["ray", "local"]
-LrSchedule = Literal["constant", "cosine"]
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """LoRA adapters through peft; rank 0 = full fine-tuning."""
-
-    rank: int = 0
-    alpha: float = 16.0
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-    dropout: float = 0.0  # > 0 makes recomputed log-probs differ from the sampled ones (train mode)
-    # mixture of experts: the fused 3-D expert parameters that get adapters (peft's target_parameters), by name
-    # or dotted suffix, e.g. [gate_up_proj, down_proj] for Qwen2-MoE / Qwen3-MoE; () = none
-    target_parameters: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW and its learning-rate schedule: one definition for every role that trains (`actor.optim`,
-    `critic.optim`, SFT's `optim`)."""
-
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
-    lr_schedule: LrSchedule = "constant"  # cosine decays to min_lr_ratio * lr over the run's optimizer steps
-    warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    min_lr_ratio: float = 0.0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str = ""  # a local Hugging Face directory (config.json, weights, tokenizer)
-    dtype: Dtype = "float32"  # parameters, master weights and optimizer state
-    compute_dtype: Literal["", "float32", "bfloat16"] = (
-        ""  # "" = dtype; bfloat16 over float32 weights = mixed precision (FSDP2 policy)
-    )
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
-    remove_padding: bool = True  # pack sequences for training and log-prob passes (no compute on padding)
-    pack_row_tokens: int = 256  # tokens per packed row; attention is dense within a row on sdpa/eager
-    share_prompt: bool = True  # packed: the n samples of a prompt share one pass over it (sdpa/eager)
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
-    offload: bool = False  # parameters, gradients and optimizer step in CPU memory (GPU machines only)
-    # Ulysses sequence parallelism (sp): each packed row split across sp ranks, attention's heads exchanged
-    # with all-to-all; world = dp x sp, batches split over the dp = world / sp groups. Training and log-prob
-    # passes only (generation runs per rank without it); needs remove_padding and sdpa; sp divides the heads
-    sequence_parallel_size: int = 1
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    # mixture-of-experts policies: weight of the router's load-balancing loss added in the update (logged as
-    # actor/router_aux_loss); null = the model config's router_aux_loss_coef, 0 = off; dense models: 0 or null
-    router_aux_loss_coef: float | None = None
-    # a vision-language model's vision encoder: auto = trained when make-model built the model from scratch
-    # (config.json's posttrain_from_scratch), frozen for a pretrained one; LoRA keeps it frozen
-    vision_tower: Literal["auto", "frozen", "trained"] = "auto"
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    train_files: tuple[str, ...] = ()
-    val_files: tuple[str, ...] = ()
-    max_prompt_length: int = 64  # tokens, after the chat template
-    max_response_length: int = 16  # tokens generated per sample
-    train_batch_prompts: int = 32  # prompts per RL step (each sampled rollout.n times)
-    val_max_prompts: int = 256  # prompts of the validation split used per validation (0 = all)
-    overlong_prompts: Literal["filter", "error"] = "filter"
-    shuffle: bool = True
-    response_key: str = "extra_info.answer"  # SFT only: dotted path of the target response in a row
-    # vision-language models: each image is resized to an area (width * height) within these bounds, by the image
-    # processor and in the image-token counts against max_prompt_length alike
-    min_pixels: int | None = None  # vision-language: smallest image area in pixels; null = the model's own
-    max_pixels: int | None = None  # vision-language: largest image area in pixels; null = the model's own
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    name: str = "native"  # native (continuous batching, slotted KV cache) | hf (transformers generate)
-    max_batch_size: int = 256  # sequences decoded together per worker (KV-cache slots)
-    n: int = 8  # samples per prompt (GRPO group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0  # 0 = off
-    stop: tuple[str, ...] = ()  # stop strings, besides the tokenizer's eos
-    val_temperature: float = 0.0  # 0 = greedy, as validation accuracy is defined
-
-
-@dataclass(frozen=True)
-class RouterReplayConfig:
-    """Routing replay for mixture-of-experts policies (verl's `actor.router_replay`): a token's top-k experts per
-    sparse layer are recorded in one pass and forced in later ones (weights from the current router logits),
-    so a near-tie in a router does not change a token's experts between the passes that compare its log-probs.
-
-    Modes: `disabled`; `R2`: the trainer's old-log-prob pass records, the update passes (every mini-batch and
-    epoch) replay, so old and new log-probs use the same experts; any rollout engine or placement, async RL,
-    agents (with one update per batch the pass is skipped and there is nothing to replay); `R3` (Rollout Routing
-    Replay, Ma et al. 2025, arXiv:2510.11370): the sampler records, the old-log-prob and update passes replay,
-    which also closes the sampler/trainer gap; built-in engine (colocated or its own pool), synchronous only."""
-
-    # R2: the update replays the experts of the trainer's old-log-prob pass; R3: the sampler's
-    mode: Literal["disabled", "R2", "R3"] = "disabled"
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    mini_batch_size: int = 0  # samples per optimizer step (over all workers); 0 = the whole step's batch
-    micro_batch_size: int = 64  # samples per forward/backward on one worker
-    max_token_len_per_worker: int = 0  # token budget per micro-batch instead of micro_batch_size; 0 = off
-    ppo_epochs: int = 1
-    # one optimizer step per batch (ppo_epochs=1, one mini-batch): skip the old-log-prob pass, the update's
-    # own log-probs are the old ones
-    reuse_log_probs_on_policy: bool = True
-    policy_loss: str = "vanilla"
-    # Options of particular policy losses. Unset (null) = the chosen loss's own documented default (its
-    # docstring); setting one that the chosen loss does not take is an error.
-    # vanilla, clip_cov 0.2; gspo 3e-4; cispo 1.0 (no lower bound); geo_mean 0.4 (log space); dppo_tv 0.15,
-    # dppo_kl 0.05 (divergence bounds for A < 0 / A > 0)
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = (
-        None  # vanilla, clip_cov 0.2; gspo 4e-4; cispo 3.0; geo_mean 0.4; dppo as low
-    )
-    clip_ratio_c: float | None = (
-        None  # vanilla: dual-clip bound for negative advantages, 3.0; dppo: IS cap, 20
-    )
-    loss_agg_mode: str = "token-mean"
-    # seq-mean-token-sum-norm's constant (Dr. GRPO's max response length); null = the padded response width
-    loss_scale_factor: float | None = None
-    use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"
-    entropy_coeff: float = 0.0
-    loss_beta: float | None = None  # dro: weight of the quadratic penalty, 0.05
-    clip_cov_ratio: float | None = None  # clip_cov: 2e-4
-    clip_cov_lb: float | None = None  # clip_cov: 1.0
-    clip_cov_ub: float | None = None  # clip_cov: 5.0
-    kl_cov_ratio: float | None = None  # kl_cov: 2e-4
-    ppo_kl_coef: float | None = None  # kl_cov: 0.1
-    tau_pos: float | None = None  # sapo: gate temperature where A > 0, 1.0
-    tau_neg: float | None = None  # sapo: gate temperature where A <= 0, 1.05
-    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
-
-
-@dataclass(frozen=True)
-class CriticConfig:
-    enable: bool = False  # PPO with GAE needs it
-    model_path: str = ""  # empty = the actor's model.path (a fresh value head on the same weights)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    mini_batch_size: int = 0  # samples per critic optimizer step (over all workers); 0 = the whole batch
-    micro_batch_size: int = 64
-    max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
-    cliprange_value: float = 0.5
-    ppo_epochs: int = 1
-
-
-@dataclass(frozen=True)
-class RolloutCorrectionConfig:
-    """verl's `algorithm.rollout_correction`: correcting for the rollout engine's policy differing from the
-    trainer's (posttrain/algorithms/rollout_correction.py has the formulas). Every correction needs the
-    rollout log-probs, which the built-in engines return."""
-
-    rollout_is: Literal["token", "sequence"] | None = None  # truncated importance sampling; null = off
-    rollout_is_threshold: float = 2.0  # the cap of the IS weight
-    # rejection sampling: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3
-    # (quote a list on the command line: 'token_k1,seq_max_k2'); null = off
-    rollout_rs: str | None = None
-    # one spec per rs option or one for all: k1 "lower_upper" bounds on the IS weight (e.g. 0.5_2.0) or one
-    # number u for [1/u, u]; k2/k3 one upper bound
-    rollout_rs_threshold: str | None = None
-    bypass_mode: bool = False  # the rollout log-probs are the old policy (no old-log-prob pass)
-    # bypass mode: ppo_clip = the loss's ratio pi/pi_rollout corrects; reinforce = IS weights on policy_loss=gpg
-    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True  # False gives Dr.GRPO
-    gamma: float = 1.0  # gae, reinforce_plus_plus
-    lam: float = 1.0  # gae
-    use_kl_in_reward: bool = False  # KL to the reference subtracted from the reward (not in the loss)
-    kl_penalty: str = "kl"  # the estimator used in the reward
-    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
-    kl_target: float = 0.1  # adaptive controller
-    kl_horizon: int = 10000  # adaptive controller
-    critic_warmup: int = 0  # steps that train only the critic
-    dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards differ; generate until full
-    max_gen_rounds: int = 8  # cap on generation rounds per step with dynamic sampling
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    # gdpo: the keys of the reward function's returned dict that are its reward components (each normalised
-    # within its group); empty = the one score
-    gdpo_reward_keys: tuple[str, ...] = ()
-    gdpo_reward_weights: tuple[float, ...] = ()  # one per key; empty = all 1
-
-
-@dataclass(frozen=True)
-class RewardModelConfig:
-    """A reward model scoring each response (a directory `posttrain rm` wrote): a worker group that sees the
-    prompt's messages and the response re-rendered with its own tokenizer's chat template."""
-
-    path: str = ""  # a sequence classifier directory (posttrain rm's output); empty = no reward model
-    weight: float = 1.0  # the reward is weight * the model's score (+ the rule reward with with_rule_rewards)
-    # also score with the rule scorers (or reward.custom_function_path) and add that; false = the model alone
-    # (validation's val/acc is the rule scorer's either way: the run never trains on it)
-    with_rule_rewards: bool = False
-    pool: str = "trainer"  # trainer = colocated with the actor (sharing its workers); another = its own pool
-    micro_batch_size: int = 64  # rows per forward pass on one worker
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    custom_function_path: str = ""  # a Python file; empty = the built-in scorers by data_source
-    custom_function_name: str = "compute_score"
-    gsm8k_method: Literal["strict", "flexible"] = "strict"
-    overlong_buffer_len: int = 0  # DAPO overlong shaping: tokens before max_response_length; 0 = off
-    overlong_penalty_factor: float = 1.0
-    # a custom function runs in a child process; a call longer than this is killed and fails; 0 = in-process
-    timeout_s: float = 10.0
-    # the run stops when more than this share of a step's scores fail for max_error_steps steps in a row
-    # (and at once when every score of a step, or of a validation, fails); 1 = only that
-    max_error_rate: float = 0.5
-    max_error_steps: int = 3
-    model: RewardModelConfig = field(default_factory=RewardModelConfig)
-
-
-@dataclass(frozen=True)
-class OnPolicyDistillConfig:
-    """On-policy distillation (posttrain/trainers/on_policy_distill.py): a frozen teacher sharing the student's
-    tokenizer scores the student's own samples; per token, -kl_coef * (log p_student - log p_teacher) is added
-    to the advantage (the sampled-token reverse KL, as MiniLLM and tinker-cookbook)."""
-
-    teacher_path: str = ""  # a causal LM directory with the model's tokenizer; empty = no distillation
-    kl_coef: float = 1.0  # weight of the per-token reverse-KL advantage
-    # the task advantage (algorithm.adv_estimator on the rewards) is scaled by this and added; 0 = distil only
-    task_reward_coef: float = 0.0
-    micro_batch_size: int = 64  # rows per teacher forward pass on one worker
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """Agent episodes (posttrain/agents): multi-turn chats with tools, trained on exactly the sampled tokens."""
-
-    # every training and validation row runs as an agent episode; its agent_name picks the loop (tool_agent:
-    # a chat with the tools below; none: single_turn)
-    enable: bool = False
-    tools: tuple[str, ...] = ()  # built-in tools by name: calculator, python
-    tool_config_path: str = ""  # a tool config in verl's YAML shape; its tools are added to `tools`
-    tool_parser: str = "hermes"  # how tool calls are read from the model's text
-    max_turns: int = 4  # assistant turns per episode (each at most data.max_response_length tokens)
-    max_total_tokens: int = 1024  # the whole conversation: prompt, every turn and every tool response
-    max_tool_calls: int = 8  # per episode; more ends it (stop reason max_tool_calls)
-    max_parallel_calls: int = 4  # per turn; the others are answered with an error
-    max_invalid_turns: int = 2  # turns in a row with a malformed call before the episode ends (parse_error)
-    tool_timeout_s: float = 10.0  # a call running longer is stopped
-    end_on_tool_timeout: bool = True  # a timed-out call ends the episode (tool_timeout); false: error message
-    # tool calls running at once, in threads or sandbox processes beside generation (on a 2-core machine,
-    # 1-2: generation keeps the other core)
-    tool_concurrency: int = 2
-    max_tool_response_chars: int = 1024  # longer tool responses are cut, on this side:
-    tool_response_truncate_side: Literal["left", "right", "middle"] = "right"
-    tool_use_bonus: float = 0.0  # added to a final answer's score after >= 1 successful tool call
-
-
-@dataclass(frozen=True)
-class AsyncRLConfig:
-    """Rollouts ahead of training (posttrain/trainers/async_rollout.py); needs the rollout on its own pool."""
-
-    # k: the rollout pool generates the batches of steps t+1..t+k while step t trains; 0 = synchronous
-    staleness: int = 0
-    sync_every: int = 1  # updates between weight publications to the rollout pool (<= staleness)
-    on_stale: Literal["drop", "regenerate"] = "drop"  # a batch older than k versions: skip it, or resample
-    # a fixed schedule: batch i is sampled with exactly version max(0, i - k), so a run repeats exactly (the
-    # trainer may wait for the producer); off: batches take the newest weights in the pool when they start
-    deterministic: bool = False
-    # unfinished responses continue under weights published mid-generation (the pool may take new weights
-    # between chunks); each token records the version that sampled it
-    partial_rollout: bool = False
-    # tokens generated per call with partial_rollout (each chunk re-prefills prompt + response so far)
-    partial_chunk_tokens: int = 32
-    # groups (the n samples of a prompt) come back as they finish; a step trains on the first
-    # data.train_batch_prompts complete (and, with algorithm.dynamic_sampling, kept) groups; the rest carry over
-    streaming: bool = False
-    # with streaming: groups kept in flight beyond what the next batches within the staleness bound need
-    # (replaces groups the dynamic-sampling filter drops; the slowest groups then carry over to a later step)
-    stream_extra_groups: int = 0
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    address: str = ""  # empty = start a local, loopback-only Ray instance
-    num_cpus: int = 0  # local instance only; 0 = all cores
-    tmpdir: str = ""  # local instance only; empty = <system temp>/posttrain-ray-<uid>
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    nnodes: int = 1
-    n_workers_per_node: int = 1
-
-
-@dataclass(frozen=True)
-class ResourcesConfig:
-    """Where each role runs. Pool `trainer` is trainer.nnodes x trainer.n_workers_per_node and always holds
-    the actor (+ reference); more pools are added by name: `+resources.pools.gen.n_workers_per_node=2`."""
-
-    pools: dict[str, PoolConfig] = field(default_factory=dict)
-    rollout: str = "trainer"  # trainer = colocated hybrid engine (in-process sync); another pool = split
-    critic: str = "trainer"  # trainer = colocated with the actor (sharing its workers); another = own pool
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    run_dir: str = "runs/default"
-    total_steps: int = 20
-    nnodes: int = 1  # nodes of the trainer's pool
-    n_workers_per_node: int = 1  # data-parallel SPMD workers (torch.distributed ranks) per node
-    cpus_per_worker: float = 1.0  # Ray CPUs reserved per worker (colocated roles share them)
-    gpus_per_worker: float = 1.0  # Ray GPUs per worker when the device is cuda
-    balance_batch: bool = True  # reorder each step's samples so every worker gets near-equal tokens
-    backend: Backend = "ray"  # local = in-process, world size 1
-    device: Device = "auto"
-    seed: int = 0
-    val_every: int = 5  # steps; 0 = never
-    val_before_train: bool = True
-    save_every: int = 10  # steps; 0 = only at the end
-    max_checkpoints_to_keep: int = 2
-    resume: bool = True  # resume from <run_dir>/latest when present
-    max_restarts: int = 0  # after a worker failure: new workers, resume from the last checkpoint; 0 = exit
-    restart_wait_s: float = 120.0  # a restart waits this long for the failed workers' resources to be freed
-    collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
-    # any of console, jsonl, tensorboard, wandb (offline, in <run_dir>/wandb), mlflow (<run_dir>/mlflow.db)
-    loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
-    plots: bool = True  # PNG figures of metrics.jsonl in <run_dir>/plots when the run ends (needs jsonl)
-    threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers on the node
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.n_workers_per_node
-
-    peak_flops_per_worker: float = 0.0  # for perf/mfu; 0 = measure at start (a short matmul loop)
-
-
-@dataclass(frozen=True)
-class RLConfig:
-    """The whole RL job as one value."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    distill: OnPolicyDistillConfig = field(default_factory=OnPolicyDistillConfig)
-    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-
-
-@dataclass(frozen=True)
-class SFTOptimConfig(OptimConfig):
-    """The optimizer (OptimConfig's fields; SFT's defaults are set in SFTConfig) and SFT's batch sizes."""
-
-    batch_size: int = 64  # samples per optimizer step (over all workers)
-    micro_batch_size: int = 64  # samples per forward/backward on one worker
-    max_token_len_per_worker: int = 0  # token budget per micro-batch; 0 = by micro_batch_size
-
-
-@dataclass(frozen=True)
-class SFTDataConfig(DataConfig):
-    """SFT's data: rows with `messages` (chats), `text` (continued pre-training) or verl's prompt + response
-    (posttrain/data/sft_dataset.py), and which tokens of a chat carry loss (posttrain/data/chat_masks.py)."""
-
-    train_on: Literal["last_assistant", "all_assistant", "all_messages", "everything"] = "all_assistant"
-
-
-@dataclass(frozen=True)
-class SFTTrainerConfig:
-    run_dir: str = "runs/sft"
-    total_steps: int = 200
-    nnodes: int = 1
-    n_workers_per_node: int = 1
-    backend: Backend = "local"
-    device: Device = "auto"
-    cpus_per_worker: float = 1.0  # Ray CPUs reserved per worker
-    gpus_per_worker: float = 1.0  # Ray GPUs per worker when the device is cuda
-    collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call
-    seed: int = 0
-    val_every: int = 0  # steps; 0 = only at the end
-    # any of console, jsonl, tensorboard, wandb (offline, in <run_dir>/wandb), mlflow (<run_dir>/mlflow.db)
-    loggers: tuple[str, ...] = ("console", "jsonl")
-    plots: bool = True  # PNG figures of metrics.jsonl in <run_dir>/plots when the run ends (needs jsonl)
-    threads_per_worker: int = 0
-    save_hf_dir: str = ""  # where the trained model is written as a HF directory; empty = <run_dir>/hf
-    stop_at_val_nll: float = 0.0  # early stop: end (and export) once a validation's NLL is at most this
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.n_workers_per_node
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    """Supervised fine-tuning: the same engine, cross-entropy on response tokens."""
-
-    model: ModelConfig = field(
-        default_factory=lambda: ModelConfig(share_prompt=False)
-    )  # one response per prompt
-    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(max_response_length=32))
-    optim: SFTOptimConfig = field(
-        default_factory=lambda: SFTOptimConfig(lr=1e-3, betas=(0.9, 0.95), warmup_steps=10)
-    )
-    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-
-
-@dataclass(frozen=True)
-class DPODataConfig:
-    """Preference pairs in TRL's columns (posttrain/data/preference_dataset.py)."""
-
-    train_files: tuple[str, ...] = ()
-    val_files: tuple[str, ...] = ()
-    max_length: int = 256  # tokens of prompt + completion, the longer of chosen and rejected
-    overlong: Literal["filter", "error"] = "filter"
-    shuffle: bool = True
-    val_max_pairs: int = 1024  # pairs of the validation split used per validation (0 = all)
-
-
-@dataclass(frozen=True)
-class DPOLossConfig:
-    """The preference loss (posttrain/algorithms/preference_losses.py has each formula and paper); TRL's names."""
-
-    # sigmoid | ipo | hinge | robust | apo_zero | sft | simpo | orpo; several are summed with loss_weights
-    loss_type: tuple[str, ...] = ("sigmoid",)
-    loss_weights: tuple[float, ...] = ()  # one per loss_type; empty = all 1
-    beta: float = 0.1  # the KL strength (DPO's beta); orpo: the odds-ratio weight lambda (TRL's ORPO beta)
-    label_smoothing: float = 0.0  # sigmoid / robust / simpo: the assumed rate of flipped labels
-    simpo_gamma: float = 0.5  # simpo: the target reward margin
-    # model: the frozen initial weights, run each step (with LoRA: the adapter off, no second copy);
-    # precompute: the initial weights' log-probs of every pair, computed once before training (no second copy);
-    # columns: the data's ref_chosen_logps / ref_rejected_logps. Reference-free losses (simpo, orpo, sft) use none.
-    reference: Literal["model", "precompute", "columns"] = "model"
-
-
-@dataclass(frozen=True)
-class DPOConfig:
-    """Preference optimisation (`posttrain dpo`): SFT's engine, packing and worker, a pairwise loss.
-    `optim.batch_size` and `optim.micro_batch_size` count pairs (two sequences each)."""
-
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(share_prompt=False))
-    data: DPODataConfig = field(default_factory=DPODataConfig)
-    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
-    optim: SFTOptimConfig = field(
-        default_factory=lambda: SFTOptimConfig(lr=1e-6, batch_size=32, micro_batch_size=8)
-    )
-    trainer: SFTTrainerConfig = field(
-        default_factory=lambda: SFTTrainerConfig(run_dir="runs/dpo", total_steps=100)
-    )
-    ray: RayConfig = field(default_factory=RayConfig)
-
-
-@dataclass(frozen=True)
-class RMDataConfig(DPODataConfig):
-    """Preference pairs as for dpo (posttrain/data/preference_dataset.py), with an optional margin per pair."""
-
-    # per-pair margins (TRL's column): the loss asks r_chosen - r_rejected to exceed it; read when the data
-    # has the column (every row or none); empty = never read
-    margin_column: str = "margin"
-
-
-@dataclass(frozen=True)
-class RMLossConfig:
-    """The Bradley-Terry loss (posttrain/algorithms/reward_model_loss.py)."""
-
-    # Eisenstein et al.'s centering: + coef * (r_chosen + r_rejected)^2 per pair (TRL's name); 0 = off
-    center_rewards_coefficient: float = 0.0
-
-
-@dataclass(frozen=True)
-class RMConfig:
-    """Reward-model training (`posttrain rm`): the policy family's sequence classifier (one score) trained with
-    the Bradley-Terry loss on preference pairs; `optim.batch_size` and `optim.micro_batch_size` count pairs."""
-
-    # rows run right-padded (no packing); the score is the head's output at a row's last token
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(remove_padding=False, share_prompt=False))
-    data: RMDataConfig = field(default_factory=RMDataConfig)
-    rm: RMLossConfig = field(default_factory=RMLossConfig)
-    optim: SFTOptimConfig = field(
-        default_factory=lambda: SFTOptimConfig(lr=1e-5, batch_size=32, micro_batch_size=8)
-    )
-    trainer: SFTTrainerConfig = field(
-        default_factory=lambda: SFTTrainerConfig(run_dir="runs/rm", total_steps=100)
-    )
-    ray: RayConfig = field(default_factory=RayConfig)
-
-
-@dataclass(frozen=True)
-class GKDConfig:
-    """GKD (Agarwal et al. 2024; posttrain/algorithms/distillation.py): the generalised Jensen-Shannon divergence
-    between a frozen teacher's and the student's next-token distributions over the whole vocabulary."""
-
-    teacher_path: str = ""  # a causal LM directory with the student's tokenizer (required)
-    beta: float = 0.5  # TRL's: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher)
-    # share of steps whose batch is the student's own samples of the batch's prompts (else the data's responses)
-    lmbda: float = 0.0
-    temperature: float = 1.0  # of both distributions in the divergence, and of the student's sampling
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """Distillation (`posttrain distill`): SFT's data, engine and worker with GKD's loss against a teacher;
-    `optim.batch_size` and `optim.micro_batch_size` count sequences."""
-
-    # rows run right-padded (no packing): the loss needs each position's full-vocabulary logits
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(remove_padding=False, share_prompt=False))
-    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(max_response_length=32))
-    distill: GKDConfig = field(default_factory=GKDConfig)
-    optim: SFTOptimConfig = field(
-        default_factory=lambda: SFTOptimConfig(lr=1e-4, batch_size=32, micro_batch_size=16)
-    )
-    trainer: SFTTrainerConfig = field(
-        default_factory=lambda: SFTTrainerConfig(run_dir="runs/distill", total_steps=100)
-    )
-    ray: RayConfig = field(default_factory=RayConfig)
+from posttrain.config.schema_rl import (
+    ActorConfig,
+    AgentConfig,
+    AlgorithmConfig,
+    AsyncRLConfig,
+    CriticConfig,
+    OnPolicyDistillConfig,
+    PoolConfig,
+    ResourcesConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RLConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+    RouterReplayConfig,
+    TrainerConfig,
+)
+from posttrain.config.schema_sft import (
+    DistillConfig,
+    DPOConfig,
+    DPODataConfig,
+    DPOLossConfig,
+    GKDConfig,
+    RMConfig,
+    RMDataConfig,
+    RMLossConfig,
+    SFTConfig,
+    SFTDataConfig,
+    SFTOptimConfig,
+    SFTTrainerConfig,
+)
+from posttrain.config.schema_shared import (
+    Backend,
+    DataConfig,
+    Device,
+    Dtype,
+    LoraConfig,
+    LrSchedule,
+    ModelConfig,
+    OptimConfig,
+    RayConfig,
+)
+
+__all__ = [
+    "ActorConfig",
+    "AgentConfig",
+    "AlgorithmConfig",
+    "AsyncRLConfig",
+    "Backend",
+    "CriticConfig",
+    "DPOConfig",
+    "DPODataConfig",
+    "DPOLossConfig",
+    "DataConfig",
+    "Device",
+    "DistillConfig",
+    "Dtype",
+    "GKDConfig",
+    "LoraConfig",
+    "LrSchedule",
+    "ModelConfig",
+    "OnPolicyDistillConfig",
+    "OptimConfig",
+    "PoolConfig",
+    "RLConfig",
+    "RMConfig",
+    "RMDataConfig",
+    "RMLossConfig",
+    "RayConfig",
+    "ResourcesConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RouterReplayConfig",
+    "SFTConfig",
+    "SFTDataConfig",
+    "SFTOptimConfig",
+    "SFTTrainerConfig",
+    "TrainerConfig",
+]

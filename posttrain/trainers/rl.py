@@ -2,19 +2,18 @@
 
 The driver holds the algorithm and nothing else; every heavy call is a typed verb of a role group
 (controller/roles.py) that splits the Batch across data-parallel ranks. `RLTrainer.step` reads as the loop
-in ARCHITECTURE.md; placement is controller/placement.py, checkpoints trainers/checkpoint.py.
+in ARCHITECTURE.md; the details are one call away: placement in controller/placement.py, the prompts in
+trainers/prompt_data.py, generation and scoring in trainers/generation.py and trainers/rewarding.py (ahead of
+the loop: trainers/async_driver.py), the update phase in trainers/updates.py, checkpoints in
+trainers/rl_checkpoint.py over trainers/checkpoint.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
@@ -24,35 +23,21 @@ from posttrain.controller.ray_env import ray_is_running, stop_ray
 from posttrain.controller.roles import ActorGroup, CriticGroup, Rollout, Stateful
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.dataloader import CollateFn, PromptDataLoader
-from posttrain.data.dataset import PromptDataset, collate_prompts
-from posttrain.data.mm_dataset import (
-    MULTI_MODAL_INPUTS,
-    MultimodalPromptDataset,
-    VisionProcessor,
-    collate_multimodal_prompts,
-    pixel_bounds,
-)
-from posttrain.errors import ConfigError, RewardError, WorkerError
-from posttrain.models import is_vision_language, load_tokenizer
-from posttrain.rollout.base import SamplingParams
+from posttrain.errors import RewardError, WorkerError
+from posttrain.models import load_tokenizer
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.agent_generation import AgentStage
-from posttrain.trainers.async_rollout import (
-    RolloutProducer,
-    TrainedLoaderState,
-    staleness_metrics,
-    versions_column,
-)
+from posttrain.trainers.async_driver import Producer, publish_weights, start_producer, take_batch
 from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.checks import check_rl_config
-from posttrain.trainers.compat import check_resumable, model_fingerprint
+from posttrain.trainers.compat import check_resumable
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
 from posttrain.trainers.generation import generate_step_batch
 from posttrain.trainers.on_policy_distill import distill_advantages
-from posttrain.trainers.pixel_bounds import run_processor
+from posttrain.trainers.prompt_data import prompt_data
 from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.rl_checkpoint import CheckpointCadence, checkpoint_meta, checkpoint_parts, resume_hint
 from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.trainers.setup import (
     actor_spec,
@@ -60,42 +45,26 @@ from posttrain.trainers.setup import (
     critic_spec,
     policy_loss_options,
     reuses_update_log_probs,
+    sampling_params,
 )
 from posttrain.trainers.step_metrics import CONSOLE_KEYS, batch_metrics, timed, val_only
-from posttrain.trainers.streaming import StreamingProducer
 from posttrain.trainers.throughput import PerfMeter
-from posttrain.trainers.updates import Metrics, balance_across_workers, minibatch_updates
+from posttrain.trainers.updates import (
+    CRITIC_KEYS,
+    FORWARD_KEYS,
+    UPDATE_KEYS,
+    Metrics,
+    actor_update,
+    balance_across_workers,
+    critic_update,
+)
 from posttrain.trainers.validation import SAMPLES_DIR, validate
 from posttrain.workers.losses import LossSpec
-from posttrain.workers.process import ProcessRNG, seed_everything
+from posttrain.workers.process import seed_everything
 
 log = logging.getLogger(__name__)
 
-# What each verb needs on the wire (the rest of the Batch stays on the driver).
-FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
-UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES, keys.ROLLOUT_LOG_PROBS]
-CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
 PROGRESS_KEYS = ("reward/mean", "val/acc")  # shown on the progress bar (on a terminal)
-
-
-def prompt_dataset(
-    cfg: RLConfig, files: Sequence[str], tokenizer: Any, processor: VisionProcessor | None
-) -> PromptDataset | MultimodalPromptDataset:
-    """The prompt rows of `files`: verl's text rows, or with a vision-language model's processor its
-    multimodal rows (images in the processor's pixel bounds: data.min_pixels / data.max_pixels, or the model's
-    own; their tokens counted in data.max_prompt_length)."""
-    data = cfg.data
-    if processor is None:
-        return PromptDataset(files, tokenizer, data.max_prompt_length, data.overlong_prompts)
-    min_pixels, max_pixels = pixel_bounds(processor)
-    return MultimodalPromptDataset(
-        files,
-        processor,
-        data.max_prompt_length,
-        data.overlong_prompts,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-    )
 
 
 class RLTrainer:
@@ -106,40 +75,17 @@ class RLTrainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id
-        # a vision-language model reads verl's multimodal rows: each row's images travel in the Batch column
-        # `multi_modal_inputs` to the sampler and to every pass of the actor and the reference
-        processor = run_processor(cfg.model.path, cfg.data) if is_vision_language(cfg.model.path) else None
-        self.image_keys = [MULTI_MODAL_INPUTS] if processor is not None else []
-        self.collate: CollateFn = collate_prompts if processor is None else collate_multimodal_prompts
-        self.train_set = prompt_dataset(cfg, cfg.data.train_files, self.tokenizer, processor)
-        self.val_set = (
-            prompt_dataset(cfg, cfg.data.val_files, self.tokenizer, processor) if cfg.data.val_files else None
-        )
-        self.loader = PromptDataLoader(
-            self.train_set,
-            batch_size=cfg.data.train_batch_prompts,
-            collate_fn=partial(self.collate, pad_token_id=self.pad_id),
-            shuffle=cfg.data.shuffle,
-            seed=cfg.trainer.seed,
-        )
+        # a vision-language model reads verl's multimodal rows: its images travel in the columns `image_keys`
+        data = prompt_data(cfg, self.tokenizer, self.pad_id)
+        self.train_set, self.val_set, self.loader = data.train_set, data.val_set, data.loader
+        self.collate, self.image_keys = data.collate, data.image_keys
         self.rewards = RewardStage(cfg)
         # agent.enable: rows run as multi-turn agent episodes (tools) instead of one response per prompt
         self.agents = AgentStage(cfg, self.tokenizer, self.rewards) if cfg.agent.enable else None
         # async_rl.staleness >= 1: rollouts sampled ahead, whole batches or (async_rl.streaming) group by group
-        self.producer: RolloutProducer | StreamingProducer | None = None
+        self.producer: Producer | None = None
         self.stream_settled: list[str] = []  # streaming: prompts a restored checkpoint says are done with
-        self.sampling = SamplingParams(
-            max_tokens=cfg.data.max_response_length,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            min_p=cfg.rollout.min_p,
-            stop=cfg.rollout.stop,
-        )
-        self.sampling.validate()
-        self.val_sampling = replace(
-            self.sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0
-        )
+        self.sampling, self.val_sampling = sampling_params(cfg)
         # one optimizer step per batch: the update's own log-probs, before any change, are the old ones
         self.reuse_update_log_probs = reuses_update_log_probs(cfg)
         self.loss = LossSpec("ppo", policy_loss_options(cfg.actor, cfg.algorithm))
@@ -229,7 +175,7 @@ class RLTrainer:
         if cfg.trainer.val_before_train and self.val_set is not None and self.step_count == 0:
             with self.progress.stage("validate"):
                 self._log_validation(tracker)
-        deferred = False  # a periodic checkpoint skipped while reward failures were over the rate
+        cadence = CheckpointCadence(cfg.trainer.save_every)  # per attempt: a deferred save is this attempt's
         while self.step_count < cfg.trainer.total_steps and not stop.requested:
             self.rewards.begin_step(self.step_count + 1)
             metrics = self.step()
@@ -245,19 +191,10 @@ class RLTrainer:
                 self.history.append({"step": self.step_count, **val_only(metrics)})
             metrics["fault/restarts"] = float(self.restarts)
             tracker.log(metrics, self.step_count)
-            saving = cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0
-            failing = self.rewards.failing_since
-            if saving and failing is not None and not (last or stop.requested):
-                # not a checkpoint of steps trained on failing rewards: should the run stop for them, the
-                # resume hint points before them; written as soon as a step is under the rate again
-                deferred = True
-                log.warning(
-                    "step %d: checkpoint deferred (reward errors since step %d)", self.step_count, failing
-                )
-            elif saving or last or stop.requested or (deferred and failing is None):
+            # not a checkpoint of steps trained on failing rewards: deferred until a step is under the rate
+            if cadence.due(self.step_count, last or stop.requested, self.rewards.failing_since):
                 with self.progress.stage("checkpoint"):
                     self.save_checkpoint()
-                deferred = False
             self.progress.step_done(self.step_count, metrics)
 
     def _recover(self, error: WorkerError, restarts: int) -> None:
@@ -266,14 +203,7 @@ class RLTrainer:
         self.restarts = restarts
 
     def _resume_hint(self) -> str:
-        try:
-            latest = self.checkpoints.latest()
-        except ConfigError as exc:
-            return str(exc)
-        if latest is None:
-            return "no checkpoint to resume from"
-        how = "the same command" if self.cfg.trainer.resume else "the same command with trainer.resume=true"
-        return f"{how} resumes from {latest}"
+        return resume_hint(self.checkpoints, self.cfg.trainer.resume)
 
     def _start_workers(self, wait_s: float = 0.0) -> None:
         """The worker groups of every role, placed as `resources` says; and the throughput meter.
@@ -365,80 +295,29 @@ class RLTrainer:
         return {**self.batch_metrics(batch), **gen_metrics, **kl_metrics, **update_metrics, **timings, **perf}
 
     def _publish_weights(self) -> dict[str, float]:
-        """After an update: weights to the sampler (asynchronous: every `sync_every` updates, then the
-        producer may generate with the new version; with partial rollouts, between two chunks)."""
-        version = self.step_count + 1  # updates applied, this step's included
-        if not self.cfg.async_rl.staleness:
-            self.sync_sampler()
-            return {}
-        metrics = {"async/weight_sync_s": 0.0, "async/publish_wait_s": 0.0}
-        if version % self.cfg.async_rl.sync_every:
-            return metrics
+        """After an update: weights to the sampler (trainers/async_driver.py: asynchronous, every `sync_every`)."""
         actor, _ = self._running()
-        pool, producer = self.groups.rollout_pool if self.groups is not None else None, self.producer
-        if pool is None or producer is None:
-            start = time.perf_counter()
-            self.sync_sampler()
-            metrics["async/weight_sync_s"] = time.perf_counter() - start
-            return metrics
-        if isinstance(producer, StreamingProducer):  # loaded by the producer once its groups in flight end
-            start = time.perf_counter()
-            producer.hand_weights(version, actor.rollout_weights())
-            metrics["async/weight_sync_s"] = time.perf_counter() - start
-            return metrics
-        producer.wait_before_publish(version)
-        start = time.perf_counter()
-        weights = actor.rollout_weights()  # fetched while the pool keeps generating
-        fetched = time.perf_counter() - start
-        with producer.loading_weights(version) as waited:
-            start = time.perf_counter()
-            pool.load_weights(weights)
-        metrics.update(waited)
-        metrics["async/weight_sync_s"] = fetched + time.perf_counter() - start
-        return metrics
+        pool = self.groups.rollout_pool if self.groups is not None else None
+        version = self.step_count + 1  # updates applied, this step's included
+        return publish_weights(self.cfg.async_rl, version, actor, pool, self.producer, self.sync_sampler)
 
     def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
-        """The next batch the producer sampled ahead (trainers/async_rollout.py), scored here."""
-        async_rl, version = self.cfg.async_rl, self.step_count
-        pool = self.groups.rollout_pool if self.groups is not None else None
+        """The next batch the producer sampled ahead (trainers/async_driver.py), scored here."""
         if self.producer is None:
-            start = version - version % async_rl.sync_every  # the version the pool holds after a (re)start
-            self.producer = (
-                StreamingProducer(
-                    self.cfg, pool, self.loader, self.sampling, start, self.pad_id, list(self.stream_settled)
-                )
-                if async_rl.streaming and pool is not None
-                else RolloutProducer(
-                    self.cfg, rollout, self.loader, self.sampling, start, self.pad_id, self._decode
-                )
+            pool = self.groups.rollout_pool if self.groups is not None else None
+            self.producer = start_producer(
+                self.cfg,
+                rollout,
+                pool,
+                self.loader,
+                self.sampling,
+                self.step_count,
+                self.pad_id,
+                self._decode,
+                self.stream_settled,
             )
             self.stream_settled.clear()
-        if isinstance(self.producer, StreamingProducer):  # trainers/streaming.py: scored as groups arrive
-            batch, metrics = self.producer.take_batch(version, self.rewards.score)
-            metrics.update(self.rewards.end_step())
-            return batch, metrics
-        metrics = {"async/dropped_samples": 0.0, "async/regenerated_samples": 0.0}
-        while True:
-            item, taken = self.producer.take(version)
-            if version - item.version <= async_rl.staleness:
-                batch = item.batch
-                break
-            rows = float(len(item.batch))
-            if async_rl.on_stale == "regenerate":  # the same prompts, sampled with the newest weights
-                prompts = item.prompts.repeat(self.cfg.rollout.n, interleave=True)
-                batch = rollout.sample(prompts, self.sampling).union(prompts.select(tensor_keys=[]))
-                batch = batch.union(versions_column(batch, self.producer.published))
-                metrics["async/regenerated_samples"] += rows
-                taken["async/staleness"] = float(version - self.producer.published)
-                break
-            metrics["async/dropped_samples"] += rows
-            log.warning("async: dropped a batch sampled at version %d at version %d", item.version, version)
-        metrics.update(taken)
-        metrics.update(staleness_metrics(batch, version, async_rl.staleness))
-        batch = batch.union(self.rewards.score(batch))
-        metrics["throughput/gen_tokens_total"] = float(batch[keys.RESPONSE_MASK].sum())
-        metrics.update(self.rewards.end_step())
-        return batch, metrics
+        return take_batch(self.producer, self.cfg, rollout, self.sampling, self.step_count, self.rewards)
 
     def sync_sampler(self) -> None:
         """New weights to the sampler: in-process when colocated, else from actor rank 0 via the object store."""
@@ -485,32 +364,14 @@ class RLTrainer:
         """`ppo_epochs` passes over mini-batches; the loss of each is normalised by its global totals."""
         actor, _ = self._running()
         extra = [keys.REF_LOG_PROB] if self.cfg.actor.use_kl_loss else []
-        extra += self._replayed
-        update_keys = [k for k in UPDATE_KEYS if k in batch.keys()]
-
-        def train(mb: Batch) -> Metrics:
-            return {**actor.forward_backward(mb, self.loss, temperature=self._temp), **actor.optim_step()}
-
-        actor_cfg = self.cfg.actor
-        return minibatch_updates(
-            batch.select(update_keys + extra, self.image_keys),
-            actor_cfg.mini_batch_size,
-            actor_cfg.ppo_epochs,
-            "actor",
-            train,
+        update_keys = [k for k in UPDATE_KEYS if k in batch.keys()] + extra + self._replayed
+        return actor_update(
+            actor, batch.select(update_keys, self.image_keys), self.loss, self.cfg.actor, self._temp
         )
 
     def update_critic(self, batch: Batch) -> Metrics:
-        critic = self.critic
-        assert critic is not None
-
-        def train(mb: Batch) -> Metrics:
-            return {**critic.forward_backward(mb, self.critic_loss), **critic.optim_step()}
-
-        critic_cfg = self.cfg.critic
-        return minibatch_updates(
-            batch.select(CRITIC_KEYS, []), critic_cfg.mini_batch_size, critic_cfg.ppo_epochs, "critic", train
-        )
+        assert self.critic is not None
+        return critic_update(self.critic, batch.select(CRITIC_KEYS, []), self.critic_loss, self.cfg.critic)
 
     def batch_metrics(self, batch: Batch) -> Metrics:
         return batch_metrics(batch, self.loader.epoch)
@@ -544,26 +405,14 @@ class RLTrainer:
     def _checkpoint_parts(self) -> tuple[list[Stateful], dict[str, DriverState]]:
         """What a checkpoint holds: each worker group's files, and the driver's parts by name."""
         actor, _ = self._running()
-        workers: list[Stateful] = [actor]
-        if self.critic is not None:
-            workers.append(self.critic)
-        if self.groups is not None and self.groups.rollout_pool is not None:
-            workers.append(self.groups.rollout_pool)
-        states: dict[str, DriverState] = {
-            "rewards": self.rewards,
-            "dataloader": TrainedLoaderState(self.loader, self.producer, self.stream_settled),
-            "rng": ProcessRNG(),
-        }
-        return workers, states
+        pool = self.groups.rollout_pool if self.groups is not None else None
+        return checkpoint_parts(
+            actor, self.critic, pool, self.rewards, self.loader, self.producer, self.stream_settled
+        )
 
     def save_checkpoint(self) -> Path:
         workers, states = self._checkpoint_parts()
-        meta = {
-            "world_size": self.cfg.trainer.world_size,
-            "model": model_fingerprint(self.cfg.model.path),
-            "config": to_dict(self.cfg),
-        }
-        path = self.checkpoints.save(self.step_count, workers, states, meta)
+        path = self.checkpoints.save(self.step_count, workers, states, checkpoint_meta(self.cfg))
         self._published = True
         return path
 

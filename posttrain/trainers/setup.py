@@ -1,6 +1,6 @@
 """Start-up for the driver loops: engine and worker specs from the config, and the algorithm's options
-(estimator and loss keyword arguments, rollout correction, optimizer steps per step). The checks that fail
-fast are in trainers/checks.py."""
+(estimator and loss keyword arguments, rollout correction, optimizer steps per step, sampling parameters).
+The checks that fail fast are in trainers/checks.py."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.engine_config import EngineConfig
 from posttrain.errors import ConfigError
+from posttrain.rollout.base import SamplingParams
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
 
@@ -188,6 +189,22 @@ def reuses_update_log_probs(cfg: RLConfig) -> bool:
     bypass = cfg.algorithm.rollout_correction.bypass_mode
     skip = bypass or (cfg.actor.reuse_log_probs_on_policy and one_step)
     return skip and not cfg.algorithm.use_kl_in_reward
+
+
+def sampling_params(cfg: RLConfig) -> tuple[SamplingParams, SamplingParams]:
+    """Training's sampling (`rollout.*`, validated) and validation's: `rollout.val_temperature`, untruncated."""
+    sampling = SamplingParams(
+        max_tokens=cfg.data.max_response_length,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        min_p=cfg.rollout.min_p,
+        stop=cfg.rollout.stop,
+    )
+    sampling.validate()
+    return sampling, dataclasses.replace(
+        sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0
+    )
 
 
 def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:

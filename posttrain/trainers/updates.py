@@ -2,7 +2,8 @@
 data-parallel balancing of a step's samples.
 
 `minibatch_updates` is shared by the actor and the critic: `train(mb)` runs one role's forward/backward
-and optimizer step on a mini-batch and returns its metrics.
+and optimizer step on a mini-batch and returns its metrics; `actor_update` and `critic_update` are the two
+roles' updates over it. The `*_KEYS` lists say which columns each verb sends to the workers.
 """
 
 from __future__ import annotations
@@ -10,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from posttrain.algorithms.aggregation import global_totals
+from posttrain.config.schema import ActorConfig, CriticConfig
+from posttrain.controller.roles import ActorGroup, CriticGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.partition import balanced_partition
+from posttrain.workers.losses import LossSpec
 
 Metrics = dict[str, float]
+
+# What each verb needs on the wire (the rest of the Batch stays on the driver).
+FORWARD_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS, keys.RESPONSES]
+UPDATE_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.OLD_LOG_PROBS, keys.ADVANTAGES, keys.ROLLOUT_LOG_PROBS]
+CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
 
 
 def minibatch_updates(
@@ -42,6 +51,27 @@ def minibatch_updates(
                     sums[name] = sums.get(name, 0.0) + v
             count += 1
     return {**{k: v / count for k, v in sums.items()}, **maxima}
+
+
+def actor_update(
+    actor: ActorGroup, batch: Batch, loss: LossSpec, actor_cfg: ActorConfig, temperature: float
+) -> Metrics:
+    """The actor's update on `batch` (the columns it sends): `actor.ppo_epochs` passes over mini-batches of
+    `actor.mini_batch_size` samples, one forward/backward with `loss` and one optimizer step each."""
+
+    def train(mb: Batch) -> Metrics:
+        return {**actor.forward_backward(mb, loss, temperature=temperature), **actor.optim_step()}
+
+    return minibatch_updates(batch, actor_cfg.mini_batch_size, actor_cfg.ppo_epochs, "actor", train)
+
+
+def critic_update(critic: CriticGroup, batch: Batch, loss: LossSpec, critic_cfg: CriticConfig) -> Metrics:
+    """The critic's update on `batch` (CRITIC_KEYS): its own epochs over its own mini-batches."""
+
+    def train(mb: Batch) -> Metrics:
+        return {**critic.forward_backward(mb, loss), **critic.optim_step()}
+
+    return minibatch_updates(batch, critic_cfg.mini_batch_size, critic_cfg.ppo_epochs, "critic", train)
 
 
 def balance_across_workers(batch: Batch, workers: int) -> tuple[Batch, Metrics]:

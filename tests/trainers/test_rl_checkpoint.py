@@ -1,0 +1,51 @@
+"""The RL run's checkpoint cadence and resume hint (posttrain/trainers/rl_checkpoint.py), without workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.trainers.checkpoint import CheckpointManager
+from posttrain.trainers.rl_checkpoint import CheckpointCadence, resume_hint
+
+
+def saved_steps(
+    cadence: CheckpointCadence, total: int, failing: dict[int, int], stop_at: int = 0
+) -> list[int]:
+    """The steps after which the loop saves; `failing`: step -> the step reward failures started."""
+    saved = []
+    for step in range(1, total + 1):
+        final = step == total or step == stop_at
+        if cadence.due(step, final, failing.get(step)):
+            saved.append(step)
+        if step == stop_at:
+            break
+    return saved
+
+
+def test_periodic_checkpoints_and_the_last_step() -> None:
+    assert saved_steps(CheckpointCadence(save_every=2), total=5, failing={}) == [2, 4, 5]
+    assert saved_steps(CheckpointCadence(save_every=0), total=5, failing={}) == [5], "0: only at the end"
+
+
+def test_a_checkpoint_due_while_rewards_fail_waits_for_a_step_under_the_rate() -> None:
+    # steps 2-3 over the rate: step 2's checkpoint is deferred and written after step 4, the first under it
+    assert saved_steps(CheckpointCadence(save_every=2), total=6, failing={2: 2, 3: 2}) == [4, 6]
+    # a deferred save is written after the first good step even when that step is not a periodic one
+    assert saved_steps(CheckpointCadence(save_every=2), total=7, failing={2: 2}) == [3, 4, 6, 7]
+
+
+def test_the_last_step_and_a_stop_save_whatever_the_rate() -> None:
+    assert saved_steps(CheckpointCadence(save_every=2), total=4, failing={4: 3}) == [2, 4]
+    assert saved_steps(CheckpointCadence(save_every=10), total=8, failing={3: 3}, stop_at=3) == [3]
+
+
+def test_the_resume_hint_names_the_checkpoint_and_the_setting(tmp_path: Path) -> None:
+    checkpoints = CheckpointManager(tmp_path)
+    assert resume_hint(checkpoints, resume=True) == "no checkpoint to resume from"
+    path = checkpoints.publish(checkpoints.begin(3), 3, {"step": 3})
+    assert resume_hint(checkpoints, resume=True) == f"the same command resumes from {path}"
+    assert resume_hint(checkpoints, resume=False) == (
+        f"the same command with trainer.resume=true resumes from {path}"
+    )
+    (tmp_path / "latest").write_text("step_9")  # a pointer to nothing: the loader's message, not a crash
+    assert "step_9, which is incomplete or missing" in resume_hint(checkpoints, resume=True)
