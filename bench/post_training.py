@@ -85,6 +85,7 @@ GRPO_RM_STEPS = 100
 # steps) instead of stopping at held-out NLL 0.7 (validation only watches, every 100 steps). From the warm start,
 # 2,000 steps reached 84.4% held-out pairwise accuracy (83.3 / 85.9 / 84.0) and GRPO on them fell 37.9% -> 17.1%
 RM_BASE_OVERRIDES = ["trainer.stop_at_val_nll=0", "trainer.val_every=100"]  # after the demo's SFT_OVERRIDES
+NEAR_SLIPS = (1, 2, 3, 9, 10, 11, 20)  # the answer +- these: the slips a policy's near misses make
 REJECTED_PER_PROBLEM = 4  # pairs per problem (distinct wrong answers): 8,800 train / 1,024 held-out pairs
 
 
@@ -205,7 +206,8 @@ def sampled_pairs(paths: dict[str, Path], work: Path) -> Path:
 
 def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int, loss: str, name: str) -> dict[str, Any]:
     run_dir = work / f"{name}-seed{seed}"
-    if not (run_dir / "hf" / "config.json").exists():
+    ran = not (run_dir / "hf" / "config.json").exists()
+    if ran:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         run(
@@ -225,6 +227,7 @@ def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int, loss: str, 
     pref = [r["val/rewards_accuracy"] for r in rows if "val/rewards_accuracy" in r]
     return {
         "seed": seed,
+        "ran": ran,
         "val_acc": held_out_accuracy(run_dir / "hf", paths["data"], run_dir / "eval"),
         "held_out_preference_accuracy": pref[-1] if pref else None,
     }
@@ -238,7 +241,8 @@ def rm_settings() -> dict[str, Any]:
 def rm(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str, Any]:
     run_dir = work / f"rm-seed{seed}"
     settings = rm_settings()
-    if not cached(run_dir, settings, run_dir / "rm_eval.json"):
+    ran = not cached(run_dir, settings, run_dir / "rm_eval.json")
+    if ran:
         run(
             [
                 *POSTTRAIN,
@@ -253,7 +257,48 @@ def rm(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str,
         )
         mark_done(run_dir, settings)
     final = json.loads((run_dir / "rm_eval.json").read_text())
-    return {"seed": seed, "pairwise_accuracy": final["val/accuracy"], "pairs": final.get("val/pairs")}
+    return {
+        "seed": seed,
+        "ran": ran,
+        "pairwise_accuracy": final["val/accuracy"],
+        "pairs": final.get("val/pairs"),
+        "near_slip_top1": near_slip_top1(run_dir / "hf", paths["data"] / "test.parquet"),
+    }
+
+
+def near_slip_top1(reward_model: Path, test: Path) -> float:
+    """Share of held-out problems whose right answer the reward model scores above all of its near slips
+    (the answer +-1, 2, 3, 9, 10, 11, 20 that are >= 0): what GRPO on the model climbs towards, which pairwise
+    accuracy on random slips (mostly easy ones) does not show. Rendered as RL renders a response for it."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.data.chat_masks import completion_tokens
+    from posttrain.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(reward_model))
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    pad = int(tokenizer.pad_token_id)
+    first = 0
+    rows = pq.read_table(test).to_pylist()
+    for row in rows:
+        answer = int(row["reward_model"]["ground_truth"])
+        slips = [answer + sign * step for step in NEAR_SLIPS for sign in (1, -1)]
+        candidates = [answer, *(c for c in slips if c >= 0)]
+        ids = [
+            completion_tokens(
+                tokenizer, row["prompt"], [{"role": "assistant", "content": str(c)}], "near slip"
+            )[0]
+            for c in candidates
+        ]
+        width = max(len(i) for i in ids)
+        input_ids = torch.tensor([i + [pad] * (width - len(i)) for i in ids])
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+        with torch.no_grad():  # right padding: the score is read at each row's last token
+            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, 0]
+        first += int(logits.argmax()) == 0
+    return first / len(rows)
 
 
 def grpo_rm(paths: dict[str, Path], work: Path, seed: int, steps: int, workers: int) -> dict[str, Any]:
@@ -269,7 +314,8 @@ def grpo_rm(paths: dict[str, Path], work: Path, seed: int, steps: int, workers: 
         )
     run_dir = work / f"grpo_rm-seed{seed}"
     settings = {"reward_model": expected, "steps": steps, "workers": workers, "rl": RL_OVERRIDES}
-    if not cached(run_dir, settings, run_dir / "done"):
+    ran = not cached(run_dir, settings, run_dir / "done")
+    if ran:
         overrides = [o for o in RL_OVERRIDES if not o.startswith(("trainer.loggers", "trainer.save_every"))]
         run(
             [
@@ -297,6 +343,7 @@ def grpo_rm(paths: dict[str, Path], work: Path, seed: int, steps: int, workers: 
     scores = [r["reward/model_score/mean"] for r in rows if "reward/model_score/mean" in r]
     return {
         "seed": seed,
+        "ran": ran,
         "start_val_acc": curve[0]["val_acc"],
         "last3_val_acc": statistics.mean(c["val_acc"] for c in curve[-3:]),
         "curve": curve,
@@ -336,17 +383,17 @@ def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[
             },
         ]
     if stage == "rm":
-        accs = [r["pairwise_accuracy"] for r in runs]
-        return [
-            {
-                "case": "reward model (Bradley-Terry) on arithmetic pairs, tiny",
-                "metric": "held_out_pairwise_accuracy",
-                "value": round(statistics.mean(accs), 4),
-                "higher_is_better": True,
-                "repeats": len(accs),
-                "spread": spread(accs),
-            }
-        ]
+        case = "reward model (Bradley-Terry) on arithmetic pairs, tiny"
+        rows = []
+        for metric, key in [
+            ("held_out_pairwise_accuracy", "pairwise_accuracy"),
+            ("near_slip_top1", "near_slip_top1"),
+        ]:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values:
+                rows.append({"case": case, "metric": metric, "value": round(statistics.mean(values), 4),
+                             "higher_is_better": True, "repeats": len(values), "spread": spread(values)})  # fmt: skip
+        return rows
     accs = [r["last3_val_acc"] for r in runs]
     starts = [r["start_val_acc"] for r in runs]
     return [
@@ -365,6 +412,8 @@ def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[
 
 
 def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    """One panel per stage measured: DPO against its sft-term control and the start, the reward models'
+    held-out pairwise accuracy against the 85% target, GRPO-on-RM's held-out accuracy curves."""
     try:
         import matplotlib
 
@@ -373,17 +422,43 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot (pip install -e .[bench])")
         return
-    runs = results.get("grpo_rm", [])
-    if not runs:
+    stages = [s for s in STAGES if results.get(s)]
+    if not stages:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
-        ax.plot(
-            [c["step"] for c in r["curve"]], [c["val_acc"] for c in r["curve"]], label=f"seed {r['seed']}"
-        )
-    ax.set_xlabel("GRPO step (reward: the reward model alone)")
-    ax.set_ylabel("held-out accuracy (rule scorer, greedy)")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(stages), figsize=(5 * len(stages), 4), squeeze=False)
+    for ax, stage in zip(axes[0], stages, strict=True):
+        runs = results[stage]
+        seeds = [r["seed"] for r in runs]
+        if stage == "dpo":
+            width = 0.27
+            for k, (key, label) in enumerate(
+                [("sft_start_val_acc", "SFT start"), ("val_acc", "DPO (sigmoid + sft)"),
+                 ("sft_control_val_acc", "sft term alone (control)")]
+            ):  # fmt: skip
+                ax.bar([s + (k - 1) * width for s in seeds], [r[key] for r in runs], width, label=label)
+            ax.set_ylabel("held-out accuracy (rule scorer, greedy)")
+            ax.set_title("DPO from the SFT warm start")
+            ax.set_ylim(0, 1)
+        elif stage == "rm":
+            ax.bar(seeds, [r["pairwise_accuracy"] for r in runs], 0.5, label="held-out pairwise accuracy")
+            near = [r.get("near_slip_top1") for r in runs]
+            if all(v is not None for v in near):
+                ax.plot(seeds, near, "o", color="C3", label="right answer first among its near slips")
+            ax.axhline(0.85, color="gray", ls="--", label="target 85%")
+            ax.set_ylim(0, 1)
+            ax.set_title("reward model (Bradley-Terry)")
+        else:
+            for r in runs:
+                curve = r["curve"]
+                ax.plot([c["step"] for c in curve], [c["val_acc"] for c in curve], label=f"seed {r['seed']}")
+            start = runs[0]["start_val_acc"]
+            ax.axhline(start + 0.10, color="gray", ls="--", label="target: start + 10 points")
+            ax.set_xlabel("GRPO step (reward: the reward model alone)")
+            ax.set_ylabel("held-out accuracy (rule scorer, greedy)")
+            ax.set_title("GRPO on the reward model")
+        if stage != "grpo_rm":
+            ax.set_xticks(seeds, [f"seed {s}" for s in seeds])
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -428,6 +503,7 @@ def main() -> None:
         "grpo_rm": {"steps": args.grpo_steps, "workers": args.workers},
     }  # fmt: skip
     for stage in stages:
+        before_runs = {r["seed"]: r for r in results.get(stage, [])}
         results[stage] = []
         for seed in range(args.seeds):
             print(f"[{stage}] seed {seed}", flush=True)
@@ -435,13 +511,20 @@ def main() -> None:
                 out = dpo(paths, work, seed, args.threads, DPO_LOSS, "dpo")
                 control = dpo(paths, work, seed, args.threads, CONTROL_LOSS, "sft_control")
                 out["sft_control_val_acc"] = control["val_acc"]
+                out["ran"] = out["ran"] or control["ran"]
             elif stage == "rm":
                 out = rm(paths, work, seed, args.threads)
             else:
                 out = grpo_rm(paths, work, seed, args.grpo_steps, args.workers)
             out["sft_start_val_acc"] = start
-            out["code"] = code  # stages not re-run keep their own runs' code and settings (below)
-            out["settings"] = settings[stage]
+            earlier = before_runs.get(seed, {})
+            if out.pop("ran", True) or "code" not in earlier:
+                out["code"] = code  # stages not re-run keep their own runs' code and settings (below)
+                out["settings"] = settings[stage]
+            else:  # a cached run (its settings unchanged): the code and settings it ran with
+                out["code"], out["settings"] = earlier["code"], earlier.get("settings", settings[stage])
+            if stage == "rm":  # computed now, on the run's reward model
+                out["near_slip_top1_code"] = code
             print("  " + json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)
             results[stage].append(out)
     rows = [
