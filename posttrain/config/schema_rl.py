@@ -156,6 +156,11 @@ class RewardModelConfig:
     with_rule_rewards: bool = False
     pool: str = "trainer"  # trainer = colocated with the actor (sharing its workers); another = its own pool
     micro_batch_size: int = 64  # rows per forward pass on one worker
+    # more reward models scoring every response beside `path` (an ensemble, Coste et al. 2024): their scores
+    # are combined into one by `combine`, so a policy cannot climb one model's errors alone
+    ensemble: list[str] = field(default_factory=list)
+    combine: Literal["mean", "min", "uwo"] = "mean"  # min: worst case; uwo: mean - uwo_coef * variance
+    uwo_coef: float = 0.0  # uwo's lambda on the variance across the models (> 0 with combine=uwo only)
 
 
 @dataclass(frozen=True)

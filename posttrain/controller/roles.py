@@ -335,9 +335,9 @@ class CriticGroup(RoleGroup):
 class RewardModelGroup(RoleGroup):
     """A reward model (`RewardModelWorker`): trained by `posttrain rm`, scoring responses in RL."""
 
-    def score(self, batch: Batch) -> Batch:
-        """`rm_score` (B,) of right-padded rows."""
-        return self._batch("score", batch)
+    def score(self, batch: Batch, model: int = 0) -> Batch:
+        """`rm_score` (B,) of right-padded rows by reward model `model` (0, or an ensemble member's 1..)."""
+        return self._batch("score", batch, model)
 
     def forward_backward(self, batch: Batch, loss: LossSpec) -> Metrics:
         return self._metrics("forward_backward", batch, loss)

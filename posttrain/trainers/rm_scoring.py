@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from posttrain.algorithms.reward_ensemble import COMBINE_MODES, combine_ensemble_scores, ensemble_disagreement
 from posttrain.config.schema import RewardModelConfig, RLConfig
 from posttrain.controller.roles import RewardModelGroup
 from posttrain.data import keys
@@ -43,18 +44,9 @@ def check_reward_model(cfg: RLConfig) -> None:
         if unused:
             raise ConfigError(f"{', '.join(unused)} set but reward.model.path is empty (no reward model)")
         return
-    check_model_dir(rm.path)
-    architectures = getattr(load_config(rm.path), "architectures", None) or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        raise ConfigError(
-            f"reward.model.path={rm.path} holds {', '.join(architectures) or 'a model'}, not a reward model (a "
-            "...ForSequenceClassification with one score): train one with `posttrain rm`"
-        )
-    if not getattr(load_tokenizer(rm.path), "chat_template", None):
-        raise ConfigError(
-            f"reward.model.path={rm.path}: its tokenizer has no chat template, and each response is scored as "
-            "the prompt's messages + the response rendered with it; add one (tokenizer_config.json)"
-        )
+    for key, path in [("path", rm.path), *((f"ensemble[{i}]", p) for i, p in enumerate(rm.ensemble))]:
+        check_reward_model_dir(f"reward.model.{key}", path)
+    check_ensemble(rm)
     if not (math.isfinite(rm.weight) and rm.weight > 0):
         raise ConfigError(f"reward.model.weight must be a finite number > 0, got {rm.weight}")
     if rm.micro_batch_size <= 0:
@@ -67,6 +59,45 @@ def check_reward_model(cfg: RLConfig) -> None:
         raise ConfigError(
             "algorithm.gdpo_reward_keys are components of the rule reward function's results; a reward model "
             "has one score: unset reward.model.path or algorithm.gdpo_reward_keys"
+        )
+
+
+def check_reward_model_dir(key: str, path: str) -> None:
+    """`path` (the setting `key`) holds a sequence classifier whose tokenizer has a chat template."""
+    check_model_dir(path)
+    architectures = getattr(load_config(path), "architectures", None) or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise ConfigError(
+            f"{key}={path} holds {', '.join(architectures) or 'a model'}, not a reward model (a "
+            "...ForSequenceClassification with one score): train one with `posttrain rm`"
+        )
+    if not getattr(load_tokenizer(path), "chat_template", None):
+        raise ConfigError(
+            f"{key}={path}: its tokenizer has no chat template, and each response is scored as the prompt's "
+            "messages + the response rendered with it; add one (tokenizer_config.json)"
+        )
+
+
+def check_ensemble(rm: RewardModelConfig) -> None:
+    """`reward.model.ensemble`/`combine`/`uwo_coef` that cannot work or would be ignored are refused."""
+    paths = [rm.path, *rm.ensemble]
+    repeated = sorted({p for p in paths if paths.count(p) > 1})
+    if repeated:
+        raise ConfigError(f"reward.model.path/ensemble name {', '.join(repeated)} more than once")
+    unused = [f"reward.model.{k}={v}" for k, v, unset in [("combine", rm.combine, "mean"), ("uwo_coef", rm.uwo_coef, 0)]
+              if v != unset]  # fmt: skip
+    if not rm.ensemble and unused:
+        raise ConfigError(
+            f"{', '.join(unused)} set but reward.model.ensemble is empty: one reward model has nothing to "
+            "combine (add models to reward.model.ensemble)"
+        )
+    if rm.combine not in COMBINE_MODES:
+        raise ConfigError(f"reward.model.combine={rm.combine!r}; valid: {', '.join(COMBINE_MODES)}")
+    if rm.combine == "uwo" and not (math.isfinite(rm.uwo_coef) and rm.uwo_coef > 0):
+        raise ConfigError(f"reward.model.combine=uwo needs reward.model.uwo_coef > 0, got {rm.uwo_coef}")
+    if rm.combine != "uwo" and rm.uwo_coef != 0:
+        raise ConfigError(
+            f"reward.model.uwo_coef={rm.uwo_coef} is used by combine=uwo only (combine={rm.combine})"
         )
 
 
@@ -85,47 +116,63 @@ def reward_model_spec(cfg: RLConfig, threads: int) -> RewardModelSpec:
         share_prompt=False,
         micro_batch_size=rm.micro_batch_size,
     )
-    return RewardModelSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
+    ensemble = tuple(dataclasses.replace(engine, model_path=path) for path in rm.ensemble)
+    return RewardModelSpec(engine=engine, ensemble=ensemble, seed=cfg.trainer.seed, threads=threads)
 
 
 class RewardModelScorer:
-    """Scores a step's responses with the reward model: renders the rows, calls the group, checks the scores."""
+    """Scores a step's responses with the reward model (or the ensemble of `reward.model.ensemble`, each model
+    with its own tokenizer, their scores combined by algorithms/reward_ensemble.py): renders the rows, calls
+    the group, checks the scores."""
 
     def __init__(self, config: RewardModelConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.path)
-        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.tokenizers = [load_tokenizer(path) for path in [config.path, *config.ensemble]]
         self.group: RewardModelGroup | None = None
+        self._disagreement: list[float] = []  # this step's per-response spread of the ensemble's scores
 
     def attach(self, group: RewardModelGroup | None) -> None:
         """The running `reward_model` group (None while the workers are down)."""
         self.group = group
 
-    def inputs(self, batch: Batch) -> Batch:
-        """Right-padded rows of the reward model's tokens: prompt messages + response as the assistant turn."""
+    def inputs(self, batch: Batch, model: int = 0) -> Batch:
+        """Right-padded rows of reward model `model`'s tokens: prompt messages + response as the assistant
+        turn, rendered with that model's chat template."""
+        tokenizer = self.tokenizers[model]
         items = []
         for i, (messages, response) in enumerate(
             zip(batch[keys.PROMPT_MESSAGES], batch[keys.RESPONSE_TEXT], strict=True)
         ):
             where = f"reward model input of row {i} (prompt index {batch[keys.INDEX][i]})"
             completion = [{"role": "assistant", "content": str(response)}]
-            ids, _ = completion_tokens(self.tokenizer, list(messages), completion, where)
+            ids, _ = completion_tokens(tokenizer, list(messages), completion, where)
             items.append({"input_ids": ids, keys.LOSS_MASK: [0] * len(ids), "index": i})
-        return collate_sft(items, self.pad_id).select(RM_INPUTS, [])
+        return collate_sft(items, int(tokenizer.pad_token_id)).select(RM_INPUTS, [])
 
     def score(self, batch: Batch) -> torch.Tensor:
-        """(B,) float32 scores; a RewardError names the rows of a non-finite score."""
+        """(B,) float32 scores (an ensemble's combined); a RewardError names the rows of a non-finite score
+        and the model that gave it."""
         if self.group is None:
             raise RuntimeError("the reward model's workers are not running (RewardStage.attach_model)")
-        inputs = self.inputs(batch)
-        extra = -len(inputs) % self.group.world_size  # every rank gets as many rows
-        if extra:
-            inputs = Batch.concat([inputs, inputs.index([len(inputs) - 1] * extra)])
-        scores: torch.Tensor = self.group.score(inputs)[RM_SCORE][: len(batch)].to(torch.float32)
-        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-        if bad:
-            raise RewardError(f"the reward model gave non-finite scores to rows {bad[:10]} of {len(batch)}")
-        return scores
+        paths = [self.config.path, *self.config.ensemble]
+        per_model = []
+        for model, path in enumerate(paths):
+            inputs = self.inputs(batch, model)
+            extra = -len(inputs) % self.group.world_size  # every rank gets as many rows
+            if extra:
+                inputs = Batch.concat([inputs, inputs.index([len(inputs) - 1] * extra)])
+            scores: torch.Tensor = self.group.score(inputs, model)[RM_SCORE][: len(batch)].to(torch.float32)
+            bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+            if bad:
+                raise RewardError(
+                    f"the reward model {path} gave non-finite scores to rows {bad[:10]} of {len(batch)}"
+                )
+            per_model.append(scores)
+        if len(per_model) == 1:
+            return per_model[0]
+        stacked = torch.stack(per_model)
+        self._disagreement.extend(ensemble_disagreement(stacked).tolist())
+        return combine_ensemble_scores(stacked, self.config.combine, self.config.uwo_coef)
 
     def metrics(self, scores: list[float], rule_scores: list[float]) -> dict[str, Any]:
         """A step's `reward/model_score/*` (and the rule reward's mean when it is added)."""
@@ -140,4 +187,7 @@ class RewardModelScorer:
         }
         if rule_scores:
             out["reward/rule_score/mean"] = float(torch.tensor(rule_scores, dtype=torch.float64).mean())
+        if self._disagreement:  # the ensemble's spread per response, averaged over the step's responses
+            out["reward/model_score/ensemble_std"] = float(torch.tensor(self._disagreement).mean())
+            self._disagreement = []
         return out

@@ -59,6 +59,7 @@ def bradley_terry(options: dict[str, Any], dp_size: int) -> LossFn:
 @dataclass(frozen=True)
 class RewardModelSpec:
     engine: EngineConfig  # head="reward"; trainable=False to score only
+    ensemble: tuple[EngineConfig, ...] = ()  # more frozen reward models scoring beside it (`score(model=i)`)
     seed: int = 0
     threads: int = 0
 
@@ -71,14 +72,18 @@ class RewardModelWorker:
         prepare_worker_process(spec.threads, rank_seed(spec.seed, dist_info.rank))
         self.rank = dist_info.rank
         self.engine = RewardEngine(spec.engine, dist_info)
+        self.engines = [self.engine, *(RewardEngine(engine, dist_info) for engine in spec.ensemble)]
         self.dp_size = self.engine.dp_size
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid()}
 
-    def score(self, batch: Batch) -> Batch:
-        """`rm_score` (B,) of right-padded rows (input_ids, attention_mask, position_ids)."""
-        return Batch.from_dict({RM_SCORE: self.engine.compute_scores(batch)})
+    def score(self, batch: Batch, model: int = 0) -> Batch:
+        """`rm_score` (B,) of right-padded rows (input_ids, attention_mask, position_ids) by reward model
+        `model` (0: the spec's engine, i: its ensemble's i-th)."""
+        if not 0 <= model < len(self.engines):
+            raise ValueError(f"reward model {model} of {len(self.engines)}")
+        return Batch.from_dict({RM_SCORE: self.engines[model].compute_scores(batch)})
 
     def forward_backward(self, batch: Batch, loss: LossSpec) -> dict[str, float]:
         start = time.perf_counter()
