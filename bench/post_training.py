@@ -18,13 +18,17 @@ held-out problems and no stage trains on a problem it is scored on.
 - **grpo_rm**: `posttrain train` (GRPO, the demo's settings, 2 FSDP workers on Ray) from the warm start with
   `reward.model.path` = that seed's reward model and no rule reward; `val/acc` is the rule scorer's, which the
   run never sees. Target: +10 points (mean of the last three validations against the start).
+- **grpo_rm_ensemble**: the same GRPO with the mean score of the rm stage's reward models (one per seed,
+  `reward.model.ensemble`, Coste et al. 2024), the same ensemble for every GRPO seed: a policy cannot climb
+  one model's errors alone. Also reports `near_slip_top1` per reward model (the share of held-out problems
+  whose right answer it scores above its 14 nearest slips), what GRPO on it drifts towards.
 
 Each stage runs the CLI in a child process (the commands are printed, so any run can be repeated by hand)
 and caches its output in `--work` (the RM base, rm and grpo_rm runs with the settings they ran with: a run
 with other settings runs again); `--fresh` starts over.
 
     python bench/post_training.py --threads 1           # all stages, 3 seeds
-    python bench/post_training.py --stages rm,grpo_rm --seeds 3 --grpo-steps 60 --threads 1
+    python bench/post_training.py --stages rm,grpo_rm,grpo_rm_ensemble --seeds 3 --threads 1   # 200 GRPO steps
     python bench/post_training.py --stages dpo --seeds 1
 
 Writes bench/results/post_training.json (BENCHMARKS.md format) and post_training.png (with matplotlib).
@@ -44,7 +48,7 @@ from typing import Any
 from common import POSTTRAIN, RESULTS, code_commit, held_out_accuracy, machine_info, write_result
 from common import run_posttrain as run
 
-STAGES = ("dpo", "rm", "grpo_rm")
+STAGES = ("dpo", "rm", "grpo_rm", "grpo_rm_ensemble")
 
 # RPO-style DPO (Pang et al. 2024, "Iterative reasoning preference optimization"): the sigmoid DPO loss plus
 # the NLL of the chosen answer; without the NLL term the chosen answers' log-probs fall with the rejected ones
@@ -80,7 +84,8 @@ RM_OVERRIDES = [
     "trainer.val_every=250",
     "data.val_max_pairs=1024",
 ]
-GRPO_RM_STEPS = 100
+GRPO_RM_STEPS = 200
+ENSEMBLE_COMBINE = "mean"  # grpo_rm_ensemble: the reward models of the rm stage's seeds, their mean score
 # the reward models' starting weights: the warm start's SFT recipe on the same train problems run to its end (800
 # steps) instead of stopping at held-out NLL 0.7 (validation only watches, every 100 steps). From the warm start,
 # 2,000 steps reached 84.4% held-out pairwise accuracy (83.3 / 85.9 / 84.0) and GRPO on them fell 37.9% -> 17.1%
@@ -301,22 +306,35 @@ def near_slip_top1(reward_model: Path, test: Path) -> float:
     return first / len(rows)
 
 
-def grpo_rm(paths: dict[str, Path], work: Path, seed: int, steps: int, workers: int) -> dict[str, Any]:
-    from posttrain.demo import RL_OVERRIDES
-
+def trained_reward_model(work: Path, seed: int) -> Path:
+    """The rm stage's reward model of `seed`, refused unless it was trained with the current settings."""
     reward_model = work / f"rm-seed{seed}" / "hf"
     record = work / f"rm-seed{seed}" / "bench_settings.json"
-    expected = rm_settings()
-    if not record.exists() or json.loads(record.read_text()) != expected:
+    if not record.exists() or json.loads(record.read_text()) != rm_settings():
         raise RuntimeError(
-            f"grpo_rm seed {seed} needs the reward model {reward_model} of the current settings: run the rm "
-            "stage first"
+            f"the GRPO stages need the reward model {reward_model} of the current settings: run the rm stage "
+            "first (with as many seeds)"
         )
-    run_dir = work / f"grpo_rm-seed{seed}"
-    settings = {"reward_model": expected, "steps": steps, "workers": workers, "rl": RL_OVERRIDES}
+    return reward_model
+
+
+def grpo_rm(
+    paths: dict[str, Path], work: Path, seed: int, steps: int, workers: int, ensemble: int = 0
+) -> dict[str, Any]:
+    """GRPO from the warm start whose only reward is seed `seed`'s reward model, or (`ensemble` = M) the mean
+    of the reward models of seeds 0..M-1 (`reward.model.ensemble`, the same for every GRPO seed)."""
+    from posttrain.demo import RL_OVERRIDES
+
+    models = [trained_reward_model(work, s) for s in (range(ensemble) if ensemble else [seed])]
+    name = f"grpo_rm_ensemble{ensemble}" if ensemble else "grpo_rm"
+    run_dir = work / f"{name}-seed{seed}-steps{steps}"
+    settings = {"reward_model": rm_settings(), "models": [str(m) for m in models], "steps": steps,
+                "workers": workers, "rl": RL_OVERRIDES, "combine": ENSEMBLE_COMBINE}  # fmt: skip
     ran = not cached(run_dir, settings, run_dir / "done")
     if ran:
         overrides = [o for o in RL_OVERRIDES if not o.startswith(("trainer.loggers", "trainer.save_every"))]
+        members = [f"reward.model.ensemble=[{','.join(map(str, models[1:]))}]",
+                   f"reward.model.combine={ENSEMBLE_COMBINE}"]  # fmt: skip
         run(
             [
                 *POSTTRAIN,
@@ -324,7 +342,8 @@ def grpo_rm(paths: dict[str, Path], work: Path, seed: int, steps: int, workers: 
                 f"model.path={paths['sft'] / 'hf'}",
                 f"data.train_files=[{paths['data'] / 'train.parquet'}]",
                 f"data.val_files=[{paths['data'] / 'test.parquet'}]",
-                f"reward.model.path={reward_model}",
+                f"reward.model.path={models[0]}",
+                *(members if ensemble else []),
                 "reward.model.with_rule_rewards=false",
                 *overrides,
                 f"trainer.total_steps={steps}",
@@ -398,7 +417,12 @@ def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[
     starts = [r["start_val_acc"] for r in runs]
     return [
         {
-            "case": "grpo with the reward model as its only reward, tiny, rule-scored held-out accuracy",
+            "case": (
+                f"grpo with the mean of {runs[0].get('ensemble', 3)} reward models as its only reward"
+                if stage == "grpo_rm_ensemble"
+                else "grpo with the reward model as its only reward"
+            )
+            + f", tiny, {runs[0]['curve'][-1]['step']} steps, rule-scored held-out accuracy",
             "metric": "held_out_accuracy_last3",
             "value": round(statistics.mean(accs), 4),
             "baseline_name": "start (step 0 validation)",
@@ -453,10 +477,13 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
                 ax.plot([c["step"] for c in curve], [c["val_acc"] for c in curve], label=f"seed {r['seed']}")
             start = runs[0]["start_val_acc"]
             ax.axhline(start + 0.10, color="gray", ls="--", label="target: start + 10 points")
-            ax.set_xlabel("GRPO step (reward: the reward model alone)")
+            ax.set_xlabel("GRPO step (reward: the reward model(s) alone)")
             ax.set_ylabel("held-out accuracy (rule scorer, greedy)")
-            ax.set_title("GRPO on the reward model")
-        if stage != "grpo_rm":
+            ensemble = stage == "grpo_rm_ensemble"
+            ax.set_title(
+                "GRPO on the 3 reward models' mean" if ensemble else "GRPO on each seed's reward model"
+            )
+        if not stage.startswith("grpo"):
             ax.set_xticks(seeds, [f"seed {s}" for s in seeds])
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -501,6 +528,8 @@ def main() -> None:
                 "samples_per_prompt": SAMPLES_PER_PROMPT},
         "rm": {"overrides": RM_OVERRIDES, "base": {"sft": SFT_OVERRIDES, "overrides": RM_BASE_OVERRIDES}},
         "grpo_rm": {"steps": args.grpo_steps, "workers": args.workers},
+        "grpo_rm_ensemble": {"steps": args.grpo_steps, "workers": args.workers, "ensemble": args.seeds,
+                             "combine": ENSEMBLE_COMBINE},
     }  # fmt: skip
     for stage in stages:
         before_runs = {r["seed"]: r for r in results.get(stage, [])}
@@ -515,7 +544,9 @@ def main() -> None:
             elif stage == "rm":
                 out = rm(paths, work, seed, args.threads)
             else:
-                out = grpo_rm(paths, work, seed, args.grpo_steps, args.workers)
+                ensemble = args.seeds if stage == "grpo_rm_ensemble" else 0
+                out = grpo_rm(paths, work, seed, args.grpo_steps, args.workers, ensemble)
+                out["ensemble"] = ensemble or None
             out["sft_start_val_acc"] = start
             earlier = before_runs.get(seed, {})
             if out.pop("ran", True) or "code" not in earlier:
