@@ -267,14 +267,15 @@ def rm(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str,
         "ran": ran,
         "pairwise_accuracy": final["val/accuracy"],
         "pairs": final.get("val/pairs"),
-        "near_slip_top1": near_slip_top1(run_dir / "hf", paths["data"] / "test.parquet"),
+        "near_slip_top1": near_slip_top1([run_dir / "hf"], paths["data"] / "test.parquet"),
     }
 
 
-def near_slip_top1(reward_model: Path, test: Path) -> float:
-    """Share of held-out problems whose right answer the reward model scores above all of its near slips
-    (the answer +-1, 2, 3, 9, 10, 11, 20 that are >= 0): what GRPO on the model climbs towards, which pairwise
-    accuracy on random slips (mostly easy ones) does not show. Rendered as RL renders a response for it."""
+def near_slip_top1(reward_models: list[Path], test: Path) -> float:
+    """Share of held-out problems whose right answer the reward model (several: their mean score, as
+    `reward.model.combine=mean` scores) scores above all of its near slips (the answer +-1, 2, 3, 9, 10, 11,
+    20 that are >= 0): what GRPO on the model drifts towards, which pairwise accuracy on random slips (mostly
+    easy ones) does not show. Each response rendered as RL renders it for that model."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -282,27 +283,30 @@ def near_slip_top1(reward_model: Path, test: Path) -> float:
     from posttrain.data.chat_masks import completion_tokens
     from posttrain.models import load_tokenizer
 
-    tokenizer = load_tokenizer(str(reward_model))
-    model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
-    pad = int(tokenizer.pad_token_id)
+    models = [
+        (load_tokenizer(str(path)), AutoModelForSequenceClassification.from_pretrained(path).eval())
+        for path in reward_models
+    ]
     first = 0
     rows = pq.read_table(test).to_pylist()
     for row in rows:
         answer = int(row["reward_model"]["ground_truth"])
         slips = [answer + sign * step for step in NEAR_SLIPS for sign in (1, -1)]
         candidates = [answer, *(c for c in slips if c >= 0)]
-        ids = [
-            completion_tokens(
-                tokenizer, row["prompt"], [{"role": "assistant", "content": str(c)}], "near slip"
-            )[0]
-            for c in candidates
-        ]
-        width = max(len(i) for i in ids)
-        input_ids = torch.tensor([i + [pad] * (width - len(i)) for i in ids])
-        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
-        with torch.no_grad():  # right padding: the score is read at each row's last token
-            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, 0]
-        first += int(logits.argmax()) == 0
+        scores = []
+        for tokenizer, model in models:
+            ids = [
+                completion_tokens(
+                    tokenizer, row["prompt"], [{"role": "assistant", "content": str(c)}], "near slip"
+                )[0]
+                for c in candidates
+            ]
+            width, pad = max(len(i) for i in ids), int(tokenizer.pad_token_id)
+            input_ids = torch.tensor([i + [pad] * (width - len(i)) for i in ids])
+            mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+            with torch.no_grad():  # right padding: the score is read at each row's last token
+                scores.append(model(input_ids=input_ids, attention_mask=mask).logits[:, 0])
+        first += int(torch.stack(scores).mean(dim=0).argmax()) == 0
     return first / len(rows)
 
 
@@ -368,6 +372,7 @@ def grpo_rm(
         "curve": curve,
         "rm_score_first5": statistics.mean(scores[:5]) if scores else None,
         "rm_score_last5": statistics.mean(scores[-5:]) if scores else None,
+        "reward_models_near_slip_top1": near_slip_top1(models, paths["data"] / "test.parquet"),
     }
 
 
@@ -415,7 +420,7 @@ def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[
         return rows
     accs = [r["last3_val_acc"] for r in runs]
     starts = [r["start_val_acc"] for r in runs]
-    return [
+    rows = [
         {
             "case": (
                 f"grpo with the mean of {runs[0].get('ensemble', 3)} reward models as its only reward"
@@ -433,6 +438,11 @@ def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[
             "spread": spread(accs),
         }
     ]
+    near = runs[0].get("reward_models_near_slip_top1")
+    if stage == "grpo_rm_ensemble" and near is not None:  # one ensemble for every GRPO seed
+        rows.append({"case": f"the mean of {runs[0].get('ensemble')} reward models, tiny", "metric": "near_slip_top1",
+                     "value": round(near, 4), "higher_is_better": True, "repeats": 1})  # fmt: skip
+    return rows
 
 
 def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
