@@ -559,7 +559,7 @@ def main() -> None:
                 out["ensemble"] = ensemble or None
             out["sft_start_val_acc"] = start
             earlier = before_runs.get(seed, {})
-            if out.pop("ran", True) or "code" not in earlier:
+            if out.pop("ran", True) or "code" not in earlier or earlier.get("settings") != settings[stage]:
                 out["code"] = code  # stages not re-run keep their own runs' code and settings (below)
                 out["settings"] = settings[stage]
             else:  # a cached run (its settings unchanged): the code and settings it ran with
