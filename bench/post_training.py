@@ -439,9 +439,10 @@ def rows_for(stage: str, runs: list[dict[str, Any]], start: float) -> list[dict[
         }
     ]
     near = runs[0].get("reward_models_near_slip_top1")
-    if stage == "grpo_rm_ensemble" and near is not None:  # one ensemble for every GRPO seed
+    if stage == "grpo_rm_ensemble" and near is not None:  # one ensemble for every GRPO seed: one score
         rows.append({"case": f"the mean of {runs[0].get('ensemble')} reward models, tiny", "metric": "near_slip_top1",
-                     "value": round(near, 4), "higher_is_better": True, "repeats": 1})  # fmt: skip
+                     "value": round(near, 4), "higher_is_better": True, "repeats": 1,
+                     "spread": [round(near, 4)] * 2})  # fmt: skip
     return rows
 
 
@@ -592,7 +593,9 @@ def main() -> None:
     plot(results, RESULTS / "post_training.png")
     print(f"\nstart (SFT warm start) held-out accuracy {start:.4f}")
     for row in rows:
-        print(f"{row['case']}: {row['metric']} {row['value']} (spread {row['spread']}, n={row['repeats']})")
+        print(
+            f"{row['case']}: {row['metric']} {row['value']} (spread {row.get('spread')}, n={row['repeats']})"
+        )
     print(f"wrote {path} ({result['seconds']} s)")
 
 
