@@ -91,7 +91,10 @@ def test_the_ensemble_scores_each_response_with_every_model_and_combines_them(
             r"reward.model.ensemble\[0\]=.* holds Qwen2ForCausalLM, not a reward model",
         ),
         (["reward.model.path={rm}", "reward.model.ensemble=[{rm}]"], r"name .* more than once"),
-        (["reward.model.path={rm}", "reward.model.combine=min"], r"combine=min set but reward.model.ensemble is empty"),
+        (
+            ["reward.model.path={rm}", "reward.model.combine=min"],
+            r"combine=min set but reward.model.ensemble is empty",
+        ),
         (
             ["reward.model.path={rm}", "reward.model.ensemble=[{rm2}]", "reward.model.combine=uwo"],
             r"combine=uwo needs reward.model.uwo_coef > 0",
@@ -139,4 +142,39 @@ def test_grpo_trains_on_the_ensembles_combined_score(
     for r in train:
         assert r["reward/mean"] == pytest.approx(r["reward/model_score/mean"], abs=1e-5)
         assert r["reward/model_score/ensemble_std"] > 0
+        assert r["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_an_ensemble_on_two_ray_workers_trains_on_the_uwo_combination(
+    tiny_model_dir: Path,
+    rm_dir: Path,
+    second_rm: Path,
+    arithmetic_data: dict,
+    tmp_path: Path,
+    ray_cluster: None,
+) -> None:
+    run = tmp_path / "run"
+    overrides = rl_overrides(
+        tiny_model_dir,
+        arithmetic_data,
+        run,
+        "trainer.total_steps=2",
+        "trainer.backend=ray",
+        "trainer.n_workers_per_node=2",
+        "trainer.val_before_train=false",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        f"reward.model.path={rm_dir}",
+        f"reward.model.ensemble=[{second_rm}]",
+        "reward.model.combine=uwo",
+        "reward.model.uwo_coef=0.5",
+        "reward.model.weight=2.0",
+    )
+    RLTrainer(load_config(RLConfig, "rl", overrides)).fit()
+    train = [r for r in rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:  # each rank holds both models; the reward is weight x the combined score
+        assert r["reward/mean"] == pytest.approx(2.0 * r["reward/model_score/mean"], abs=1e-5)
+        assert r["reward/model_score/ensemble_std"] > 0 and r["reward/errors"] == 0.0
         assert r["actor/grad_norm"] > 0
