@@ -66,6 +66,23 @@ def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
+def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reward model with a tokenizer of its own (trained on another task's texts than the policy's): the
+    tiny preset's sequence classifier with a fresh score head."""
+    from posttrain.data.tasks.long_addition import corpus as long_addition_corpus
+    from posttrain.engine.reward_engine import load_reward_model
+    from posttrain.models import load_tokenizer, make_tiny_model
+
+    base = make_tiny_model(
+        "tiny", tmp_path_factory.mktemp("rm_base") / "m", long_addition_corpus(2000, seed=1)
+    )
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    load_reward_model(base).save_pretrained(out)
+    load_tokenizer(base).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def ray_cluster() -> None:
     """A local, loopback-only Ray for the whole session, with its files in a folder of our own."""
     from posttrain.controller.ray_env import start_ray, stop_ray

@@ -15,28 +15,15 @@ from posttrain.config.schema import RLConfig
 from posttrain.controller.roles import RewardModelGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
-from posttrain.data.tasks.long_addition import corpus as long_addition_corpus
 from posttrain.engine.reward_engine import load_reward_model
 from posttrain.errors import ConfigError
-from posttrain.models import load_tokenizer, make_tiny_model
+from posttrain.models import load_tokenizer
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.workers.reward_model import RewardModelWorker
 from tests.trainers.test_rl_e2e import rl_overrides, rows
 from tests.trainers.test_rm_rl import hf_scores, rl_cfg, scored_batch
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first reward model, with a tokenizer of its own (trained on another task's texts than the policy's)."""
-    base = make_tiny_model(
-        "tiny", tmp_path_factory.mktemp("rm_base") / "m", long_addition_corpus(2000, seed=1)
-    )
-    out = tmp_path_factory.mktemp("rm") / "rm"
-    load_reward_model(base).save_pretrained(out)
-    load_tokenizer(base).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -119,26 +106,38 @@ def test_an_unknown_combine_lists_the_valid_ones(tiny_model_dir: Path, rm_dir: P
         rl_cfg(tiny_model_dir, f"reward.model.path={rm_dir}", "reward.model.combine=max")
 
 
-def test_grpo_trains_on_the_ensembles_combined_score(
-    tiny_model_dir: Path, rm_dir: Path, second_rm: Path, arithmetic_data: dict, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
+def ensemble_grpo(model: Path, reward_models: list[Path], data: dict, run: Path, *extra: str) -> list[dict]:
+    """2 GRPO steps whose only reward is the ensemble of `reward_models`: the steps' metric rows."""
     overrides = rl_overrides(
-        tiny_model_dir,
-        arithmetic_data,
+        model,
+        data,
         run,
         "trainer.total_steps=2",
-        "trainer.backend=local",
         "trainer.val_before_train=false",
         "trainer.val_every=0",
         "trainer.save_every=0",
-        f"reward.model.path={rm_dir}",
-        f"reward.model.ensemble=[{second_rm}]",
-        "reward.model.combine=min",
+        f"reward.model.path={reward_models[0]}",
+        f"reward.model.ensemble=[{','.join(map(str, reward_models[1:]))}]",
+        *extra,
     )
     RLTrainer(load_config(RLConfig, "rl", overrides)).fit()
     train = [r for r in rows(run) if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2]
+    return train
+
+
+def test_grpo_trains_on_the_ensembles_combined_score(
+    tiny_model_dir: Path, rm_dir: Path, second_rm: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    models = [rm_dir, second_rm]
+    train = ensemble_grpo(
+        tiny_model_dir,
+        models,
+        arithmetic_data,
+        tmp_path / "run",
+        "trainer.backend=local",
+        "reward.model.combine=min",
+    )
     for r in train:
         assert r["reward/mean"] == pytest.approx(r["reward/model_score/mean"], abs=1e-5)
         assert r["reward/model_score/ensemble_std"] > 0
@@ -154,26 +153,9 @@ def test_an_ensemble_on_two_ray_workers_trains_on_the_uwo_combination(
     tmp_path: Path,
     ray_cluster: None,
 ) -> None:
-    run = tmp_path / "run"
-    overrides = rl_overrides(
-        tiny_model_dir,
-        arithmetic_data,
-        run,
-        "trainer.total_steps=2",
-        "trainer.backend=ray",
-        "trainer.n_workers_per_node=2",
-        "trainer.val_before_train=false",
-        "trainer.val_every=0",
-        "trainer.save_every=0",
-        f"reward.model.path={rm_dir}",
-        f"reward.model.ensemble=[{second_rm}]",
-        "reward.model.combine=uwo",
-        "reward.model.uwo_coef=0.5",
-        "reward.model.weight=2.0",
-    )
-    RLTrainer(load_config(RLConfig, "rl", overrides)).fit()
-    train = [r for r in rows(run) if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
+    extra = ["trainer.backend=ray", "trainer.n_workers_per_node=2", "reward.model.combine=uwo",
+             "reward.model.uwo_coef=0.5", "reward.model.weight=2.0"]  # fmt: skip
+    train = ensemble_grpo(tiny_model_dir, [rm_dir, second_rm], arithmetic_data, tmp_path / "run", *extra)
     for r in train:  # each rank holds both models; the reward is weight x the combined score
         assert r["reward/mean"] == pytest.approx(2.0 * r["reward/model_score/mean"], abs=1e-5)
         assert r["reward/model_score/ensemble_std"] > 0 and r["reward/errors"] == 0.0

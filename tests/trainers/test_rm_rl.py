@@ -17,28 +17,13 @@ from posttrain.controller.roles import RewardModelGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.data.tasks.long_addition import corpus as long_addition_corpus
-from posttrain.engine.reward_engine import load_reward_model
 from posttrain.errors import ConfigError
-from posttrain.models import load_tokenizer, make_tiny_model
+from posttrain.models import load_tokenizer
 from posttrain.trainers.rewarding import RewardStage
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.rm_scoring import reward_model_spec
 from posttrain.workers.reward_model import RewardModelWorker
 from tests.trainers.test_rl_e2e import rl_overrides, rows
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reward model with a tokenizer of its own (trained on another task's texts than the policy's): the
-    tiny preset's sequence classifier with a fresh score head."""
-    base = make_tiny_model(
-        "tiny", tmp_path_factory.mktemp("rm_base") / "m", long_addition_corpus(2000, seed=1)
-    )
-    out = tmp_path_factory.mktemp("rm") / "rm"
-    load_reward_model(base).save_pretrained(out)
-    load_tokenizer(base).save_pretrained(out)
-    return out
 
 
 def rl_cfg(model: Path, *extra: str) -> RLConfig:
