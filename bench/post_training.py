@@ -37,6 +37,7 @@ Writes bench/results/post_training.json (BENCHMARKS.md format) and post_training
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -267,11 +268,12 @@ def rm(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str,
         "ran": ran,
         "pairwise_accuracy": final["val/accuracy"],
         "pairs": final.get("val/pairs"),
-        "near_slip_top1": near_slip_top1([run_dir / "hf"], paths["data"] / "test.parquet"),
+        "near_slip_top1": near_slip_top1((run_dir / "hf",), paths["data"] / "test.parquet"),
     }
 
 
-def near_slip_top1(reward_models: list[Path], test: Path) -> float:
+@functools.cache  # one value per set of reward models: the rm stage and every GRPO seed on them share it
+def near_slip_top1(reward_models: tuple[Path, ...], test: Path) -> float:
     """Share of held-out problems whose right answer the reward model (several: their mean score, as
     `reward.model.combine=mean` scores) scores above all of its near slips (the answer +-1, 2, 3, 9, 10, 11,
     20 that are >= 0): what GRPO on the model drifts towards, which pairwise accuracy on random slips (mostly
@@ -372,7 +374,7 @@ def grpo_rm(
         "curve": curve,
         "rm_score_first5": statistics.mean(scores[:5]) if scores else None,
         "rm_score_last5": statistics.mean(scores[-5:]) if scores else None,
-        "reward_models_near_slip_top1": near_slip_top1(models, paths["data"] / "test.parquet"),
+        "reward_models_near_slip_top1": near_slip_top1(tuple(models), paths["data"] / "test.parquet"),
     }
 
 
