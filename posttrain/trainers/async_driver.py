@@ -10,6 +10,7 @@ bound is dropped or regenerated here (`async_rl.on_stale`), and weights reach th
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ def take_batch(
             break
         rows = float(len(item.batch))
         if async_rl.on_stale == "regenerate":  # the same prompts, sampled with the newest weights
+            producer.settle_weights()
             prompts = item.prompts.repeat(cfg.rollout.n, interleave=True)
             batch = rollout.sample(prompts, sampling).union(prompts.select(tensor_keys=[]))
             batch = batch.union(versions_column(batch, producer.published))
@@ -96,8 +98,10 @@ def publish_weights(
     sync_sampler: Callable[[], None],
 ) -> dict[str, float]:
     """After the update that made policy version `version`: weights to the sampler (asynchronous: every
-    `sync_every` updates, then the producer may generate with the new version; with partial rollouts, between
-    two chunks). `sync_sampler` is the synchronous path (colocated, or no producer yet)."""
+    `sync_every` updates). The trainer fetches them and hands them to the producer, which loads them into the
+    pool between its generation calls (with partial rollouts, between two chunks; streaming, once the groups in
+    flight end), so the trainer goes on at once. `sync_sampler` is the synchronous path (colocated, or no
+    producer yet)."""
     if not async_rl.staleness:
         sync_sampler()
         return {}
@@ -109,18 +113,15 @@ def publish_weights(
         sync_sampler()
         metrics["async/weight_sync_s"] = time.perf_counter() - start
         return metrics
-    if isinstance(producer, StreamingProducer):  # loaded by the producer once its groups in flight end
+    if isinstance(producer, RolloutProducer):  # deterministic mode: the schedule's batches come first
         start = time.perf_counter()
-        producer.hand_weights(version, actor.rollout_weights())
-        metrics["async/weight_sync_s"] = time.perf_counter() - start
-        return metrics
-    producer.wait_before_publish(version)
+        producer.wait_before_publish(version)
+        metrics["async/publish_wait_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    weights = actor.rollout_weights()  # fetched while the pool keeps generating
-    fetched = time.perf_counter() - start
-    with producer.loading_weights(version) as waited:
-        start = time.perf_counter()
-        pool.load_weights(weights)
-    metrics.update(waited)
-    metrics["async/weight_sync_s"] = fetched + time.perf_counter() - start
+    weights = actor.rollout_weights()
+    metrics["async/weight_sync_s"] = time.perf_counter() - start  # the fetch; the load is the producer's
+    if isinstance(producer, StreamingProducer):  # loaded once the groups in flight end
+        producer.hand_weights(version, weights)
+    else:  # loaded before the producer's next generation call
+        producer.hand_weights(version, functools.partial(pool.load_weights, weights))
     return metrics

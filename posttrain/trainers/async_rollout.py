@@ -7,9 +7,11 @@ the pool after each update (or every `async_rl.sync_every` updates) through the 
 split placement (`RolloutGroup.load_weights`); the pool's worker runs one call at a time, so new weights
 are picked up between generation calls: between batches, or between the chunks of one batch with
 `async_rl.partial_rollout` (trainers/partial_rollout.py: unfinished responses continue under the new weights,
-each token tagged with its version). A weight load and a generation call never overlap: the trainer
-announces a load, the producer submits no call while one is announced, and the load waits for the call in
-flight, so the version recorded for a call is exactly the one that sampled it.
+each token tagged with its version). The trainer hands its new weights to the producer and goes on; the
+producer thread loads them into the pool before its next generation call (a newer hand-over replaces weights
+not loaded yet), so a weight load and a generation call never overlap and the version recorded for a call
+is exactly the one that sampled it, and the trainer never waits for a generation call in flight to end
+before it can publish (it used to: with k >= 2 it then stood idle beside a batch it could train).
 
 Correct by construction (the one-step-off-policy scheme of verl, generalised to k steps):
 - the policy version is the number of updates applied; every response token records the version that
@@ -34,11 +36,10 @@ trained yet are drawn again after a resume.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -174,9 +175,10 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._idle = 0.0  # producer seconds waiting for the version gate (since the last take)
         self._busy = 0.0
-        self._chunk_idle = 0.0  # producer seconds waiting for weight loads within the current batch
-        self._loading = 0  # weight loads announced by the trainer: no generation call starts meanwhile
-        self._sampling = False  # a generation call is in flight
+        self._chunk_idle = 0.0  # producer seconds loading weights within the current batch
+        self._load_s = 0.0  # producer seconds loading weights (since the last take)
+        self._weights: tuple[int, Callable[[], object]] | None = None  # handed over, not loaded yet
+        self._handed = start_version  # the newest version handed over
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -186,12 +188,16 @@ class RolloutProducer:
         try:
             while True:
                 waited = time.perf_counter()
+                while True:  # gate: batch `index` trains at version `index`; its weights must be >= index - k
+                    with self._cond:
+                        while not self._stop and self.published < index - self.k and self._weights is None:
+                            self._cond.wait(timeout=1.0)
+                        if self._stop:
+                            return
+                    self._load_handed_weights()
+                    if self.published >= index - self.k:
+                        break
                 with self._cond:
-                    # gate: batch `index` trains at version `index`; its weights must be >= index - k
-                    while not self._stop and self.published < index - self.k:
-                        self._cond.wait(timeout=1.0)
-                    if self._stop:
-                        return
                     self._idle += time.perf_counter() - waited
                 start = time.perf_counter()
                 prompts = self.loader.next_batch()
@@ -223,45 +229,45 @@ class RolloutProducer:
                 self._cond.notify_all()
 
     def _run_chunk(self, rows: Batch, sampling: SamplingParams) -> tuple[Batch, int]:
-        """One generation call, never overlapping a weight load; returns the version that sampled it."""
-        waited = time.perf_counter()
+        """One generation call, after loading the weights handed over since the last one (so between two
+        chunks of a partial rollout too); returns the version that sampled it."""
         with self._cond:
-            while self._loading and not self._stop:
-                self._cond.wait(timeout=1.0)
             if self._stop:
                 raise _Stopped
-            self._sampling = True
-            version = self.published
-        self._chunk_idle += time.perf_counter() - waited
-        try:
-            return self.rollout.sample(rows, sampling), version
-        finally:
-            with self._cond:
-                self._sampling = False
-                self._cond.notify_all()
+        self._chunk_idle += self._load_handed_weights()
+        return self.rollout.sample(rows, sampling), self.published
+
+    def _load_handed_weights(self) -> float:
+        """Producer thread: load the newest weights the trainer handed over, if any, and publish their version.
+        Returns the seconds the load took."""
+        with self._cond:
+            handed, self._weights = self._weights, None
+        if handed is None:
+            return 0.0
+        start = time.perf_counter()
+        handed[1]()
+        seconds = time.perf_counter() - start
+        with self._cond:
+            self.published = handed[0]
+            self._load_s += seconds
+            self._cond.notify_all()
+        return seconds
 
     # ---- trainer side --------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def loading_weights(self, version: int) -> Iterator[dict[str, float]]:
-        """Around the trainer's weight load into the pool: waits for the generation call in flight (no new one
-        starts meanwhile), then `version` is published. Yields metrics: `async/publish_wait_s`."""
-        start = time.perf_counter()
+    def hand_weights(self, version: int, load: Callable[[], object]) -> None:
+        """The trainer's weights of `version`: `load()` puts them into the pool, called by the producer thread
+        before its next generation call; a newer hand-over replaces one not loaded yet. Returns at once."""
         with self._cond:
-            self._loading += 1
-            while self._sampling and self._error is None:
-                self._cond.wait(timeout=1.0)
-        metrics = {"async/publish_wait_s": time.perf_counter() - start}
-        try:
-            yield metrics
-        except BaseException:
-            with self._cond:
-                self._loading -= 1
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            self._loading -= 1
-            self.published = version
+            self._weights, self._handed = (version, load), version
             self._cond.notify_all()
+
+    def settle_weights(self) -> None:
+        """Block until the newest weights handed over are in the pool (before validation samples on it)."""
+        with self._cond:
+            while self.published < self._handed and self._error is None and not self._stop:
+                self._cond.wait(timeout=1.0)
+            if self._error is not None:
+                raise self._error
 
     def wait_before_publish(self, version: int) -> None:
         """Deterministic mode: block until every batch due to be sampled with the previous version (up to
@@ -282,8 +288,8 @@ class RolloutProducer:
                 raise self._error
             item = self._ready.popleft()
             self._cond.notify_all()
-            idle, busy = self._idle, self._busy
-            self._idle = self._busy = 0.0
+            idle, busy, load_s = self._idle, self._busy, self._load_s
+            self._idle = self._busy = self._load_s = 0.0
         waited = time.perf_counter() - start
         self.trained_loader_state = item.loader_after
         metrics = {
@@ -292,6 +298,7 @@ class RolloutProducer:
             "async/gen_seconds": item.seconds,
             "async/staleness": float(version - item.version),
             "async/queued": float(len(self._ready)),
+            "async/weight_load_s": load_s,
         }
         return item, metrics
 

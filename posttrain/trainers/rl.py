@@ -380,6 +380,8 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         assert self.val_set is not None
         _, rollout = self._running()
+        if self.producer is not None:  # asynchronous: the pool loads handed weights between its calls
+            self.producer.settle_weights()
         if self.agents is not None:
             return self.agents.validate(
                 rollout, self.val_set, self.val_sampling, self.cfg.data.val_max_prompts, self.rewards

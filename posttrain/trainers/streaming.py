@@ -79,6 +79,7 @@ class StreamingProducer:
         # groups per submission, so that its rows split evenly over the pool's ranks
         self.unit = pool.world_size // math.gcd(self.n, pool.world_size)
         self.published = start_version  # the version of the weights in the pool
+        self._handed = start_version  # the newest version the trainer handed over
         self.next_version = start_version  # the version of the trainer's next take
         self.ledger = DrawLedger()
         self._skip = set(skip or ())
@@ -186,8 +187,17 @@ class StreamingProducer:
         """The trainer's new weights (`version`): loaded once the groups in flight finish; newer ones replace
         weights not loaded yet."""
         with self._cond:
-            self._weights = (version, weights)
+            self._weights, self._handed = (version, weights), version
             self._cond.notify_all()
+
+    def settle_weights(self) -> None:
+        """Block until the newest weights handed over are in the pool (before validation samples on it): the
+        groups in flight finish first (nothing new is submitted while weights wait)."""
+        with self._cond:
+            while self.published < self._handed and self._error is None and not self._stop:
+                self._cond.wait(timeout=1.0)
+            if self._error is not None:
+                raise self._error
 
     def take_batch(self, version: int, score: Callable[[Batch], Batch]) -> tuple[Batch, dict[str, float]]:
         """The trainer's batch at `version`, scored by `score`: the first `data.train_batch_prompts` complete

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -164,8 +165,9 @@ class Prompts:
 
 
 def test_the_producer_takes_weights_between_the_chunks_of_a_batch() -> None:
-    """A weight load announced while a batch generates waits for one chunk, not the batch; the chunks after it
-    are tagged with the new version, and the batch's staleness counts from its oldest token."""
+    """Weights handed over while a batch generates are loaded by the producer before its next chunk (the trainer
+    does not wait for the chunk in flight, let alone the batch); the chunks after it are tagged with the new
+    version, and the batch's staleness counts from its oldest token."""
     cfg = RLConfig()
     cfg = replace(
         cfg,
@@ -174,21 +176,23 @@ def test_the_producer_takes_weights_between_the_chunks_of_a_batch() -> None:
     )
     pool = SlowPool(delay_s=0.2)
     producer = RolloutProducer(cfg, pool, Prompts(), SamplingParams(max_tokens=8), 0, pad_id=0)  # type: ignore[arg-type]
+    loads: list[tuple[str, int]] = []  # (thread, sample calls made before the load)
     try:
         first, _ = producer.take(0)  # batch 0: 4 chunks with version 0 (nothing published yet)
         assert first.batch[keys.ROLLOUT_VERSIONS].unique().tolist() == [0]
-        time.sleep(0.3)  # batch 1 is generating (gated on version 0)
+        time.sleep(0.3)  # batch 1 is generating (gated on version 0), its second chunk in flight
         start = time.perf_counter()
-        with producer.loading_weights(1) as waited:
-            assert not producer._sampling
-        assert time.perf_counter() - start < 0.35, (
-            "waited for the chunk in flight (0.2 s), not the batch (0.5 s)"
-        )
-        assert waited["async/publish_wait_s"] < 0.35
+        producer.hand_weights(1, lambda: loads.append((threading.current_thread().name, len(pool.calls))))
+        assert time.perf_counter() - start < 0.05, "the hand-over returns at once"
+        producer.settle_weights()
+        assert time.perf_counter() - start < 0.35, "loaded after the chunk in flight (0.2 s), not the batch"
+        assert producer.published == 1 and loads == [("rollout-producer", loads[0][1])]
+        assert loads[0][1] < 8, "loaded before batch 1's last chunk"
         second, metrics = producer.take(1)
         row = second.batch[keys.ROLLOUT_VERSIONS][0].tolist()
         assert row[0] == 0 and row[-1] == 1 and row == sorted(row), row
         assert second.version == 0 and metrics["async/staleness"] == 1.0
+        assert metrics["async/weight_load_s"] >= 0.0
         m = staleness_metrics(second.batch, 1, 1)
         assert m["async/staleness_max"] == 1.0 and m["async/mixed_version_samples"] == 2.0
     finally:
