@@ -250,11 +250,14 @@ class PoolConfig:
 @dataclass(frozen=True)
 class ResourcesConfig:
     """Where each role runs. Pool `trainer` is trainer.nnodes x trainer.n_workers_per_node and always holds
-    the actor (+ reference); more pools are added by name: `+resources.pools.gen.n_workers_per_node=2`."""
+    the actor (+ the reference unless `ref` names another pool); more pools are added by name: `+resources.pools.gen.n_workers_per_node=2`."""
 
     pools: dict[str, PoolConfig] = field(default_factory=dict)
     rollout: str = "trainer"  # trainer = colocated hybrid engine (in-process sync); another pool = split
     critic: str = "trainer"  # trainer = colocated with the actor (sharing its workers); another = own pool
+    # the frozen reference (KL): trainer = on the actor's workers; another pool = workers of its own there (an
+    # asynchronous run computes its log-probs beside generation, off the trainer's path)
+    ref: str = "trainer"
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ both honour the same settings (`trainer.cpus_per_worker`, `gpus_per_worker`, `co
 pools are named in `resources.pools`. Roles on one pool share its slots (each asks for a fraction).
 
 RL's layout (colocated: one worker per rank holds actor, rollout and reference, the critic and the reward model
-sharing the slot; split: the rollout, the critic or the reward model on a pool of its own) is `start_rl_groups`,
-checked by `check_placement`.
+sharing the slot; split: the rollout, the reference, the critic or the reward model on a pool of its own) is
+`start_rl_groups`, checked by `check_placement`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from posttrain.controller.roles import (
     ActorGroup,
     CriticGroup,
     Dispatcher,
+    ReferenceGroup,
     RewardModelGroup,
     Rollout,
     RolloutGroup,
@@ -35,6 +36,7 @@ from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.critic import CriticSpec, CriticWorker
+from posttrain.workers.reference import ReferenceSpec, ReferenceWorker
 from posttrain.workers.reward_model import RewardModelSpec, RewardModelWorker
 from posttrain.workers.rollout_worker import RolloutSpec, RolloutWorker
 
@@ -161,6 +163,7 @@ class RLGroups:
     rollout_pool: RolloutGroup | None = None  # the rollout role on a pool of its own (split placement)
     critic: CriticGroup | None = None
     reward_model: RewardModelGroup | None = None  # reward.model.path: scores responses
+    ref: ReferenceGroup | None = None  # the reference on a pool of its own (resources.ref); else the actor's
     pools: dict[str, ResourcePool] = field(default_factory=dict)
 
     @property
@@ -173,12 +176,13 @@ class RLGroups:
             "actor_rollout_ref": self.actor,
             "rollout": self.rollout_pool,
             "critic": self.critic,
+            "ref": self.ref,
             "reward_model": self.reward_model,
         }
         return {role: group.placement() for role, group in groups.items() if group is not None}
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.rollout_pool, self.critic, self.reward_model):
+        for group in (self.actor, self.rollout_pool, self.critic, self.ref, self.reward_model):
             if group is not None:
                 group.shutdown()
         for pool in self.pools.values():
@@ -188,6 +192,16 @@ class RLGroups:
 
 def split_rollout(cfg: RLConfig) -> bool:
     return cfg.resources.rollout != TRAINER_POOL
+
+
+def uses_reference(cfg: RLConfig) -> bool:
+    """Whether the run needs the reference policy's log-probs (KL in the loss or in the reward)."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def split_reference(cfg: RLConfig) -> bool:
+    """The reference on workers of its own (`resources.ref` names a pool other than the trainer's)."""
+    return uses_reference(cfg) and cfg.resources.ref != TRAINER_POOL
 
 
 def rollout_spec(cfg: RLConfig, threads: int) -> RolloutSpec:
@@ -209,9 +223,10 @@ def start_rl_groups(
     critic_spec: CriticSpec | None,
     wait_s: float = 0.0,
     reward_model_spec: RewardModelSpec | None = None,
+    reference_spec: ReferenceSpec | None = None,
 ) -> RLGroups:
     """Every role of an RL run, placed as `resources` (and `reward.model.pool`) says (see `start_role_groups`
-    for `wait_s`)."""
+    for `wait_s`). `reference_spec`: the reference's own workers on pool `resources.ref`."""
     sp = actor_spec.engine.sequence_parallel_size
     requests = [
         RoleRequest("actor_rollout_ref", ActorRolloutRefWorker, actor_spec, sequence_parallel_size=sp)
@@ -226,6 +241,9 @@ def start_rl_groups(
         requests.append(
             RoleRequest("reward_model", RewardModelWorker, reward_model_spec, cfg.reward.model.pool)
         )
+    if reference_spec is not None:
+        ref_sp = reference_spec.engine.sequence_parallel_size
+        requests.append(RoleRequest("ref", ReferenceWorker, reference_spec, cfg.resources.ref, ref_sp))
     started, pools = start_role_groups(cfg.trainer, cfg.ray, requests, cfg.resources.pools, wait_s)
     actor = ActorGroup(started["actor_rollout_ref"])
     pool = RolloutGroup(started["rollout"]) if "rollout" in started else None
@@ -233,12 +251,14 @@ def start_rl_groups(
         pool.enable_restarts(cfg.trainer.max_restarts)
     critic = CriticGroup(started["critic"]) if "critic" in started else None
     reward_model = RewardModelGroup(started["reward_model"]) if "reward_model" in started else None
+    ref = ReferenceGroup(started["ref"]) if "ref" in started else None
     return RLGroups(
         actor=actor,
         rollout=pool or actor,
         rollout_pool=pool,
         critic=critic,
         reward_model=reward_model,
+        ref=ref,
         pools=pools,
     )
 
@@ -286,9 +306,10 @@ def check_placement(cfg: RLConfig) -> None:
                 f"{pool.n_workers_per_node}"
             )
     rm_pool = cfg.reward.model.pool
-    if t.backend == "local" and (split_rollout(cfg) or r.critic != TRAINER_POOL or rm_pool != TRAINER_POOL):
+    split = split_rollout(cfg) or r.critic != TRAINER_POOL or r.ref != TRAINER_POOL or rm_pool != TRAINER_POOL
+    if t.backend == "local" and split:
         raise ConfigError(
-            "split placement (resources.rollout/critic or reward.model.pool on their own pool) needs "
+            "split placement (resources.rollout/critic/ref or reward.model.pool on their own pool) needs "
             "trainer.backend=ray"
         )
     check_worker_settings(t)
@@ -297,6 +318,13 @@ def check_placement(cfg: RLConfig) -> None:
         roles["resources.critic"] = r.critic
     elif r.critic != TRAINER_POOL:
         raise ConfigError(f"resources.critic={r.critic} but critic.enable=false")
+    if uses_reference(cfg):
+        roles["resources.ref"] = r.ref
+    elif r.ref != TRAINER_POOL:
+        raise ConfigError(
+            f"resources.ref={r.ref} but nothing uses the reference (actor.use_kl_loss and "
+            "algorithm.use_kl_in_reward are both false)"
+        )
     if cfg.reward.model.path:
         roles["reward.model.pool"] = rm_pool
     elif rm_pool != TRAINER_POOL:
@@ -308,7 +336,7 @@ def check_placement(cfg: RLConfig) -> None:
     unused = set(r.pools) - set(roles.values())
     if unused:
         raise ConfigError(
-            f"resources.pools {sorted(unused)} are not used by any role (resources.rollout/critic, "
+            f"resources.pools {sorted(unused)} are not used by any role (resources.rollout/critic/ref, "
             "reward.model.pool)"
         )
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
@@ -319,6 +347,8 @@ def check_placement(cfg: RLConfig) -> None:
         )
     sp = cfg.model.sequence_parallel_size
     trained = {"the actor": TRAINER_POOL, **({"resources.critic": r.critic} if cfg.critic.enable else {})}
+    if split_reference(cfg):  # its forward splits rows as the actor's does
+        trained["resources.ref"] = r.ref
     for key, name in trained.items():  # generation and the reward model do not use sequence parallelism
         if sizes[name] % sp:
             raise ConfigError(

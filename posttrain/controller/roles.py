@@ -3,7 +3,7 @@
 A trainer never names a verb by a string: it holds an `ActorGroup`, a `RolloutGroup` or a `CriticGroup`
 and calls methods that a reader, an IDE and a type checker can follow into the worker class of the same
 name (`workers/actor_rollout_ref.py`, `workers/rollout_worker.py`, `workers/critic.py`,
-`workers/reward_model.py`). Each role group
+`workers/reference.py`, `workers/reward_model.py`). Each role group
 wraps a `Dispatcher` (the Ray group, one actor per rank, or the in-process group of world size 1), which
 splits Batch arguments across ranks and gathers the results; that generic dispatch stays in this package.
 The training verbs (`forward`, `forward_backward`) split over the data-parallel groups, which are the ranks
@@ -330,6 +330,14 @@ class CriticGroup(RoleGroup):
 
     def load_state(self, path: Path) -> None:
         self.dispatcher.call("load_state", str(path))
+
+
+class ReferenceGroup(RoleGroup):
+    """The frozen reference policy on a pool of its own (`ReferenceWorker`, `resources.ref`)."""
+
+    def forward(self, batch: Batch, *, temperature: float = 1.0) -> Batch:
+        """Response log-probs under the reference (`ref_log_prob`)."""
+        return self._batch_dp("forward", batch, temperature=temperature)
 
 
 class RewardModelGroup(RoleGroup):

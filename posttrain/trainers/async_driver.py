@@ -40,14 +40,17 @@ def start_producer(
     pad_id: int,
     decode: Callable[[list[int]], str],
     settled: list[str],
+    ref_log_probs: Callable[[Batch], Batch] | None = None,
 ) -> Producer:
     """The producer of a (re)started run at policy version `version`: streaming on the rollout pool when
-    `async_rl.streaming` (skipping the `settled` prompts a restored checkpoint names), else whole batches."""
+    `async_rl.streaming` (skipping the `settled` prompts a restored checkpoint names), else whole batches.
+    `ref_log_probs`: the reference's log-probs of a sampled batch, computed on the producer thread before the
+    trainer takes it (when the reference has workers of its own, `resources.ref`)."""
     async_rl = cfg.async_rl
     start = version - version % async_rl.sync_every  # the version the pool holds after a (re)start
     if async_rl.streaming and pool is not None:
-        return StreamingProducer(cfg, pool, loader, sampling, start, pad_id, list(settled))
-    return RolloutProducer(cfg, rollout, loader, sampling, start, pad_id, decode)
+        return StreamingProducer(cfg, pool, loader, sampling, start, pad_id, list(settled), ref_log_probs)
+    return RolloutProducer(cfg, rollout, loader, sampling, start, pad_id, decode, ref_log_probs)
 
 
 def take_batch(

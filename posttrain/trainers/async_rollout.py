@@ -29,6 +29,10 @@ the trainer publishes version v only after batch v + k - 1 (the last one due to 
 v - 1) was generated, so batch i is sampled with exactly version max(0, i - k) (the trainer may wait for the producer; validation's sampling,
 which shares the pool's random stream, must be greedy or off for a run to repeat exactly).
 
+With the reference on workers of its own (`resources.ref`, e.g. the rollout's pool), the producer thread also
+computes each batch's reference log-probs right after sampling it, so that forward pass runs beside the
+trainer's update instead of in it (`async/ref_s`).
+
 Checkpoints record the dataloader position after the last trained batch, so prompts drawn for batches not
 trained yet are drawn again after a resume.
 """
@@ -144,6 +148,7 @@ class Rollouts:
     version: int  # the oldest policy version among its tokens (the weights its generation started with)
     loader_after: dict[str, int]  # the dataloader's state after its prompts were drawn
     seconds: float  # generation time
+    ref_seconds: float = 0.0  # the reference's forward on the producer thread (0: the trainer computes it)
 
 
 class RolloutProducer:
@@ -158,6 +163,7 @@ class RolloutProducer:
         start_version: int,
         pad_id: int = 0,
         decode: Callable[[list[int]], str] = str,
+        ref_log_probs: Callable[[Batch], Batch] | None = None,
     ) -> None:
         self.k = cfg.async_rl.staleness
         self.deterministic = cfg.async_rl.deterministic
@@ -165,6 +171,7 @@ class RolloutProducer:
         self.pad_id, self.decode = pad_id, decode
         self.n = cfg.rollout.n
         self.rollout, self.loader, self.sampling = rollout, loader, sampling
+        self.ref_log_probs = ref_log_probs
         self.published = start_version  # version of the weights in the pool
         self.first_index = start_version  # batch i is trained at version i
         self.trained_loader_state = loader.state_dict()
@@ -213,11 +220,18 @@ class RolloutProducer:
                 version = oldest_version(batch)
                 batch = batch.union(rows.select(tensor_keys=[]))
                 seconds = time.perf_counter() - start - self._chunk_idle
+                ref_seconds = 0.0
+                if self.ref_log_probs is not None:
+                    ref_start = time.perf_counter()
+                    batch = batch.union(self.ref_log_probs(batch))
+                    ref_seconds = time.perf_counter() - ref_start
                 with self._cond:
                     self._idle += self._chunk_idle  # waiting for weight loads between calls
                     self._chunk_idle = 0.0
-                    self._busy += seconds
-                    self._ready.append(Rollouts(prompts, batch, index, version, loader_after, seconds))
+                    self._busy += seconds + ref_seconds
+                    self._ready.append(
+                        Rollouts(prompts, batch, index, version, loader_after, seconds, ref_seconds)
+                    )
                     self._produced = index + 1
                     self._cond.notify_all()
                 index += 1
@@ -296,6 +310,7 @@ class RolloutProducer:
             "async/trainer_wait_s": waited,
             "async/rollout_idle_share": idle / (idle + busy) if idle + busy > 0 else 0.0,
             "async/gen_seconds": item.seconds,
+            "async/ref_s": item.ref_seconds,
             "async/staleness": float(version - item.version),
             "async/queued": float(len(self._ready)),
             "async/weight_load_s": load_s,

@@ -18,7 +18,7 @@ from pathlib import Path
 from posttrain.algorithms.registry import get_advantage_estimator
 from posttrain.config.load import to_dict
 from posttrain.config.schema import RLConfig
-from posttrain.controller.placement import RLGroups, start_rl_groups, threads_per_worker
+from posttrain.controller.placement import RLGroups, start_rl_groups, threads_per_worker, uses_reference
 from posttrain.controller.ray_env import ray_is_running, stop_ray
 from posttrain.controller.roles import ActorGroup, CriticGroup, Rollout, Stateful
 from posttrain.data import keys
@@ -44,6 +44,7 @@ from posttrain.trainers.setup import (
     advantage_kwargs,
     critic_spec,
     policy_loss_options,
+    reference_spec,
     reuses_update_log_probs,
     sampling_params,
 )
@@ -215,7 +216,10 @@ class RLTrainer:
         spec = actor_spec(cfg, threads)
         critic = critic_spec(cfg, threads) if cfg.critic.enable else None
         scorer = reward_model_spec(cfg, threads) if cfg.reward.model.path else None
-        self.groups = start_rl_groups(cfg, spec, critic, wait_s=wait_s, reward_model_spec=scorer)
+        ref = reference_spec(cfg, threads)
+        self.groups = start_rl_groups(
+            cfg, spec, critic, wait_s=wait_s, reward_model_spec=scorer, reference_spec=ref
+        )
         self.actor, self.rollout, self.critic = self.groups.actor, self.groups.rollout, self.groups.critic
         self.rewards.attach_model(self.groups.reward_model)
         placement = self.groups.placement()
@@ -262,9 +266,10 @@ class RLTrainer:
                 with self.progress.stage("old_log_prob"), timed(timings, "old_log_prob"):
                     old = actor.forward(actor_batch, model="actor", temperature=self._temp, record_routing=r2)
                     batch = batch.union(old)
-            if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            # an asynchronous producer computes them beside generation when the reference has workers of its own
+            if uses_reference(cfg) and keys.REF_LOG_PROB not in batch:
                 with self.progress.stage("ref"), timed(timings, "ref"):
-                    batch = batch.union(actor.forward(forward_batch, model="ref", temperature=self._temp))
+                    batch = batch.union(self._reference_log_probs(forward_batch))
             if cfg.distill.teacher_path:
                 with self.progress.stage("teacher"), timed(timings, "teacher"):
                     batch = batch.union(actor.forward(forward_batch, model="teacher", temperature=self._temp))
@@ -301,6 +306,15 @@ class RLTrainer:
         version = self.step_count + 1  # updates applied, this step's included
         return publish_weights(self.cfg.async_rl, version, actor, pool, self.producer, self.sync_sampler)
 
+    def _reference_log_probs(self, batch: Batch) -> Batch:
+        """`ref_log_prob` of the batch's responses: from the reference's own workers (`resources.ref`) or the
+        actor's."""
+        actor, _ = self._running()
+        forward_batch = batch.select(FORWARD_KEYS, self.image_keys)
+        if self.groups is not None and self.groups.ref is not None:
+            return self.groups.ref.forward(forward_batch, temperature=self._temp)
+        return actor.forward(forward_batch, model="ref", temperature=self._temp)
+
     def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:
         """The next batch the producer sampled ahead (trainers/async_driver.py), scored here."""
         if self.producer is None:
@@ -315,6 +329,8 @@ class RLTrainer:
                 self.pad_id,
                 self._decode,
                 self.stream_settled,
+                # the reference on workers of its own: its log-probs on the producer thread, beside the update
+                ref_log_probs=self._reference_log_probs if self.groups and self.groups.ref else None,
             )
             self.stream_settled.clear()
         return take_batch(self.producer, self.cfg, rollout, self.sampling, self.step_count, self.rewards)

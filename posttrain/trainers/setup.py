@@ -21,6 +21,7 @@ from posttrain.config.schema import (
     ModelConfig,
     RLConfig,
 )
+from posttrain.controller.placement import split_reference, uses_reference
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.engine_config import EngineConfig
@@ -28,6 +29,7 @@ from posttrain.errors import ConfigError
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec
 from posttrain.workers.critic import CriticSpec
+from posttrain.workers.reference import ReferenceSpec
 
 
 def engine_config(model: ModelConfig, path: str = "", **fields: Any) -> EngineConfig:
@@ -220,7 +222,7 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
             config_section="actor",
         ),
         with_rollout=cfg.resources.rollout == "trainer",
-        with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        with_ref=uses_reference(cfg) and not split_reference(cfg),
         teacher=teacher_engine(cfg),
         rollout_name=cfg.rollout.name,
         rollout_max_batch_size=cfg.rollout.max_batch_size,
@@ -228,6 +230,22 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
         threads=threads,
         record_routing=cfg.actor.router_replay.mode == "R3",
     )
+
+
+def reference_spec(cfg: RLConfig, threads: int) -> ReferenceSpec | None:
+    """The reference's own workers when `resources.ref` names a pool (None: it is on the actor's workers, or
+    unused): the model section's base model, frozen, never LoRA (a LoRA actor's reference is its base model),
+    forward passes micro-batched as the actor's."""
+    if not split_reference(cfg):
+        return None
+    engine = engine_config(
+        cfg.model,
+        lora=LoraConfig(),
+        trainable=False,
+        micro_batch_size=cfg.actor.micro_batch_size,
+        max_token_len=cfg.actor.max_token_len_per_worker,
+    )
+    return ReferenceSpec(engine=engine, seed=cfg.trainer.seed, threads=threads)
 
 
 def teacher_engine(cfg: RLConfig) -> EngineConfig | None:

@@ -18,6 +18,9 @@ Correct by construction, as the whole-batch producer of async_rollout.py:
 - Checkpoints record the loader position before the oldest draw of prompts with a group not yet settled, and
   the prompts after it already trained or filtered; a resumed run samples the others again (DrawLedger).
 
+With the reference on workers of its own (`resources.ref`), the producer thread computes the reference's
+log-probs of the groups each collect completes, beside the trainer's update (`async/ref_s`).
+
 Not bit-reproducible (arrival order depends on timing): `async_rl.deterministic` is refused with streaming.
 """
 
@@ -70,12 +73,14 @@ class StreamingProducer:
         start_version: int,
         pad_id: int,
         skip: list[str] | None = None,
+        ref_log_probs: Callable[[Batch], Batch] | None = None,
     ) -> None:
         a = cfg.async_rl
         self.k, self.on_stale, self.extra = a.staleness, a.on_stale, a.stream_extra_groups
         self.n, self.want = cfg.rollout.n, cfg.data.train_batch_prompts
         self.dynamic_sampling, self.max_rounds = cfg.algorithm.dynamic_sampling, cfg.algorithm.max_gen_rounds
         self.pool, self.loader, self.sampling, self.pad_id = pool, loader, sampling, pad_id
+        self.ref_log_probs = ref_log_probs
         # groups per submission, so that its rows split evenly over the pool's ranks
         self.unit = pool.world_size // math.gcd(self.n, pool.world_size)
         self.published = start_version  # the version of the weights in the pool
@@ -93,7 +98,7 @@ class StreamingProducer:
         self._stop = False
         self._error: BaseException | None = None
         self._next_id = 0
-        self._idle = self._busy = self._load_s = 0.0
+        self._idle = self._busy = self._load_s = self._ref_s = 0.0
         self._last_batch = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
         self._thread.start()
@@ -124,7 +129,9 @@ class StreamingProducer:
                     start = time.perf_counter()
                     pieces = self.pool.stream_collect(COLLECT_WAIT_S)
                     done = self._assembler.add(pieces, time.perf_counter())
+                    ref_s = self._add_ref_log_probs(done)
                     with self._cond:
+                        self._ref_s += ref_s
                         self._busy += time.perf_counter() - start
                         self._ready.extend(done)
                         self._cond.notify_all()
@@ -138,6 +145,19 @@ class StreamingProducer:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _add_ref_log_probs(self, groups: list[Group]) -> float:
+        """The reference's log-probs of `groups`' rows in one forward call (when the producer computes them);
+        returns its seconds."""
+        if self.ref_log_probs is None or not groups:
+            return 0.0
+        start = time.perf_counter()
+        ref = self.ref_log_probs(concat_padded([g.rows for g in groups], self.pad_id))
+        first = 0
+        for group in groups:  # rows in group order; response-aligned columns do not depend on prompt padding
+            group.rows = group.rows.union(ref.index(slice(first, first + len(group.rows))))
+            first += len(group.rows)
+        return time.perf_counter() - start
 
     def _room(self) -> int:
         """Groups the producer may submit now (called with the lock held), a multiple of `unit`: the batches
@@ -233,8 +253,8 @@ class StreamingProducer:
             for group in formed.regenerate:
                 self._prompts.appendleft(group.prompt)
             self.next_version = version + 1
-            idle, busy, load_s = self._idle, self._busy, self._load_s
-            self._idle = self._busy = self._load_s = 0.0
+            idle, busy, load_s, ref_s = self._idle, self._busy, self._load_s, self._ref_s
+            self._idle = self._busy = self._load_s = self._ref_s = 0.0
             carried = len(self._ready) + len(self._assembler)
             self._cond.notify_all()
         last = max(g.arrived for g in formed.groups)
@@ -249,6 +269,7 @@ class StreamingProducer:
             "async/dropped_samples": float(formed.dropped_samples),
             "async/regenerated_samples": float(len(formed.regenerate) * self.n),
             "async/weight_load_s": load_s,
+            "async/ref_s": ref_s,
             "dynamic_sampling/kept_groups": float(len(formed.groups) - formed.filled),
             "fault/rollout_restarts": float(getattr(self.pool, "restarts", 0)),
         }

@@ -8,9 +8,11 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from posttrain.config.schema import RLConfig
 from posttrain.data import keys
+from posttrain.data.batch import Batch
 from posttrain.rollout.base import SamplingParams
 from posttrain.trainers.async_rollout import RolloutProducer
 from tests.trainers.test_partial_rollout import Prompts, SlowPool
@@ -79,3 +81,28 @@ def test_a_failing_load_reaches_the_trainer() -> None:
             producer.settle_weights()
     finally:
         producer.stop()
+
+
+def test_the_producer_thread_adds_the_reference_log_probs() -> None:
+    """With the reference on workers of its own, each batch reaches the trainer with `ref_log_prob` computed
+    on the producer thread right after its generation call (timed as `async/ref_s`)."""
+    threads: list[str] = []
+
+    def ref_log_probs(batch: Batch) -> Batch:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return Batch.from_dict({keys.REF_LOG_PROB: -0.25 * batch[keys.RESPONSE_MASK]})
+
+    cfg = RLConfig()
+    cfg = replace(cfg, rollout=replace(cfg.rollout, n=1), async_rl=replace(cfg.async_rl, staleness=1))
+    pool = SlowPool(delay_s=0.05)
+    producer = RolloutProducer(cfg, pool, Prompts(), SamplingParams(max_tokens=4), 0, 0, str, ref_log_probs)  # type: ignore[arg-type]
+    try:
+        for version in range(2):
+            item, metrics = producer.take(version)
+            assert torch.equal(item.batch[keys.REF_LOG_PROB], -0.25 * item.batch[keys.RESPONSE_MASK])
+            assert metrics["async/ref_s"] >= 0.05 and item.ref_seconds >= 0.05
+            producer.hand_weights(version + 1, lambda: None)
+    finally:
+        producer.stop()
+    assert threads and set(threads) == {"rollout-producer"}

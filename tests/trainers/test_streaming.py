@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -108,9 +109,11 @@ def loader() -> PromptDataLoader:
     )
 
 
-def run(cfg: RLConfig, steps: int) -> tuple[list[Batch], list[dict[str, float]], StreamingProducer, FakePool]:
+def run(
+    cfg: RLConfig, steps: int, ref_log_probs: Callable[[Batch], Batch] | None = None
+) -> tuple[list[Batch], list[dict[str, float]], StreamingProducer, FakePool]:
     pool, data = FakePool(), loader()
-    producer = StreamingProducer(cfg, pool, data, SamplingParams(max_tokens=12), 0, PAD)
+    producer = StreamingProducer(cfg, pool, data, SamplingParams(max_tokens=12), 0, PAD, None, ref_log_probs)
     batches, metrics = [], []
     try:
         for version in range(steps):
@@ -288,3 +291,27 @@ def test_without_restarts_the_dead_rank_is_named() -> None:
     group = RolloutGroup(DyingDispatcher())  # type: ignore[arg-type]
     with pytest.raises(WorkerError, match="rollout rank 1 died during stream_collect: process 42"):
         group.stream_collect(0.1)
+
+
+def row_marks(batch: Batch) -> Batch:
+    """A stand-in for the reference's log-probs, different for every row and computed from the row alone: its
+    token count (prompt + response, whatever the padding) on each response token."""
+    marks = batch[keys.ATTENTION_MASK].sum(-1, keepdim=True).float() * batch[keys.RESPONSE_MASK]
+    return Batch.from_dict({keys.REF_LOG_PROB: -marks})
+
+
+def test_the_reference_log_probs_computed_as_groups_complete_stay_with_their_rows() -> None:
+    """The producer computes them for the groups each collect completes (one call per collect), and every
+    trained row carries its own, after regrouping and padding into the trainer's batch."""
+    calls: list[int] = []
+
+    def ref_log_probs(batch: Batch) -> Batch:
+        calls.append(len(batch))
+        return row_marks(batch)
+
+    batches, metrics, _, _ = run(config("async_rl.staleness=2"), 4, ref_log_probs)
+    for batch in batches:
+        assert torch.equal(batch[keys.REF_LOG_PROB], row_marks(batch)[keys.REF_LOG_PROB])
+    assert all(c % N == 0 for c in calls), "whole groups per call"
+    assert sum(calls) >= sum(len(b) for b in batches)
+    assert all("async/ref_s" in m for m in metrics)
