@@ -99,6 +99,9 @@ def test_an_async_producer_computes_the_reference_beside_the_update(
         assert "timing/ref" not in r, "the trainer computed the reference's log-probs itself"
         assert r["async/ref_s"] > 0 or streaming, "the producer's reference pass is timed per batch"
     assert sum(r["async/ref_s"] for r in train) > 0
+    # step 1 trains the initial weights, which are the reference: the log-probs line up row for row and token
+    # for token only if the producer's reference pass kept every row with its own
+    assert abs(train[0]["actor/kl_loss"]) < 1e-6
     assert max(r["actor/kl_loss"] for r in train[1:]) > 0
     placement = json.loads((run / "placement.json").read_text())
     assert set(placement) == {"actor_rollout_ref", "rollout", "ref"}
