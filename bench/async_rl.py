@@ -66,6 +66,16 @@ CONFIGS = {
     "async-k2": [*ASYNC, "async_rl.staleness=2"],
     # streaming: batches from the first complete groups; 2 extra groups in flight so the long tail carries over
     "async-k2-stream": [*ASYNC, "async_rl.staleness=2", "async_rl.streaming=true", "async_rl.stream_extra_groups=2"],
+    # ablations for the accuracy gap of k=1 (README): without the KL loss (both sides), without importance
+    # weights, and with token- or sequence-level rejection of the off-policy samples
+    "sync-colocated-no-kl": ["trainer.n_workers_per_node=1", "trainer.threads_per_worker=2", "actor.use_kl_loss=false"],
+    "async-k1-no-kl": [*SPLIT, "async_rl.staleness=1", "algorithm.rollout_correction.rollout_is=token",
+                       "actor.use_kl_loss=false"],
+    "async-k1-no-is": [*SPLIT, "resources.ref=gen", "async_rl.staleness=1"],
+    "async-k1-rs-token": [*ASYNC, "async_rl.staleness=1", "algorithm.rollout_correction.rollout_rs=token_k1",
+                          "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+    "async-k1-rs-seq": [*ASYNC, "async_rl.staleness=1", "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                        "algorithm.rollout_correction.rollout_rs_threshold=0.01"],
 }  # fmt: skip
 
 
