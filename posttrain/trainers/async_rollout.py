@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -151,8 +151,43 @@ class Rollouts:
     ref_seconds: float = 0.0  # the reference's forward on the producer thread (0: the trainer computes it)
 
 
-class RolloutProducer:
-    """The producer thread (see the module docstring). `take` hands batches to the trainer in order."""
+WeightsT = TypeVar("WeightsT")
+
+
+class WeightHandOver(Generic[WeightsT]):
+    """The trainer's side of a producer's weight hand-over, shared by both producers: the trainer hands its new
+    weights over and goes on; the producer thread loads them when its own rule allows (between generation
+    calls; streaming: once no group is in flight) and then publishes their version. A newer hand-over replaces
+    weights not loaded yet. The producer owns the lock and the fields."""
+
+    _cond: threading.Condition
+    _stop: bool
+    _error: BaseException | None
+    published: int  # the version of the weights in the pool
+    _handed: int  # the newest version handed over
+    _weights: tuple[int, WeightsT] | None  # handed over, not loaded yet
+
+    def hand_weights(self, version: int, weights: WeightsT) -> None:
+        """The trainer's weights of `version` (what the producer loads them with: its class docstring).
+        Returns at once."""
+        with self._cond:
+            self._weights, self._handed = (version, weights), version
+            self._cond.notify_all()
+
+    def settle_weights(self) -> None:
+        """Block until the newest weights handed over are in the pool (before validation, or a regeneration,
+        samples on it); a producer failure raises here."""
+        with self._cond:
+            while self.published < self._handed and self._error is None and not self._stop:
+                self._cond.wait(timeout=1.0)
+            if self._error is not None:
+                raise self._error
+
+
+class RolloutProducer(WeightHandOver[Callable[[], object]]):
+    """The producer thread (see the module docstring). `take` hands batches to the trainer in order. Weights
+    are handed over as a callable that loads them into the pool, called by the producer thread before its
+    next generation call."""
 
     def __init__(
         self,
@@ -184,8 +219,8 @@ class RolloutProducer:
         self._busy = 0.0
         self._chunk_idle = 0.0  # producer seconds loading weights within the current batch
         self._load_s = 0.0  # producer seconds loading weights (since the last take)
-        self._weights: tuple[int, Callable[[], object]] | None = None  # handed over, not loaded yet
-        self._handed = start_version  # the newest version handed over
+        self._weights = None
+        self._handed = start_version
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -268,21 +303,6 @@ class RolloutProducer:
         return seconds
 
     # ---- trainer side --------------------------------------------------------------------------
-    def hand_weights(self, version: int, load: Callable[[], object]) -> None:
-        """The trainer's weights of `version`: `load()` puts them into the pool, called by the producer thread
-        before its next generation call; a newer hand-over replaces one not loaded yet. Returns at once."""
-        with self._cond:
-            self._weights, self._handed = (version, load), version
-            self._cond.notify_all()
-
-    def settle_weights(self) -> None:
-        """Block until the newest weights handed over are in the pool (before validation samples on it)."""
-        with self._cond:
-            while self.published < self._handed and self._error is None and not self._stop:
-                self._cond.wait(timeout=1.0)
-            if self._error is not None:
-                raise self._error
-
     def wait_before_publish(self, version: int) -> None:
         """Deterministic mode: block until every batch due to be sampled with the previous version (up to
         index version + k - 1) has been generated; a no-op otherwise."""

@@ -269,7 +269,7 @@ class RLTrainer:
             # an asynchronous producer computes them beside generation when the reference has workers of its own
             if uses_reference(cfg) and keys.REF_LOG_PROB not in batch:
                 with self.progress.stage("ref"), timed(timings, "ref"):
-                    batch = batch.union(self._reference_log_probs(forward_batch))
+                    batch = batch.union(self._reference_log_probs(batch))
             if cfg.distill.teacher_path:
                 with self.progress.stage("teacher"), timed(timings, "teacher"):
                     batch = batch.union(actor.forward(forward_batch, model="teacher", temperature=self._temp))

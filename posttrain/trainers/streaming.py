@@ -39,7 +39,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.rollout.base import SamplingParams
-from posttrain.trainers.async_rollout import staleness_metrics
+from posttrain.trainers.async_rollout import WeightHandOver, staleness_metrics
 from posttrain.trainers.stream_groups import BatchFormer, DrawLedger, Group, GroupAssembler
 from posttrain.workers.sampling import concat_padded
 
@@ -61,8 +61,10 @@ class StreamPool(Protocol):
     def load_weights(self, tensors: Any) -> dict[str, float]: ...
 
 
-class StreamingProducer:
-    """The producer thread (module docstring); `take_batch` forms the trainer's batches."""
+class StreamingProducer(WeightHandOver[Any]):
+    """The producer thread (module docstring); `take_batch` forms the trainer's batches. Weights are handed
+    over as the tensors themselves, loaded by the producer thread once the groups in flight finish (nothing new
+    is submitted while weights wait)."""
 
     def __init__(
         self,
@@ -91,9 +93,7 @@ class StreamingProducer:
         self._assembler = GroupAssembler(self.n, pad_id)
         self._prompts: collections.deque[Batch] = collections.deque()  # one-row prompts not submitted yet
         self._ready: collections.deque[Group] = collections.deque()  # complete groups, in arrival order
-        self._weights: tuple[int, Any] | None = (
-            None  # handed over by the trainer, loaded once nothing is in flight
-        )
+        self._weights = None
         self._cond = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
@@ -203,22 +203,6 @@ class StreamingProducer:
                 self._prompts.append(batch.index([i]))
 
     # ---- trainer side --------------------------------------------------------------------------
-    def hand_weights(self, version: int, weights: Any) -> None:
-        """The trainer's new weights (`version`): loaded once the groups in flight finish; newer ones replace
-        weights not loaded yet."""
-        with self._cond:
-            self._weights, self._handed = (version, weights), version
-            self._cond.notify_all()
-
-    def settle_weights(self) -> None:
-        """Block until the newest weights handed over are in the pool (before validation samples on it): the
-        groups in flight finish first (nothing new is submitted while weights wait)."""
-        with self._cond:
-            while self.published < self._handed and self._error is None and not self._stop:
-                self._cond.wait(timeout=1.0)
-            if self._error is not None:
-                raise self._error
-
     def take_batch(self, version: int, score: Callable[[Batch], Batch]) -> tuple[Batch, dict[str, float]]:
         """The trainer's batch at `version`, scored by `score`: the first `data.train_batch_prompts` complete
         and kept groups (module docstring); waits for them. Returns metrics too."""
