@@ -11,7 +11,7 @@ Configurations:
     async k=1, k=2   the same two workers, rollouts sampled 1 or 2 versions ahead (async_rl.staleness), the
                      reference beside the rollout (resources.ref: its forward runs on the producer's side)
     async k=1 ref on trainer   k=1 with the reference on the training worker (its forward in the trainer's step)
-    async k=2 stream the same, batches formed from the first complete groups (async_rl.streaming)
+    async k=1/k=2 stream   the same, batches formed from the first complete groups (async_rl.streaming)
 
 Each runs `--steps` GRPO steps; samples/s counts the steps after the first (start-up excluded), alternating
 configurations across repeats. The speedup bound with two workers is (generation + reference + update) / the
@@ -19,10 +19,14 @@ busier worker's share, the reference's forward on whichever side balances them b
 run's own timings; two cores sharing memory bandwidth lower it further.
 Each run also reports held-out accuracy after its last step (`val/acc` on the 64 test problems, outside the
 timed steps), so that a speedup bought with worse learning shows; every configuration trains the same number
-of samples.
+of samples. The speed runs are short (6 steps); the learning comparison runs longer with a curve, e.g.
+`--steps 40 --val-every 20 --repeats 8 --configs sync-colocated,sync-split,async-k1,async-k2`. The actor's lr
+is 1e-5: at 1e-4 the synchronous run itself ends below its warm start after 40 steps (~1M mixed: 53% -> 45%),
+and each update moves some tokens' log-probs by several nats, so samples one version old are far off-policy.
 
     python bench/async_rl.py                 # tiny preset, mixed lengths and the long tail, 2 repeats
     python bench/async_rl.py --cases tail --repeats 4 --steps 12 --out async_rl_tail12.json
+    python bench/async_rl.py --cases mixed --steps 40 --val-every 20 --repeats 8 --out async_rl_learning.json
     python bench/async_rl.py --preset small --repeats 3
     python bench/async_rl.py --cases tail --configs sync-colocated,sync-split,async-k2,async-k2-stream
 
@@ -64,6 +68,7 @@ CONFIGS = {
     "async-k1": [*ASYNC, "async_rl.staleness=1"],
     "async-k1-ref-on-trainer": [*SPLIT, "async_rl.staleness=1", "algorithm.rollout_correction.rollout_is=token"],
     "async-k2": [*ASYNC, "async_rl.staleness=2"],
+    "async-k1-stream": [*ASYNC, "async_rl.staleness=1", "async_rl.streaming=true", "async_rl.stream_extra_groups=2"],
     # streaming: batches from the first complete groups; 2 extra groups in flight so the long tail carries over
     "async-k2-stream": [*ASYNC, "async_rl.staleness=2", "async_rl.streaming=true", "async_rl.stream_extra_groups=2"],
     # ablations for the accuracy gap of k=1 (README): without the KL loss (both sides), without importance
@@ -114,8 +119,18 @@ def prepare(
 
 
 def run(
-    name: str, case: str, model: Path, files: dict[str, Path], run_dir: Path, steps: int, seed: int
+    name: str,
+    case: str,
+    model: Path,
+    files: dict[str, Path],
+    run_dir: Path,
+    steps: int,
+    seed: int,
+    lr: float = 1e-5,
+    val_every: int = 0,
 ) -> dict:
+    """One configuration's run; `val_every` > 0 also validates before training and every that many steps
+    (the learning curve), else only after the last step."""
     cfg = load_config(
         RLConfig,
         "rl",
@@ -131,9 +146,10 @@ def run(
             "rollout.n=4",
             f"data.max_response_length={MAX_RESPONSE[case]}",
             f"data.max_prompt_length={MAX_PROMPT}",  # the tail's long problems (the default 64 drops them)
-            "actor.optim.lr=1e-4",
-            f"trainer.val_every={steps}",  # held-out accuracy once, after the last step (not timed in it)
-            "trainer.val_before_train=false",
+            f"actor.optim.lr={lr:g}",
+            # held-out accuracy after the last step (not timed in it), and along the way with val_every
+            f"trainer.val_every={val_every or steps}",
+            f"trainer.val_before_train={str(val_every > 0).lower()}",
             "trainer.save_every=0",
             "trainer.loggers=[jsonl]",
             "trainer.plots=false",
@@ -158,6 +174,7 @@ def run(
         "response_length_max": max(r["response_length/max"] for r in steady),
         "samples_trained": 8 * 4 * steps,
         "val_acc_after": [r["val/acc"] for r in rows if "val/acc" in r][-1],
+        "val_acc_curve": [[r["step"], r["val/acc"]] for r in rows if "val/acc" in r],
     }
     for key in ("async/trainer_idle_share", "async/rollout_idle_share", "async/staleness",
                 "async/groups_carried_over", "async/time_to_batch_s", "async/dropped_samples"):  # fmt: skip
@@ -170,6 +187,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-5,
+        help="the actor's lr (1e-4 lowers held-out accuracy even synchronously)",
+    )
+    parser.add_argument(
+        "--val-every", type=int, default=0, help="also validate before training and every N steps (a curve)"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cases", default="mixed,tail")
     parser.add_argument("--work", default="/tmp/posttrain-bench-async")
@@ -203,7 +229,17 @@ def main() -> None:
         for repeat in range(args.repeats):
             for name in names:  # alternating, as BENCHMARKS.md asks
                 results[name].append(
-                    run(name, case, model, files, work / f"{case}-{name}-{repeat}", args.steps, repeat)
+                    run(
+                        name,
+                        case,
+                        model,
+                        files,
+                        work / f"{case}-{name}-{repeat}",
+                        args.steps,
+                        repeat,
+                        args.lr,
+                        args.val_every,
+                    )
                 )
                 print(f"{case} {name} repeat {repeat}: {results[name][-1]}", flush=True)
         base_runs = [r["samples_per_s"] for r in results["sync-colocated"]]
@@ -212,8 +248,11 @@ def main() -> None:
         gen, ref, upd = (statistics.median(r[key] for r in split) for key in ("gen_s", "ref_s", "update_s"))
         busier = min(max(gen + ref, upd), max(gen, ref + upd))  # the reference on the better side
         bound = (gen + ref + upd) / busier if busier > 0 else 1.0
+        base_accs = [r["val_acc_after"] for r in results["sync-colocated"]]
         for name, runs in results.items():
             values = [r["samples_per_s"] for r in runs]
+            accs = [r["val_acc_after"] for r in runs]
+            paired = [a - b for a, b in zip(accs, base_accs, strict=True)]
             value = statistics.median(values)
             rows.append(
                 {
@@ -229,7 +268,12 @@ def main() -> None:
                     # each repeat against the synchronous run of the same seed (same prompts and lengths)
                     "ratio_per_repeat": [round(v / b, 3) for v, b in zip(values, base_runs, strict=True)],
                     "two_worker_speedup_bound": round(bound, 3),
-                    "val_acc_after": [r["val_acc_after"] for r in runs],
+                    "val_acc_after": accs,
+                    "val_acc_mean": round(statistics.fmean(accs), 4),
+                    "val_acc_sd": round(statistics.stdev(accs), 4) if len(accs) > 1 else 0.0,
+                    # against the synchronous run of the same seed: mean and sd of the differences
+                    "val_acc_paired_diff_mean": round(statistics.fmean(paired), 4),
+                    "val_acc_paired_diff_sd": round(statistics.stdev(paired), 4) if len(paired) > 1 else 0.0,
                     "details": runs,
                 }
             )
@@ -243,10 +287,11 @@ def main() -> None:
     }
     write_result(args.out, result)
     plot(rows, RESULTS / args.out.replace(".json", ".png"))
-    print(f"\n{'case':<48}{'samples/s':>10}{'ratio':>8}{'bound':>8}")
+    print(f"\n{'case':<48}{'samples/s':>10}{'ratio':>8}{'bound':>8}{'val acc':>9}{'paired':>8}")
     for row in rows:
         print(
             f"{row['case']:<48}{row['value']:>10.3f}{row['ratio']:>8.3f}{row['two_worker_speedup_bound']:>8.3f}"
+            f"{row['val_acc_mean']:>9.3f}{row['val_acc_paired_diff_mean']:>+8.3f}"
         )
 
 
