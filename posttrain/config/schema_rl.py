@@ -236,8 +236,9 @@ class AsyncRLConfig:
     # groups (the n samples of a prompt) come back as they finish; a step trains on the first
     # data.train_batch_prompts complete (and, with algorithm.dynamic_sampling, kept) groups; the rest carry over
     streaming: bool = False
-    # with streaming: groups kept in flight beyond what the next batches within the staleness bound need
-    # (replaces groups the dynamic-sampling filter drops; the slowest groups then carry over to a later step)
+    # with streaming and algorithm.dynamic_sampling: groups kept in flight beyond what the next batches
+    # within the staleness bound need, replacing those the filter drops (refused without the filter: the
+    # surplus would go stale each step, the slowest groups first)
     stream_extra_groups: int = 0
 
 

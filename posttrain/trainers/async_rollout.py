@@ -100,6 +100,13 @@ def check_async_config(cfg: RLConfig) -> None:
         raise ConfigError(f"async_rl.stream_extra_groups must be >= 0, got {a.stream_extra_groups}")
     if a.stream_extra_groups and not a.streaming:
         raise ConfigError("async_rl.stream_extra_groups is used only with async_rl.streaming=true")
+    if a.stream_extra_groups and not cfg.algorithm.dynamic_sampling:
+        raise ConfigError(
+            "async_rl.stream_extra_groups needs algorithm.dynamic_sampling=true: extra groups replace those the "
+            "filter drops. Without it every step trains exactly data.train_batch_prompts groups, the groups "
+            "in flight already fill the staleness window, and each step that many extra groups go stale "
+            "(dropped or regenerated, the slowest ones first: the long responses are the ones never trained)"
+        )
     if a.staleness == 0:
         if a.streaming:
             raise ConfigError(

@@ -12,9 +12,11 @@ Correct by construction, as the whole-batch producer of async_rollout.py:
   producer stops submitting, the groups in flight finish, then the weights are loaded), so every token of a
   group is sampled by the version recorded at its submission, and nothing mixes versions within a sequence;
 - the producer submits a group only while groups in flight or waiting number fewer than the batches up to
-  version published + k need (plus `async_rl.stream_extra_groups`), so a group is normally trained within k
-  versions; one older than k at update time all the same (a slow group carried over, or the extra groups) is
-  dropped and counted or sampled again (`async_rl.on_stale`): no trained sample is ever older than k.
+  version published + k need, so a group is normally trained within k versions; one older than k at update
+  time all the same (a slow group carried over) is dropped and counted or sampled again (`async_rl.on_stale`):
+  no trained sample is ever older than k. `async_rl.stream_extra_groups` adds groups beyond that window to
+  replace the ones the dynamic-sampling filter drops, and is refused without the filter: the window already
+  holds every group the coming steps train, so a surplus would go stale each step, the slowest groups first.
 - Checkpoints record the loader position before the oldest draw of prompts with a group not yet settled, and
   the prompts after it already trained or filtered; a resumed run samples the others again (DrawLedger).
 

@@ -135,6 +135,10 @@ def test_the_deterministic_schedule_repeats_exactly(
         (["async_rl.stream_extra_groups=-1"], "stream_extra_groups must be >= 0"),
         (["async_rl.stream_extra_groups=2"], "used only with async_rl.streaming=true"),
         (
+            [*SPLIT, "async_rl.staleness=2", "async_rl.streaming=true", "async_rl.stream_extra_groups=2"],
+            "stream_extra_groups needs algorithm.dynamic_sampling=true",
+        ),
+        (
             [*SPLIT, "async_rl.staleness=1", "async_rl.streaming=true", "async_rl.deterministic=true"],
             "streaming does not support async_rl.deterministic",
         ),

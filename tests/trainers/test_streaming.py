@@ -167,20 +167,20 @@ def test_every_trained_sample_is_within_the_bound_and_no_group_is_trained_twice_
 
 
 def test_without_the_filter_batches_are_the_first_complete_groups() -> None:
-    cfg = config("async_rl.staleness=2", "async_rl.streaming=true", "async_rl.stream_extra_groups=4")
+    cfg = config("async_rl.staleness=2", "async_rl.streaming=true")
     batches, metrics, _, _ = run(cfg, 3)
     for m in metrics:
         assert m["async/groups_filtered"] == 0 and m["async/time_to_batch_s"] >= 0
     first = list(dict.fromkeys(batches[0][keys.UID]))
-    # 16 groups in flight from the start (batches 0..k, + 4 extra): the 4 whose slowest sample is shortest
-    # come first
-    slowest = {f"0-{i}": max(length(f"0-{i}", s) for s in range(N)) for i in range(16)}
+    # 12 groups in flight from the start (batches 0..k): the 4 whose slowest sample is shortest come first
+    slowest = {f"0-{i}": max(length(f"0-{i}", s) for s in range(N)) for i in range(12)}
     assert sorted(slowest[u] for u in first) == sorted(slowest.values())[:4]
 
 
 def test_stale_groups_are_regenerated_with_newer_weights() -> None:
     cfg = config("async_rl.staleness=1", "async_rl.streaming=true", "async_rl.stream_extra_groups=6",
-                 "async_rl.on_stale=regenerate")  # fmt: skip
+                 "async_rl.on_stale=regenerate", "algorithm.dynamic_sampling=true",
+                 "algorithm.max_gen_rounds=20")  # fmt: skip
     batches, metrics, _, _ = run(cfg, 6)
     assert sum(m["async/regenerated_samples"] for m in metrics) > 0
     trained = [u for b in batches for u in dict.fromkeys(b[keys.UID])]
