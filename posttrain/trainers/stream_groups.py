@@ -2,9 +2,11 @@
 in any order, a step's batch formed from the first complete and kept groups, and which drawn prompts are settled.
 
 A group is the n samples of one prompt (one `uid`). The rollout pool returns rows as they finish, from any rank;
-`GroupAssembler` holds them until a group's n rows are in. `BatchFormer` takes complete groups in arrival order,
-drops (or sends back for regeneration) a group older than k versions, applies DAPO's filter (a group whose scores
-are all equal has zero advantage) and stops at `data.train_batch_prompts` kept groups. `DrawLedger` knows, for
+`GroupAssembler` holds them until a group's n rows are in. `BatchFormer` takes complete groups oldest version first
+(then in arrival order), drops (or sends back for regeneration) a group older than k versions, applies DAPO's
+filter (a group whose scores are all equal has zero advantage) and stops at `data.train_batch_prompts` kept groups;
+a group at its last chance (exactly k versions old) is always taken, in place of a newer one if the batch is full,
+and the producer's trainer side waits for such groups still in flight, so nothing is dropped for being slow. `DrawLedger` knows, for
 each batch of prompts drawn from the loader, which of its prompts are settled (trained, filtered out, or dropped),
 so a checkpoint can point the loader at the oldest draw still open and list the prompts after it not to repeat.
 """
@@ -60,6 +62,10 @@ class GroupAssembler:
         """Groups in flight."""
         return len(self._open)
 
+    def oldest_version(self) -> int | None:
+        """The oldest version among the groups in flight (None: nothing in flight)."""
+        return min((g.version for g in self._open.values()), default=None)
+
     def expect(self, uid: str, prompt: Batch, version: int) -> None:
         """Group `uid` was submitted, sampled by `version`; `prompt` is its one prompt row (every column)."""
         if uid in self._open:
@@ -108,10 +114,11 @@ class Formed:
 
 
 class BatchFormer:
-    """A step's batch from complete groups in arrival order (module docstring).
+    """A step's batch from complete groups, oldest version first (module docstring).
 
-    `offer` the groups as they arrive (scored by the caller's `score`, many at a time) until `full`; `formed()`
-    then returns the batch. Groups offered after it is full are handed back by `offer` (they carry over).
+    `offer` the groups as they arrive (scored by the caller's `score`, many at a time) until `full` and no group
+    at its last chance is in flight; `formed()` then returns the batch. Groups not needed are handed back by
+    `offer` (they carry over): those offered after it is full, and newer ones that a last-chance group replaced.
     """
 
     def __init__(
@@ -139,11 +146,15 @@ class BatchFormer:
     def full(self) -> bool:
         return len(self.kept) >= self.want or self.received >= self.cap
 
+    def last_chance(self, version: int) -> bool:
+        """Whether a group sampled by `version` can be trained at this step and at no later one."""
+        return self.version - version >= self.k
+
     def offer(self, groups: list[Group]) -> list[Group]:
-        """Take `groups` (arrival order) into the batch; returns those not needed, in order (scored when the
-        batch was not full yet: their scores stay with them)."""
+        """Take `groups` into the batch, oldest version first (then in the given arrival order); returns those
+        not needed, in that order (scored when they could enter the batch: their scores stay with them)."""
         fresh: list[Group] = []
-        for group in groups:
+        for group in sorted(groups, key=lambda g: g.version):  # stable: arrival order within a version
             if self.version - group.version <= self.k:
                 fresh.append(group)
             elif self.on_stale == "regenerate":
@@ -154,7 +165,8 @@ class BatchFormer:
                 log.warning("async: dropped group %s sampled at version %d at version %d", group.uid,
                             group.version, self.version)  # fmt: skip
         unscored = [g for g in fresh if g.varied is None]
-        if unscored and not self.full:  # scored together: one call to the reward stage
+        if unscored and (not self.full or any(self.last_chance(g.version) for g in unscored)):
+            # scored together: one call to the reward stage
             rows = concat_padded([g.rows for g in unscored], self.pad_id)
             scored = self.score(rows)
             varied = groups_with_reward_variance(
@@ -168,7 +180,7 @@ class BatchFormer:
                 start += size
         left: list[Group] = []
         for group in fresh:
-            if self.full:
+            if self.full and not self.last_chance(group.version):
                 left.append(group)
                 continue
             self.received += 1
@@ -176,6 +188,12 @@ class BatchFormer:
                 self.zero_variance.append(group)
             else:
                 self.kept.append(group)
+        if len(self.kept) > self.want:  # last-chance groups came in over a full batch: the newest step back
+            self.kept.sort(key=lambda g: g.version)  # stable
+            surplus = self.kept[self.want :]
+            del self.kept[self.want :]
+            self.received -= len(surplus)
+            left = surplus + left
         return left
 
     def formed(self) -> Formed:

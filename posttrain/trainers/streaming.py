@@ -12,11 +12,15 @@ Correct by construction, as the whole-batch producer of async_rollout.py:
   producer stops submitting, the groups in flight finish, then the weights are loaded), so every token of a
   group is sampled by the version recorded at its submission, and nothing mixes versions within a sequence;
 - the producer submits a group only while groups in flight or waiting number fewer than the batches up to
-  version published + k need, so a group is normally trained within k versions; one older than k at update
-  time all the same (a slow group carried over) is dropped and counted or sampled again (`async_rl.on_stale`):
-  no trained sample is ever older than k. `async_rl.stream_extra_groups` adds groups beyond that window to
-  replace the ones the dynamic-sampling filter drops, and is refused without the filter: the window already
-  holds every group the coming steps train, so a surplus would go stale each step, the slowest groups first.
+  version published + k need, so every group fits in a batch within k versions. A batch takes complete groups
+  oldest version first, and a group k versions old (its last chance) always enters, replacing a newer one if
+  the batch is full; the trainer waits for such groups still in flight. So a slow group is trained late, never
+  dropped for being slow: short responses don't wait for long ones, up to k - 1 steps (with k = 1 the batch
+  waits for the slowest group, as the whole-batch producer does). A group older than k at update time all the
+  same (more last-chance groups than a batch holds) is dropped and counted or sampled again
+  (`async_rl.on_stale`): no trained sample is ever older than k. `async_rl.stream_extra_groups` adds groups
+  beyond that window to replace the ones the dynamic-sampling filter drops, and is refused without the filter:
+  the window already holds every group the coming steps train, so a surplus would go stale each step.
 - Checkpoints record the loader position before the oldest draw of prompts with a group not yet settled, and
   the prompts after it already trained or filtered; a resumed run samples the others again (DrawLedger).
 
@@ -100,6 +104,11 @@ class StreamingProducer(WeightHandOver[Any]):
         self._stop = False
         self._error: BaseException | None = None
         self._next_id = 0
+        # the oldest version among the groups in flight (None: none), kept by the producer thread, which alone
+        # changes the assembler, for the trainer's side to read under the lock
+        self._oldest_in_flight: int | None = None
+        # complete groups the trainer's side holds while it forms a batch (out of `_ready`, not settled yet)
+        self._in_hand = 0
         self._idle = self._busy = self._load_s = self._ref_s = 0.0
         self._last_batch = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
@@ -136,6 +145,7 @@ class StreamingProducer(WeightHandOver[Any]):
                         self._ref_s += ref_s
                         self._busy += time.perf_counter() - start
                         self._ready.extend(done)
+                        self._oldest_in_flight = self._assembler.oldest_version()
                         self._cond.notify_all()
                 else:  # nothing in flight: the gate is closed (or the trainer's weights are due)
                     start = time.perf_counter()
@@ -165,7 +175,7 @@ class StreamingProducer(WeightHandOver[Any]):
         """Groups the producer may submit now (called with the lock held), a multiple of `unit`: the batches
         up to version published + k, less the groups in flight or waiting, plus the extra ones."""
         budget = (self.published + self.k + 1 - self.next_version) * self.want + self.extra
-        room = budget - len(self._assembler) - len(self._ready)
+        room = budget - len(self._assembler) - len(self._ready) - self._in_hand
         return max(0, room - room % self.unit)
 
     def _submit(self, groups: int) -> None:
@@ -188,6 +198,8 @@ class StreamingProducer(WeightHandOver[Any]):
             repeated.set(STREAM_ID, ids)
             repeated.set(keys.UID, [uid] * self.n)
             rows.append(repeated)
+        with self._cond:  # before the pool has them: the trainer's side sees them in flight from now
+            self._oldest_in_flight = self._assembler.oldest_version()
         self.pool.stream_submit(concat_padded(rows, self.pad_id), self.sampling)
 
     def _draw(self) -> None:
@@ -207,7 +219,8 @@ class StreamingProducer(WeightHandOver[Any]):
     # ---- trainer side --------------------------------------------------------------------------
     def take_batch(self, version: int, score: Callable[[Batch], Batch]) -> tuple[Batch, dict[str, float]]:
         """The trainer's batch at `version`, scored by `score`: the first `data.train_batch_prompts` complete
-        and kept groups (module docstring); waits for them. Returns metrics too."""
+        and kept groups, oldest version first (module docstring); waits for them, and for the groups in flight
+        that this step is the last to be able to train. Returns metrics too."""
         former = BatchFormer(
             version,
             self.want,
@@ -219,25 +232,32 @@ class StreamingProducer(WeightHandOver[Any]):
             self.pad_id,
         )
         waited = 0.0
-        while not former.full:
+        held: list[Group] = []  # complete groups not needed (yet): back to the queue once the batch is formed
+        while True:
             start = time.perf_counter()
             with self._cond:
+                oldest = self._oldest_in_flight
+                if former.full and (oldest is None or not former.last_chance(oldest)):
+                    break
                 while not self._ready and self._error is None and not self._stop:
                     self._cond.wait(timeout=1.0)
                 if self._error is not None and not self._ready:
                     raise self._error
                 arrived = list(self._ready)
                 self._ready.clear()
+                # counted against the room until the batch is formed and next_version moves on with it: a
+                # submission in between would see the window emptied and overfill it
+                self._in_hand += len(arrived)
             waited += time.perf_counter() - start
-            left = former.offer(arrived)
-            with self._cond:
-                self._ready.extendleft(reversed(left))
+            held = former.offer(held + arrived)
         formed = former.formed()
         now = time.perf_counter()
         with self._cond:
             self.ledger.settle(formed.settled)
             for group in formed.regenerate:
                 self._prompts.appendleft(group.prompt)
+            self._ready.extendleft(reversed(held))
+            self._in_hand = 0
             self.next_version = version + 1
             idle, busy, load_s, ref_s = self._idle, self._busy, self._load_s, self._ref_s
             self._idle = self._busy = self._load_s = self._ref_s = 0.0

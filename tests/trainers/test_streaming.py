@@ -19,7 +19,7 @@ from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.dataset import collate_prompts
 from posttrain.errors import WorkerError
 from posttrain.rollout.base import GenerationResult, SamplingParams
-from posttrain.trainers.stream_groups import DrawLedger, GroupAssembler
+from posttrain.trainers.stream_groups import BatchFormer, DrawLedger, Group, GroupAssembler
 from posttrain.trainers.streaming import StreamingProducer
 from posttrain.workers.sampling import batch_prompts, pad_prompts_left, results_batch
 
@@ -188,6 +188,62 @@ def test_stale_groups_are_regenerated_with_newer_weights() -> None:
     for version, batch in enumerate(batches):
         tagged = batch[keys.ROLLOUT_VERSIONS]
         assert version - int(tagged[tagged >= 0].min()) <= 1
+
+
+class LongTailPool(FakePool):
+    """Every fifth prompt's samples take 15x as many collect calls (a long tail that later, shorter groups
+    overtake)."""
+
+    def stream_submit(self, batch: Batch, sampling: SamplingParams) -> None:
+        start = len(self.pending)
+        super().stream_submit(batch, sampling)
+        for i in range(start, len(self.pending)):
+            finish, row, params = self.pending[i]
+            if slow(str(row[keys.UID][0])):
+                self.pending[i] = (self.tick + 15 * (finish - self.tick), row, params)
+
+
+def slow(uid: str) -> bool:
+    return int(uid.split("-")[1]) % 5 == 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_slow_groups_are_trained_late_not_dropped(k: int) -> None:
+    """Later, shorter groups overtake the long tail, but a group at its last chance (k versions old) always
+    enters the batch, and the trainer waits for one still in flight: nothing is dropped, the slow groups are
+    trained, and no sample is older than k."""
+    cfg = config(f"async_rl.staleness={k}", "async_rl.streaming=true")
+    pool, data = LongTailPool(), loader()
+    producer = StreamingProducer(cfg, pool, data, SamplingParams(max_tokens=12), 0, PAD)
+    trained: list[str] = []
+    try:
+        for version in range(10):
+            batch, m = producer.take_batch(version, score)
+            assert m["async/dropped_samples"] == 0 and m["async/staleness_max"] <= k
+            uids = list(dict.fromkeys(batch[keys.UID]))
+            assert len(uids) == 4
+            trained += uids
+            producer.hand_weights(version + 1, version + 1)
+    finally:
+        producer.stop()
+    assert len(trained) == len(set(trained))
+    assert sum(map(slow, trained)) >= 5  # the long tail is trained, not only the short groups
+    if k > 1:  # short groups overtook slow ones: streaming's point
+        assert trained[:8] != sorted(trained[:8], key=lambda u: int(u.split("-")[1]))
+
+
+def test_a_last_chance_group_replaces_the_newest_in_a_full_batch() -> None:
+    former = BatchFormer(5, 2, 2, "drop", False, 1, score, PAD)  # version 5, 2 groups a batch, k = 2
+
+    def group(uid: str, version: int) -> Group:  # scored already: the former does not score it again
+        prompt = collate_prompts([Prompts()[0]], PAD, [uid])
+        return Group(uid, prompt.repeat(N), version, 0.0, prompt, varied=True)
+
+    assert not former.offer([group("a", 5), group("b", 4)]) and former.full
+    left = former.offer([group("c", 5), group("d", 3)])  # d is 2 versions old: its last chance
+    assert [g.uid for g in left] == ["a", "c"]  # the newest stepped back, "a" out of the batch
+    assert [g.uid for g in former.kept] == ["d", "b"] and former.received == 2
+    assert former.offer([group("e", 2)]) == [] and former._dropped == N  # too old: dropped
 
 
 def test_groups_reassemble_from_pieces_of_different_widths() -> None:
