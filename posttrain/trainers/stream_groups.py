@@ -6,9 +6,10 @@ A group is the n samples of one prompt (one `uid`). The rollout pool returns row
 (then in arrival order), drops (or sends back for regeneration) a group older than k versions, applies DAPO's
 filter (a group whose scores are all equal has zero advantage) and stops at `data.train_batch_prompts` kept groups;
 a group at its last chance (exactly k versions old) is always taken, in place of a newer one if the batch is full,
-and the producer's trainer side waits for such groups still in flight, so nothing is dropped for being slow. `DrawLedger` knows, for
-each batch of prompts drawn from the loader, which of its prompts are settled (trained, filtered out, or dropped),
-so a checkpoint can point the loader at the oldest draw still open and list the prompts after it not to repeat.
+and `StreamingProducer.take_batch` waits for such groups still in flight, so nothing is dropped for being slow.
+`DrawLedger` knows, for each batch of prompts drawn from the loader, which of its prompts are settled (trained,
+filtered out, or dropped), so a checkpoint can point the loader at the oldest draw still open and list the prompts
+after it not to repeat.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ class StreamingProducer(WeightHandOver[Any]):
 
     def _room(self) -> int:
         """Groups the producer may submit now (called with the lock held), a multiple of `unit`: the batches
-        up to version published + k, less the groups in flight or waiting, plus the extra ones."""
+        up to version published + k, less the groups in flight, waiting or in the trainer's hands, plus the extra
+        ones."""
         budget = (self.published + self.k + 1 - self.next_version) * self.want + self.extra
         room = budget - len(self._assembler) - len(self._ready) - self._in_hand
         return max(0, room - room % self.unit)
