@@ -250,7 +250,8 @@ class StreamingProducer(WeightHandOver[Any]):
                 # submission in between would see the window emptied and overfill it
                 self._in_hand += len(arrived)
             waited += time.perf_counter() - start
-            held = former.offer(held + arrived)
+            # a group handed back stays out: the batch stays full, and its version cannot reach the last chance
+            held += former.offer(arrived)
         formed = former.formed()
         now = time.perf_counter()
         with self._cond:
