@@ -246,12 +246,17 @@ class StreamingProducer(WeightHandOver[Any]):
                     raise self._error
                 arrived = list(self._ready)
                 self._ready.clear()
-                # counted against the room until the batch is formed and next_version moves on with it: a
-                # submission in between would see the window emptied and overfill it
-                self._in_hand += len(arrived)
+                self._in_hand += len(arrived)  # until offered: then only what the batch keeps and hands back
             waited += time.perf_counter() - start
             # a group handed back stays out: the batch stays full, and its version cannot reach the last chance
             held += former.offer(arrived)
+            with self._cond:
+                # the batch's groups and those handed back count against the room until the batch is formed and
+                # next_version moves on (a submission in between would see the window emptied and overfill it);
+                # groups filtered or dropped are settled and free their place, or the producer could never
+                # replace them
+                self._in_hand = len(former.kept) + len(held)
+                self._cond.notify_all()
         formed = former.formed()
         now = time.perf_counter()
         with self._cond:
