@@ -11,6 +11,8 @@ Configurations:
     async k=1, k=2   the same two workers, rollouts sampled 1 or 2 versions ahead (async_rl.staleness), the
                      reference beside the rollout (resources.ref: its forward runs on the producer's side)
     async k=1 ref on trainer   k=1 with the reference on the training worker (its forward in the trainer's step)
+    async k=1 trainer2, gen2   k=1 with one side given 2 threads, the other 1 (resources.pools.gen.threads_per_worker):
+                     the cores split unevenly, 3 threads on 2 cores
     async k=1/k=2 stream   the same, batches formed from the first complete groups (async_rl.streaming)
 
 Each runs `--steps` GRPO steps; samples/s counts the steps after the first (start-up excluded), alternating
@@ -66,6 +68,10 @@ CONFIGS = {
     "sync-colocated": ["trainer.n_workers_per_node=1", "trainer.threads_per_worker=2"],
     "sync-split": SPLIT,
     "async-k1": [*ASYNC, "async_rl.staleness=1"],
+    # the two cores split unevenly (resources.pools.gen.threads_per_worker): 3 threads on 2 cores
+    "async-k1-trainer2": [*ASYNC, "async_rl.staleness=1", "trainer.threads_per_worker=2",
+                          "+resources.pools.gen.threads_per_worker=1"],
+    "async-k1-gen2": [*ASYNC, "async_rl.staleness=1", "+resources.pools.gen.threads_per_worker=2"],
     "async-k1-ref-on-trainer": [*SPLIT, "async_rl.staleness=1", "algorithm.rollout_correction.rollout_is=token"],
     "async-k2": [*ASYNC, "async_rl.staleness=2"],
     "async-k1-stream": [*ASYNC, "async_rl.staleness=1", "async_rl.streaming=true"],

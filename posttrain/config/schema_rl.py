@@ -246,6 +246,9 @@ class AsyncRLConfig:
 class PoolConfig:
     nnodes: int = 1
     n_workers_per_node: int = 1
+    # torch intra-op threads of this pool's workers; 0 = trainer.threads_per_worker (as the trainer's pool).
+    # Splits a machine's cores unevenly between the trainer and, say, a rollout pool whose work needs fewer
+    threads_per_worker: int = 0
 
 
 @dataclass(frozen=True)

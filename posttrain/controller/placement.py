@@ -13,6 +13,7 @@ sharing the slot; split: the rollout, the reference, the critic or the reward mo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -81,6 +82,20 @@ def threads_per_worker(settings: WorkerSettings) -> int:
     return settings.threads_per_worker or max(1, (os.cpu_count() or 1) // settings.n_workers_per_node)
 
 
+def pool_threads(settings: WorkerSettings, pool: PoolConfig | None) -> int:
+    """The threads of a pool's workers: the pool's own `threads_per_worker`, else the trainer's rule."""
+    if pool is not None and pool.threads_per_worker:
+        return pool.threads_per_worker
+    return threads_per_worker(settings)
+
+
+def with_threads(spec: Any, threads: int) -> Any:
+    """`spec` with its worker's thread budget set to `threads` (specs without one are returned as they are)."""
+    if dataclasses.is_dataclass(spec) and any(f.name == "threads" for f in dataclasses.fields(spec)):
+        return dataclasses.replace(spec, threads=threads)  # type: ignore[type-var]
+    return spec
+
+
 def worker_env(threads: int) -> dict[str, str]:
     """Environment of every worker process: its thread budget, no tokenizer thread pools (and the test-only
     pause points of controller/pause_points.py when the driver has them)."""
@@ -129,16 +144,16 @@ def start_role_groups(
     tenants = Counter(r.pool for r in requests)  # roles sharing a pool split each of its slots
     reserved = make_pools([specs[name] for name in specs if name in tenants], wait_s=wait_s)
     device = "cuda" if gpus else "cpu"
-    env = worker_env(threads_per_worker(settings))
     started: dict[str, Dispatcher] = {}
     try:
         for r in requests:
+            threads = pool_threads(settings, (pools or {}).get(r.pool))
             started[r.role] = RayWorkerGroup(
                 r.worker_cls,
-                r.spec,
+                with_threads(r.spec, threads),
                 role=r.role,
                 device=device,
-                env_vars=env,
+                env_vars=worker_env(threads),
                 timeout_s=settings.collective_timeout_s,
                 pool=reserved[r.pool],
                 share=1.0 / tenants[r.pool],
@@ -304,6 +319,11 @@ def check_placement(cfg: RLConfig) -> None:
             raise ConfigError(
                 f"resources.pools.{name}: nnodes and n_workers_per_node must be >= 1, got {pool.nnodes} and "
                 f"{pool.n_workers_per_node}"
+            )
+        if pool.threads_per_worker < 0:
+            raise ConfigError(
+                f"resources.pools.{name}.threads_per_worker must be >= 0 (0: trainer.threads_per_worker), got "
+                f"{pool.threads_per_worker}"
             )
     rm_pool = cfg.reward.model.pool
     split = split_rollout(cfg) or r.critic != TRAINER_POOL or r.ref != TRAINER_POOL or rm_pool != TRAINER_POOL

@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from posttrain.controller.failures import rank_failure
 from posttrain.controller.pause_points import pause_if_asked
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool
@@ -105,7 +107,7 @@ class LocalWorkerGroup:
         return self.call(method, *args, **kwargs)  # one rank: one data-parallel group of one
 
     def placement(self) -> list[dict[str, Any]]:
-        return [{"rank": 0, "node_ip": "127.0.0.1"}]
+        return [{"rank": 0, "node_ip": "127.0.0.1", "threads": torch.get_num_threads()}]
 
     def ping(self) -> list[dict[str, Any]]:
         return [self.worker.ping() if hasattr(self.worker, "ping") else {"pid": os.getpid()}]
@@ -133,9 +135,14 @@ class WorkerHost:
         return ip, free_port(ip)
 
     def where(self) -> dict[str, Any]:
+        """This rank's node, and its torch thread budget (set by its worker once started)."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "threads": torch.get_num_threads(),
+        }
 
     def start(self, worker_cls: Callable[..., Any], spec: Any, info: DistInfo) -> None:
         self.rank = info.rank
@@ -310,7 +317,8 @@ class RayWorkerGroup:
         return self._get([w.ping.remote() for w in self.workers], "ping")
 
     def placement(self) -> list[dict[str, Any]]:
-        """Which node each rank runs on (node id and IP), for placement checks."""
+        """Which node each rank runs on (node id and IP) and with how many torch threads, for placement
+        checks."""
         infos = self._get([w.where.remote() for w in self.workers], "placement")
         return [{"rank": rank, **info} for rank, info in enumerate(infos)]
 

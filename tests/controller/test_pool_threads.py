@@ -1,0 +1,42 @@
+"""Each resource pool's workers run with their own torch thread budget (`resources.pools.<name>.threads_per_worker`),
+so a machine's cores can be split unevenly between the trainer and a rollout pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.controller.placement import check_placement, start_rl_groups, threads_per_worker
+from posttrain.errors import ConfigError
+from posttrain.trainers.setup import actor_spec
+from tests.trainers.test_rl_e2e import rl_config
+
+GEN_POOL = ["trainer.backend=ray", "resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1"]
+
+
+def test_a_pool_runs_with_its_own_threads_and_the_others_with_the_trainers(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    cfg = rl_config(
+        tiny_model_dir, arithmetic_data, tmp_path, *GEN_POOL, "trainer.threads_per_worker=2",
+        "+resources.pools.gen.threads_per_worker=1",
+    )  # fmt: skip
+    check_placement(cfg)
+    groups = start_rl_groups(cfg, actor_spec(cfg, threads_per_worker(cfg.trainer)), None)
+    try:
+        placement = groups.placement()
+    finally:
+        groups.shutdown()
+    assert [rank["threads"] for rank in placement["actor_rollout_ref"]] == [2]
+    assert [rank["threads"] for rank in placement["rollout"]] == [1]
+
+
+def test_a_negative_thread_budget_is_refused(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    cfg = rl_config(
+        tiny_model_dir, arithmetic_data, tmp_path, *GEN_POOL, "+resources.pools.gen.threads_per_worker=-1"
+    )
+    with pytest.raises(ConfigError, match=r"resources.pools.gen.threads_per_worker must be >= 0"):
+        check_placement(cfg)
