@@ -297,7 +297,9 @@ def test_sp2_aux_loss_equals_the_unsliced_run(tiny_moe_dir: Path, tmp_path: Path
                 torch.testing.assert_close(
                     got[name][f"{part}_grads"],
                     ref[f"{part}_grads"],
-                    atol=5e-6,  # fp32 sums in another order: at most 2.9e-6 measured (grads up to 0.87)
+                    # fp32 sums in another order, through one AdamW step before the sft and aux passes: at most
+                    # 2.9e-6 measured on one CPU, 7.1e-6 on another (an AMD EPYC; grads up to 0.87)
+                    atol=2e-5,
                     rtol=1e-4,
                     msg=f"{name} {part}",
                 )
