@@ -287,7 +287,7 @@ class TrainerConfig:
     # any of console, jsonl, tensorboard, wandb (offline, in <run_dir>/wandb), mlflow (<run_dir>/mlflow.db)
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     plots: bool = True  # PNG figures of metrics.jsonl in <run_dir>/plots when the run ends (needs jsonl)
-    threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers on the node
+    threads_per_worker: int = 0  # torch threads per worker; 0 = a node's cores / all pools' workers there
 
     @property
     def world_size(self) -> int:

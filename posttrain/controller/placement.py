@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,11 +82,24 @@ def threads_per_worker(settings: WorkerSettings) -> int:
     return settings.threads_per_worker or max(1, (os.cpu_count() or 1) // settings.n_workers_per_node)
 
 
-def pool_threads(settings: WorkerSettings, pool: PoolConfig | None) -> int:
-    """The threads of a pool's workers: the pool's own `threads_per_worker`, else the trainer's rule."""
+def pool_threads(settings: WorkerSettings, pool: PoolConfig | None, sharing: int = 0) -> int:
+    """The threads of a pool's workers: the pool's own `threads_per_worker`, else `trainer.threads_per_worker`,
+    else the node's cores shared by `sharing` workers (every worker of every pool this run placed on the
+    node; 0 = the trainer pool's workers per node, as `threads_per_worker`)."""
     if pool is not None and pool.threads_per_worker:
         return pool.threads_per_worker
-    return threads_per_worker(settings)
+    if settings.threads_per_worker or not sharing:
+        return threads_per_worker(settings)
+    return max(1, (os.cpu_count() or 1) // sharing)
+
+
+def workers_by_node(pools: Iterable[ResourcePool]) -> Counter[str]:
+    """How many workers (bundles) the given pools placed on each node."""
+    placed: Counter[str] = Counter()
+    for pool in pools:
+        for node in pool.nodes:
+            placed[node] += pool.spec.workers_per_node
+    return placed
 
 
 def with_threads(spec: Any, threads: int) -> Any:
@@ -144,10 +157,14 @@ def start_role_groups(
     tenants = Counter(r.pool for r in requests)  # roles sharing a pool split each of its slots
     reserved = make_pools([specs[name] for name in specs if name in tenants], wait_s=wait_s)
     device = "cuda" if gpus else "cpu"
+    # the default thread budget shares a node's cores among every worker placed there, from all pools: a
+    # rollout pool beside the trainer on one machine must not give each side all the cores
+    placed = workers_by_node(reserved.values())
     started: dict[str, Dispatcher] = {}
     try:
         for r in requests:
-            threads = pool_threads(settings, (pools or {}).get(r.pool))
+            sharing = max(placed[node] for node in reserved[r.pool].nodes)
+            threads = pool_threads(settings, (pools or {}).get(r.pool), sharing)
             started[r.role] = RayWorkerGroup(
                 r.worker_cls,
                 with_threads(r.spec, threads),

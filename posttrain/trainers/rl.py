@@ -227,7 +227,8 @@ class RLTrainer:
         log.info(
             "placement: %s", {role: [p.get("node_ip") for p in ranks] for role, ranks in placement.items()}
         )
-        self.perf = PerfMeter.from_config(cfg, threads=threads)
+        # the actor's own budget (start_role_groups shares a node's cores among every pool placed there)
+        self.perf = PerfMeter.from_config(cfg, threads=placement["actor_rollout_ref"][0]["threads"])
 
     def _stop_workers(self) -> None:
         if self.producer is not None:  # before its pool goes; the loader returns to the last trained batch

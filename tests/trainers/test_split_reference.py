@@ -18,6 +18,7 @@ QUIET = [
     "trainer.val_every=0",
     "trainer.val_before_train=false",
     "trainer.save_every=0",
+    "trainer.threads_per_worker=1",  # the same budget in both placements (the default shares a node's cores)
 ]
 OWN_POOL = ["resources.ref=refpool", "+resources.pools.refpool.n_workers_per_node=1"]
 
