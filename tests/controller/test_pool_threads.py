@@ -70,9 +70,8 @@ def test_a_set_budget_wins_over_the_shared_cores(
     trainer = rl_config(tiny_model_dir, arithmetic_data, tmp_path).trainer
     cores = os.cpu_count() or 1
     assert pool_threads(trainer, None, sharing=3) == max(1, cores // 3)
-    assert pool_threads(trainer, None) == threads_per_worker(
-        trainer
-    )  # no placement known: the trainer's rule
+    # no placement known: the trainer's rule
+    assert pool_threads(trainer, None) == threads_per_worker(trainer)
     assert pool_threads(trainer, PoolConfig(threads_per_worker=5), sharing=3) == 5
     two = rl_config(tiny_model_dir, arithmetic_data, tmp_path, "trainer.threads_per_worker=2").trainer
     assert pool_threads(two, None, sharing=8) == 2
