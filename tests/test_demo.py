@@ -6,7 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.demo import run_demo
+from posttrain.config.load import load_config
+from posttrain.config.schema import RLConfig, SFTConfig
+from posttrain.demo import RL_OVERRIDES, SFT_OVERRIDES, run_demo
+
+
+def test_the_demo_stages_configs_load_and_the_rl_stage_survives_a_dead_worker(tmp_path: Path) -> None:
+    """Every embedded override is a real key (unknown ones fail to load), and a rank lost mid-run (one CI
+    machine's fate at step ~265 of 300) restarts from the last checkpoint instead of failing the demo."""
+    sft = load_config(SFTConfig, "sft", [f"model.path={tmp_path}", *SFT_OVERRIDES])
+    assert sft.optim.lr_schedule == "constant" and sft.trainer.stop_at_val_nll == 0.7
+    rl = load_config(RLConfig, "rl", [f"model.path={tmp_path}", *RL_OVERRIDES])
+    assert rl.trainer.max_restarts >= 1
+    assert 0 < rl.trainer.save_every <= 20, "a restart redoes at most the steps since the last checkpoint"
 
 
 @pytest.mark.slow
