@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from posttrain.config.schema import OptimConfig
 from posttrain.data import keys
+from posttrain.engine import varlen_attention
 from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.packing import PackingOptions, pack, packed_model_output, packed_response_log_probs
 from posttrain.engine.shared_prompt import pack_shared_prompts
@@ -31,6 +32,21 @@ from posttrain.errors import ConfigError
 from posttrain.models import build_tiny_model, load_causal_lm
 
 from .helpers import grouped_rl_batch, synthetic_rl_batch
+
+
+@pytest.fixture(params=["grouped", "dense"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a plan attends, forced: per group of runs, or one call over the rows with their mask."""
+    if request.param == "grouped":
+        monkeypatch.setattr(varlen_attention, "DENSE_MAX_CELLS", 0)
+    else:
+        monkeypatch.setattr(varlen_attention, "GROUP_PRICE_CELLS", 1 << 40)
+    return request.param
+
+
+def assert_plan_path(segments: Segments, width: int, path: str) -> None:
+    plan = segments.plan(width, torch.device("cpu"), 4 * 32)  # the tiny preset: 4 heads of 32
+    assert (plan.dense_mask is not None) == (path == "dense")
 
 
 def models(dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -74,11 +90,13 @@ def test_segments_from_position_ids_restart_at_every_sequence() -> None:
     assert mask[2].tolist() == [True, True, True, False, False, False]
 
 
-def test_packed_logits_and_gradients_equal_the_masked_path_in_float64() -> None:
+def test_packed_logits_and_gradients_equal_the_masked_path_in_float64(attention_path: str) -> None:
     masked, varlen = models(torch.float64)
     batch = synthetic_rl_batch(rows=14, prompt_width=9, response_width=7, vocab=1000, seed=11)
     layout = pack(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], row_tokens=48)
     assert layout.input_ids.shape[0] > 1  # several packed rows of several sequences each
+    segments = segments_from_position_ids(layout.position_ids)
+    assert_plan_path(segments, layout.input_ids.shape[1], attention_path)
     weights = torch.randn((layout.input_ids.numel(), masked.config.vocab_size), dtype=torch.float64)
     ref, ref_grads = outputs_and_grads(masked, layout.input_ids, layout.position_ids, weights)
     out, grads = outputs_and_grads(varlen, layout.input_ids, layout.position_ids, weights)
@@ -86,11 +104,12 @@ def test_packed_logits_and_gradients_equal_the_masked_path_in_float64() -> None:
     torch.testing.assert_close(grads, ref_grads, atol=1e-10, rtol=1e-9)
 
 
-def test_shared_prompt_layout_equals_its_explicit_mask_in_float64() -> None:
+def test_shared_prompt_layout_equals_its_explicit_mask_in_float64(attention_path: str) -> None:
     masked, varlen = models(torch.float64)
     batch = grouped_rl_batch(prompts=3, n=4, seed=7)
     shared = pack_shared_prompts(batch[keys.INPUT_IDS], batch[keys.ATTENTION_MASK], 7, row_tokens=40)
     assert any(run.context_end > run.context_start for runs in shared.segments.rows for run in runs)
+    assert_plan_path(shared.segments, shared.input_ids.shape[1], attention_path)
     assert_shared_layout_equals_its_mask(masked, varlen, shared)
 
 
@@ -107,6 +126,26 @@ def test_segments_pass_through_fsdp_input_casting_with_their_plans() -> None:
     assert segments == Segments(((Run(0, 3), Run(3, 5, 0, 3)),))
 
 
+def test_short_rows_take_one_dense_call_and_long_rows_their_groups() -> None:
+    """The default choice (no path forced): rows of 8-token responses behind shared prompts, as in RL on
+    short answers, cost less as one masked call; rows of long sequences keep their groups and no L x L mask.
+    Each equals the masked path either way (the tests above force each path)."""
+    short = Segments(
+        tuple(
+            (Run(0, 26), *(Run(26 + 5 * i, 31 + 5 * i, 0, 26) for i in range(8)), Run(66, 128))
+            for _ in range(3)
+        )
+    )
+    plan = short.plan(128, torch.device("cpu"), 128)
+    assert plan.dense_mask is not None and plan.dense_mask.shape == (3, 1, 128, 128)
+    assert torch.equal(plan.dense_mask, short.attention_mask(128))
+    long = Segments(((Run(0, 512), Run(512, 1024)),))
+    assert long.plan(1024, torch.device("cpu"), 128).dense_mask is None  # 1M cells against 2 x 262k
+    assert short.plan(128, torch.device("meta"), 128).dense_mask is None  # not measured off the CPU
+    big_heads = short.plan(128, torch.device("cpu"), 14 * 64)  # a cell's work grows with the heads
+    assert big_heads.dense_mask is None
+
+
 def test_padded_length_buckets() -> None:
     assert [padded_length(n) for n in (1, 8, 9, 10, 15, 16, 17, 33, 70, 100, 128)] == [
         1, 8, 10, 10, 16, 16, 20, 40, 80, 112, 128
@@ -114,7 +153,9 @@ def test_padded_length_buckets() -> None:
     assert all(n <= padded_length(n) < 1.25 * n + 1 for n in range(1, 600))
 
 
-def test_runs_of_scattered_lengths_share_calls_and_equal_the_masked_path_in_float64() -> None:
+def test_runs_of_scattered_lengths_share_calls_and_equal_the_masked_path_in_float64(
+    attention_path: str,
+) -> None:
     """Long responses of many lengths (and shared prompts of several lengths, so contexts are padded
     too): attended in a few padded SDPA calls, with the masked path's logits and gradients."""
     masked, varlen = models(torch.float64)
@@ -128,6 +169,7 @@ def test_runs_of_scattered_lengths_share_calls_and_equal_the_masked_path_in_floa
     assert len(plan.groups) < len(lengths)  # padded into shared calls
     assert any(group.keep is not None for group in plan.groups)
     assert any(group.mask is not None and group.mask.dim() == 4 for group in plan.groups)  # padded context
+    assert_plan_path(shared.segments, shared.input_ids.shape[1], attention_path)
     assert_shared_layout_equals_its_mask(masked, varlen, shared)
 
 
