@@ -11,9 +11,11 @@ Each tenant (its own API key, its own LoRA adapter of rank 8 on the one served b
 - **baseline**: the same adapters and steps in-process (`posttrain.client.ServiceClient("local")`), one
   adapter at a time, each call waited for: what one adapter at a time costs without a server.
 
-- **overhead**: the smallest request (one sequence of 8 tokens, `forward_backward`), `--overhead-calls` round
-  trips one at a time through the SDK and the server, against the same calls in-process: the p50 difference is
-  what serving adds to a request, with next to no compute in it to add noise.
+- **overhead**: the smallest request (one sequence of 8 tokens, `forward_backward`), `--overhead-calls` times
+  in turn through the SDK and the server, through posttrain's own HTTP client (`ServiceClient("http")`) and
+  the server, and in-process: the median of the paired differences is what serving adds to a request, with
+  next to no compute in it to add noise; each client's CPU per call is reported beside it (the client runs on
+  the same 2 cores as the server).
 
 The SDK's clients are used as its docs say (`create_lora_training_client(...).result()`), with
 `TINKER_TELEMETRY=0` (posttrain serve answers telemetry uploads 501, so the SDK would only retry and drop them).
@@ -33,6 +35,7 @@ Writes bench/results/service.json (BENCHMARKS.md format).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -141,11 +144,19 @@ def tenant_step(training: Any, data: list[Any], latencies: list[float], samples:
 
 
 def run_served(url: str, tenants: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
+
+    with contextlib.ExitStack() as sessions:  # closed at the end, so that they stop heartbeating
+        return _run_served(url, tenants, n, args, sessions)
+
+
+def _run_served(
+    url: str, tenants: int, n: int, args: argparse.Namespace, sessions: contextlib.ExitStack
+) -> dict[str, Any]:
     import tinker
 
     clients, datas = [], []
     for i, key in enumerate(keys(tenants)):
-        service = tinker.ServiceClient(base_url=url, api_key=key)
+        service = sessions.enter_context(tinker.ServiceClient(base_url=url, api_key=key))
         clients.append(service.create_lora_training_client(base_model="model", rank=RANK, seed=i).result())
         datas.append(make_data(n, args.seq_len, seed=i))
     latencies: list[list[float]] = [[] for _ in range(tenants)]
@@ -219,37 +230,52 @@ def run_ceiling(model: Path, tenants: int, n: int, args: argparse.Namespace) -> 
     return summary(wall, tenants, n, args, latencies)
 
 
-def call_latencies(training: Any, calls: int) -> list[float]:
-    """Round trips of the smallest request (one sequence of 8 tokens, `forward_backward`), one at a time."""
-    data = make_data(1, 8, seed=0)
-    for _ in range(5):  # warm-up: first-call allocations, connections
-        training.forward_backward(data, "cross_entropy").result()
-    out = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        training.forward_backward(data, "cross_entropy").result()
-        out.append(time.perf_counter() - start)
-    return out
+def timed_call(training: Any, data: list[Any]) -> float:
+    start = time.perf_counter()
+    training.forward_backward(data, "cross_entropy").result()
+    return time.perf_counter() - start
 
 
 def run_overhead(model: Path, url: str, calls: int) -> dict[str, float]:
-    """What serving adds to one request with next to no compute in it: p50 round trip of a 1x8
-    `forward_backward` through the tinker SDK and the server, minus the same call in-process."""
+    """What serving adds to one request with next to no compute in it: the smallest request (one sequence of
+    8 tokens, `forward_backward`) through the tinker SDK, through posttrain's own HTTP client, and in-process,
+    called in turn one at a time so that all three see the same machine (its speed drifts by 10-15% over
+    seconds); each overhead is the median of the paired differences. The client CPU per call (this process's
+    CPU time over the calls, all threads) shows what each client itself spends on the 2 cores it shares with
+    the server."""
     import tinker
 
     from posttrain.client import ServiceClient
 
-    service = tinker.ServiceClient(base_url=url, api_key=next(iter(keys(1))))
-    served = call_latencies(
-        service.create_lora_training_client(base_model="model", rank=RANK).result(), calls
-    )
-    with ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as local:
-        in_process = call_latencies(local.create_lora_training_client(str(model), rank=RANK), calls)
-    return {
-        "served_p50_ms": 1000 * statistics.median(served),
-        "in_process_p50_ms": 1000 * statistics.median(in_process),
-        "overhead_ms": 1000 * (statistics.median(served) - statistics.median(in_process)),
-    }
+    key = next(iter(keys(1)))
+    data = make_data(1, 8, seed=0)
+    # closed at the end: an SDK session left open goes on heartbeating, into the next repeat's server
+    with (
+        tinker.ServiceClient(base_url=url, api_key=key) as service,
+        ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as local,
+    ):
+        sdk = service.create_lora_training_client(base_model="model", rank=RANK).result()
+        ours = ServiceClient("http", base_url=url, api_key=key).create_lora_training_client(
+            "model", rank=RANK
+        )
+        in_process_client = local.create_lora_training_client(str(model), rank=RANK)
+        clients = {"sdk": sdk, "posttrain_http": ours, "in_process": in_process_client}
+        for _ in range(5):  # warm-up: first-call allocations, connections
+            for client in clients.values():
+                timed_call(client, data)
+        seconds: dict[str, list[float]] = {name: [] for name in clients}
+        cpu = dict.fromkeys(clients, 0.0)
+        for _ in range(calls):
+            for name, client in clients.items():
+                started = time.process_time()
+                seconds[name].append(timed_call(client, data))
+                cpu[name] += time.process_time() - started
+    out = {f"{name}_p50_ms": 1000 * statistics.median(values) for name, values in seconds.items()}
+    for name in ("sdk", "posttrain_http"):
+        paired = [s - p for s, p in zip(seconds[name], seconds["in_process"], strict=True)]
+        out[f"{name}_overhead_ms"] = 1000 * statistics.median(paired)
+    out |= {f"{name}_client_cpu_ms_per_call": 1000 * cpu[name] / calls for name in clients}
+    return out
 
 
 def summary(wall: float, tenants: int, n: int, args: argparse.Namespace, latencies: list[float]) -> dict:
@@ -314,12 +340,16 @@ def main() -> None:
                     process.wait(timeout=60)
             for t in tenant_counts:
                 rows += case_rows(preset, n, t, args, served[t], baseline[t], ceiling.get(t))
-            if overhead:
-                value, spread = median_spread([o["overhead_ms"] for o in overhead])
+            for client, name in (("sdk", "the tinker SDK"), ("posttrain_http", "posttrain's HTTP client")):
+                if not overhead:
+                    break
+                value, spread = median_spread([o[f"{client}_overhead_ms"] for o in overhead])
+                cpu, _ = median_spread([o[f"{client}_client_cpu_ms_per_call"] for o in overhead])
                 rows.append(
-                    {"case": f"{preset} one tenant, 1x8 forward_backward", "metric": "serving_overhead_ms",
-                     "value": round(value, 2), "higher_is_better": False, "repeats": len(overhead),
-                     "spread": [round(x, 2) for x in spread], "calls_per_repeat": args.overhead_calls,
+                    {"case": f"{preset} one tenant, 1x8 forward_backward, {name}",
+                     "metric": "serving_overhead_ms", "value": round(value, 2), "higher_is_better": False,
+                     "repeats": len(overhead), "spread": [round(x, 2) for x in spread],
+                     "client_cpu_ms_per_call": round(cpu, 2), "calls_per_repeat": args.overhead_calls,
                      "details": overhead}
                 )  # fmt: skip
     result = {
