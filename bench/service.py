@@ -144,21 +144,23 @@ def tenant_step(training: Any, data: list[Any], latencies: list[float], samples:
 
 
 def run_served(url: str, tenants: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
-
-    with contextlib.ExitStack() as sessions:  # closed at the end, so that they stop heartbeating
-        return _run_served(url, tenants, n, args, sessions)
-
-
-def _run_served(
-    url: str, tenants: int, n: int, args: argparse.Namespace, sessions: contextlib.ExitStack
-) -> dict[str, Any]:
     import tinker
 
-    clients, datas = [], []
-    for i, key in enumerate(keys(tenants)):
-        service = sessions.enter_context(tinker.ServiceClient(base_url=url, api_key=key))
-        clients.append(service.create_lora_training_client(base_model="model", rank=RANK, seed=i).result())
-        datas.append(make_data(n, args.seq_len, seed=i))
+    with contextlib.ExitStack() as sessions:  # closed at the end, so that they stop heartbeating
+        clients, datas = [], []
+        for i, key in enumerate(keys(tenants)):
+            service = sessions.enter_context(tinker.ServiceClient(base_url=url, api_key=key))
+            clients.append(
+                service.create_lora_training_client(base_model="model", rank=RANK, seed=i).result()
+            )
+            datas.append(make_data(n, args.seq_len, seed=i))
+        return run_tenants(clients, datas, args)
+
+
+def run_tenants(clients: list[Any], datas: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Each tenant's loop on its own thread, free-running after a warm-up step each; the measured steps'
+    wall time and forward_backward latencies."""
+    tenants, n = len(clients), len(datas[0])
     latencies: list[list[float]] = [[] for _ in range(tenants)]
     warm = threading.Barrier(tenants + 1)
     errors: list[BaseException] = []
@@ -252,12 +254,11 @@ def run_overhead(model: Path, url: str, calls: int) -> dict[str, float]:
     # closed at the end: an SDK session left open goes on heartbeating, into the next repeat's server
     with (
         tinker.ServiceClient(base_url=url, api_key=key) as service,
+        ServiceClient("http", base_url=url, api_key=key) as http,
         ServiceClient("local", root_dir=tempfile.mkdtemp(), seed=0) as local,
     ):
         sdk = service.create_lora_training_client(base_model="model", rank=RANK).result()
-        ours = ServiceClient("http", base_url=url, api_key=key).create_lora_training_client(
-            "model", rank=RANK
-        )
+        ours = http.create_lora_training_client("model", rank=RANK)
         in_process_client = local.create_lora_training_client(str(model), rank=RANK)
         clients = {"sdk": sdk, "posttrain_http": ours, "in_process": in_process_client}
         for _ in range(5):  # warm-up: first-call allocations, connections
