@@ -24,7 +24,6 @@ import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import httpx
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -41,6 +40,7 @@ from posttrain.client.http_transport import (
     ModelSequence,
     RetryPolicy,
     Sender,
+    Transport,
 )
 from posttrain.client.service import ServiceClient, check_lora_args
 
@@ -59,12 +59,12 @@ class HttpServiceClient(ServiceClient):
         timeout_s: float = 60.0,
         retry: RetryPolicy | None = None,
         heartbeat_s: float = 10.0,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
         **local_only: Any,
     ) -> None:
         """`timeout_s`: per HTTP request (result polls are long polls well within it); `retry`: how
         retryable failures are retried; `heartbeat_s`: the session heartbeat period (0: none);
-        `transport`: an httpx transport to send through (tests, proxies)."""
+        `transport`: what sends each HTTP request (default aiohttp; tests and proxies pass their own)."""
         if backend != "http":
             raise ValueError(f"HttpServiceClient is backend='http', not {backend!r}")
         given = sorted(k for k, v in local_only.items() if v not in (None, (), 1))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import pytest
 import torch
 from tinker.proto import tinker_public_pb2 as pb
@@ -18,11 +20,14 @@ from tinker.proto import tinker_public_pb2 as pb
 from posttrain import client as tinker
 from posttrain.client import types
 from posttrain.client.http_transport import (
+    AiohttpTransport,
     ApiStatusError,
     AuthenticationError,
     HttpApiError,
+    Reply,
     RetriesExhausted,
     RetryPolicy,
+    TransportError,
     UserRequestFailed,
 )
 
@@ -146,35 +151,36 @@ def test_one_script_gives_the_same_results_on_local_and_http(
     assert info.is_lora and info.lora_rank == 4 and info.model_name == server.model_name
 
 
-class DropFirstAnswer(httpx.AsyncBaseTransport):
+class DropFirstAnswer:
     """Sends every request to the server; the first answer to each of `paths` is thrown away after the
     server has handled it (a connection lost on the way back), so the client has to send it again."""
 
     def __init__(self, *paths: str) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
+        self.inner = AiohttpTransport()
         self.seq_ids: dict[str, list[int]] = {path: [] for path in paths}
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        seen = self.seq_ids.get(request.url.path)
+    async def send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout_s: float
+    ) -> Reply:
+        reply = await self.inner.send(method, url, body, headers, timeout_s)
+        seen = self.seq_ids.get(urlsplit(url).path)
         if seen is not None:
-            seen.append(seq_id_of(request))
+            seen.append(seq_id_of(body, headers))
             if len(seen) == 1:
-                await response.aread()
-                await response.aclose()
-                raise httpx.ReadError("answer lost on the way back (test)", request=request)
-        return response
+                raise TransportError("answer lost on the way back (test)")
+        return reply
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-def seq_id_of(request: httpx.Request) -> int:
-    if request.headers.get("content-type") == "application/x-protobuf":
+def seq_id_of(body: bytes | None, headers: Mapping[str, str]) -> int:
+    assert body is not None
+    if headers.get("Content-Type") == "application/x-protobuf":
         message = pb.ForwardBackwardRequest()
-        message.ParseFromString(request.content)
+        message.ParseFromString(body)
         return message.seq_id
-    return json.loads(request.content)["seq_id"]
+    return json.loads(body)["seq_id"]
 
 
 def accepted(server: Running, kind: str) -> int:
@@ -205,19 +211,24 @@ def test_a_retried_training_request_is_applied_once(server: Running) -> None:
     assert flaky_loss == pytest.approx(steady_loss, rel=1e-6, abs=1e-6)
 
 
-class Unreachable(httpx.AsyncBaseTransport):
+class Unreachable:
     """Every request to `path` fails to connect; the rest reach the server."""
 
     def __init__(self, path: str) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
+        self.inner = AiohttpTransport()
         self.path = path
         self.attempts = 0
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == self.path:
+    async def send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout_s: float
+    ) -> Reply:
+        if urlsplit(url).path == self.path:
             self.attempts += 1
-            raise httpx.ConnectError("connection refused (test)", request=request)
-        return await self.inner.handle_async_request(request)
+            raise TransportError("ClientConnectorError: connection refused (test)")
+        return await self.inner.send(method, url, body, headers, timeout_s)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def test_retries_are_bounded_and_a_lost_sequence_stops_with_a_clear_error(server: Running) -> None:
@@ -227,11 +238,25 @@ def test_retries_are_bounded_and_a_lost_sequence_stops_with_a_clear_error(server
         training = service.create_lora_training_client(server.model_name, rank=4, seed=0)
         data = sft_data(training.get_tokenizer())
         training.forward_backward(data, "cross_entropy").result()
-        with pytest.raises(RetriesExhausted, match=r"optim_step: gave up after 3 attempts.*ConnectError"):
+        with pytest.raises(
+            RetriesExhausted, match=r"optim_step: gave up after 3 attempts.*ClientConnectorError"
+        ):
             training.optim_step(ADAM).result()
         assert unreachable.attempts == 3
         with pytest.raises(HttpApiError, match=r"seq_id 2 .*got no answer.*cannot go on"):
             training.forward(data, "cross_entropy").result()
+
+
+def test_no_server_at_the_address_is_a_clear_error_after_the_retries() -> None:
+    """The default transport's own connection errors count as no answer: retried, then named."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    retry = RetryPolicy(max_attempts=2, base_delay_s=0.01, max_delay_s=0.02)
+    with pytest.raises(RetriesExhausted, match=r"create_session: gave up after 2 attempts.*Connect"):
+        tinker.ServiceClient(
+            backend="http", base_url=f"http://127.0.0.1:{port}", api_key=ALICE, retry=retry, timeout_s=5
+        )
 
 
 def test_the_servers_refusals_arrive_with_its_message(server: Running) -> None:
