@@ -15,7 +15,9 @@ Each tenant (its own API key, its own LoRA adapter of rank 8 on the one served b
   in turn through the SDK and the server, through posttrain's own HTTP client (`ServiceClient("http")`) and
   the server, and in-process: the median of the paired differences is what serving adds to a request, with
   next to no compute in it to add noise; each client's CPU per call is reported beside it (the client runs on
-  the same 2 cores as the server).
+  the same 2 cores as the server). Calls are `--overhead-pause-ms` apart: after a parallel op, PyTorch's
+  OpenMP worker spins on its core for ~10 ms (measured here), so a call made right after the previous one
+  would share the cores with the other process's spinning thread.
 
 The SDK's clients are used as its docs say (`create_lora_training_client(...).result()`), with
 `TINKER_TELEMETRY=0` (posttrain serve answers telemetry uploads 501, so the SDK would only retry and drop them).
@@ -238,13 +240,14 @@ def timed_call(training: Any, data: list[Any]) -> float:
     return time.perf_counter() - start
 
 
-def run_overhead(model: Path, url: str, calls: int) -> dict[str, float]:
+def run_overhead(model: Path, url: str, calls: int, pause_s: float) -> dict[str, float]:
     """What serving adds to one request with next to no compute in it: the smallest request (one sequence of
     8 tokens, `forward_backward`) through the tinker SDK, through posttrain's own HTTP client, and in-process,
     called in turn one at a time so that all three see the same machine (its speed drifts by 10-15% over
     seconds); each overhead is the median of the paired differences. The client CPU per call (this process's
     CPU time over the calls, all threads) shows what each client itself spends on the 2 cores it shares with
-    the server."""
+    the server. Each call starts `pause_s` after the one before, once the OpenMP threads of both processes
+    have gone to sleep (they spin ~10 ms after a parallel op), so no call shares the cores with them."""
     import tinker
 
     from posttrain.client import ServiceClient
@@ -268,6 +271,7 @@ def run_overhead(model: Path, url: str, calls: int) -> dict[str, float]:
         cpu = dict.fromkeys(clients, 0.0)
         for _ in range(calls):
             for name, client in clients.items():
+                time.sleep(pause_s)
                 started = time.process_time()
                 seconds[name].append(timed_call(client, data))
                 cpu[name] += time.process_time() - started
@@ -304,6 +308,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--overhead-calls", type=int, default=50, help="1x8 calls per repeat (0: skip)")
+    parser.add_argument(
+        "--overhead-pause-ms",
+        type=float,
+        default=20.0,
+        help="between the probe's calls (OpenMP spin: ~10 ms)",
+    )
     parser.add_argument("--out", default="service.json")
     parser.add_argument("--serve-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -328,7 +338,9 @@ def main() -> None:
                 process, url = start_server(model, work, max(tenant_counts))
                 try:
                     if args.overhead_calls and n == sizes[0]:
-                        overhead.append(run_overhead(model, url, args.overhead_calls))
+                        overhead.append(
+                            run_overhead(model, url, args.overhead_calls, args.overhead_pause_ms / 1000)
+                        )
                         print(f"{preset} repeat={repeat} smallest request: {overhead[-1]}", flush=True)
                     for t in tenant_counts:  # alternating served / baseline
                         served[t].append(run_served(url, t, n, args))
@@ -351,6 +363,7 @@ def main() -> None:
                      "metric": "serving_overhead_ms", "value": round(value, 2), "higher_is_better": False,
                      "repeats": len(overhead), "spread": [round(x, 2) for x in spread],
                      "client_cpu_ms_per_call": round(cpu, 2), "calls_per_repeat": args.overhead_calls,
+                     "pause_ms": args.overhead_pause_ms,
                      "details": overhead}
                 )  # fmt: skip
     result = {

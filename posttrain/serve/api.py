@@ -113,7 +113,9 @@ class Api:
             return {"request_id": earlier, "model_id": model_id}
         state.adapters.check_slot(model)
         state.limits.check_queued(state.queued(tenant))
+        # journaled (request and seq_id) before the work starts, not beside it (FutureStore.open)
+        request = state.futures.open(tenant, kind, model_id)
+        state.sequencer.remember(model_id, seq_id, request.request_id)
         future = state.sequencer.submit(model_id, seq_id, lambda: state.adapters.run(model, start))
-        answer = self.submitted(tenant, kind, future, encode, model_id)
-        state.sequencer.remember(model_id, seq_id, answer["request_id"])
-        return answer
+        state.futures.attach(request, future, encode)
+        return {"request_id": request.request_id, "model_id": model_id}
