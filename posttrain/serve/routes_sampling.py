@@ -71,11 +71,16 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
                 include_prompt_logprobs=bool(body.prompt_logprobs), topk_prompt_logprobs=body.topk_prompt_logprobs,
             )  # fmt: skip
 
-        future: Any
+        state.limits.check_queued(state.queued(tenant))
+        pending = state.futures.open(tenant, "sample")  # journaled before the work starts (FutureStore.open)
+        future: Any = None
         try:  # in a worker thread: `sample` processes the prompt's image chunks, which would stall the loop
             future = await run_in_threadpool(start)
         except Exception as exc:  # noqa: BLE001 - a request the sampler refuses is that request's error
             future = failed(exc)
-        answer = api.submitted(tenant, "sample", future, encode_sample_response)
-        answer["sample_sequence_ids"] = [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]
-        return answer
+        finally:  # a request taken on always gets an answer, even if this handler is cancelled
+            if future is None:
+                future = failed(RuntimeError("the sample request was cancelled before it started"))
+            state.futures.attach(pending, future, encode_sample_response)
+        ids = [f"{pending.request_id}:{i}" for i in range(body.num_samples)]
+        return {"request_id": pending.request_id, "sample_sequence_ids": ids}
