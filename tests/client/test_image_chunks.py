@@ -344,6 +344,7 @@ def test_inputs_that_cannot_work_are_refused_at_the_call(lora, service, tiny_mod
             text.save_weights_and_get_sampling_client().sample(image, 1, types.SamplingParams(max_tokens=2))
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_two_ray_workers_give_the_local_log_probs_and_train(
     service, vl_dir: Path, tmp_path: Path, ray_cluster: None
 ) -> None:

@@ -23,6 +23,7 @@ from tests.trainers.test_rl_e2e import rl_config
 GEN_POOL = ["trainer.backend=ray", "resources.rollout=gen", "+resources.pools.gen.n_workers_per_node=1"]
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_a_pool_runs_with_its_own_threads_and_the_others_with_the_trainers(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
@@ -50,6 +51,7 @@ def test_a_negative_thread_budget_is_refused(
         check_placement(cfg)
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_by_default_a_node_s_cores_are_shared_by_the_workers_of_every_pool_on_it(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:

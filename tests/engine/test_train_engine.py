@@ -102,6 +102,7 @@ def test_micro_batching_does_not_change_the_update(mode: str, tiny_model_dir: Pa
     assert_same_weights(w_micro, w_whole)
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_world_size_two_equals_world_size_one(
     tiny_model_dir: Path, tmp_path: Path, ray_cluster: None
 ) -> None:

@@ -108,6 +108,7 @@ def samplers(client: httpx.Client, session_id: str, model_id: str) -> dict[str, 
     return ids
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProcess) -> None:
     server = serve_process
     server.start()

@@ -169,6 +169,7 @@ def test_bad_fault_settings_are_named(
 
 
 # ---- the driver killed ---------------------------------------------------------------------------
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_sigkill_after_a_checkpoint_then_resume_repeats_the_uninterrupted_run(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
 ) -> None:

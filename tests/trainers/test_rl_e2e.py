@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig
 from posttrain.trainers.rl import RLTrainer
@@ -51,6 +53,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_grpo_two_ray_workers_checkpoint_and_resume(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:

@@ -50,6 +50,7 @@ def test_a_reference_pool_is_placed_or_refused(
     check_placement(cfg("trainer.backend=ray", *OWN_POOL))  # KL in the loss by default
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 def test_the_reference_on_its_own_pool_gives_the_same_run(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
@@ -80,6 +81,7 @@ def test_the_reference_on_its_own_pool_gives_the_same_run(
         assert b[step]["timing/ref"] > 0, "the synchronous loop asks the reference's pool"
 
 
+@pytest.mark.slow  # the default suite's time on 2 cores (CI runs it with -m slow)
 @pytest.mark.parametrize("streaming", [False, True])
 def test_an_async_producer_computes_the_reference_beside_the_update(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None, streaming: bool
