@@ -48,6 +48,10 @@ RL_OVERRIDES = [
     # A worker that dies (a crash or the OOM killer) costs at most the steps since the last checkpoint: new
     # workers resume from it. One CI machine lost a rank at step ~265 of 300 with nothing to show for it.
     "trainer.max_restarts=2",
+    # A collective that never completes is caught after this long, then restarted like a lost rank: both
+    # ranks hung once in the sampler sync's all-gather at step ~237 (clean-clone CI of 5665b5b), and the
+    # default 1800 s would have taken the whole CI budget. No call of the demo comes near 300 s.
+    "trainer.collective_timeout_s=300",
     "trainer.loggers=[console,jsonl,tensorboard]",
 ]
 DEFAULT_RL_STEPS = 300

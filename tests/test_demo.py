@@ -18,6 +18,7 @@ def test_the_demo_stages_configs_load_and_the_rl_stage_survives_a_dead_worker(tm
     assert sft.optim.lr_schedule == "constant" and sft.trainer.stop_at_val_nll == 0.7
     rl = load_config(RLConfig, "rl", [f"model.path={tmp_path}", *RL_OVERRIDES])
     assert rl.trainer.max_restarts >= 1
+    assert rl.trainer.collective_timeout_s <= 300, "a hung collective must cost minutes, not the CI budget"
     assert 0 < rl.trainer.save_every <= 20, "a restart redoes at most the steps since the last checkpoint"
 
 
