@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,8 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_config, load_value_model
 from posttrain.models.routing import ROUTE_DTYPE
 from posttrain.models.vl import vision_tower, vision_tower_trained
+
+log = logging.getLogger(__name__)
 
 
 class TrainEngine:
@@ -556,6 +559,40 @@ class TrainEngine:
         `with_optimizer`, the weights alone (the optimizer keeps its state, e.g. fresh)."""
         optimizer = self.optimizer if with_optimizer else None
         load_sharded(self.model, optimizer, self.scheduler, Path(path), lora=self.lora)
+        if optimizer is not None:
+            self._apply_configured_optimizer()
+
+    def _apply_configured_optimizer(self) -> None:
+        """After a resume, this run's `optim` settings (lr, betas, eps, weight decay), not the checkpoint's.
+
+        The optimizer's state dict carries its hyper-parameters and the schedule's carries its base lr, so
+        loading them would silently keep the settings the checkpoint was trained with while the run's
+        config.json records the new ones. The moments and the schedule's position are kept; the lr is the
+        configured one at that position of this run's schedule."""
+        assert self.optimizer is not None and self.scheduler is not None
+        optim = self.config.optim
+        group = self.optimizer.param_groups[0]
+        saved = {"lr": self.scheduler.base_lrs[0], "betas": tuple(group["betas"]), "eps": group["eps"]}
+        saved["weight_decay"] = group["weight_decay"]
+        configured = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
+        configured["weight_decay"] = optim.weight_decay
+        changed = {key: (saved[key], value) for key, value in configured.items() if saved[key] != value}
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [optim.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group.update(
+                initial_lr=optim.lr,
+                lr=optim.lr * factor,
+                betas=tuple(optim.betas),
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # get_last_lr()
+        if changed and self.rank == 0:
+            log.info(
+                "resumed with this run's optimizer settings: %s",
+                ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items()),
+            )
 
     def export_hf(self, out_dir: str | Path, merged: bool = True) -> None:
         """Write a Hugging Face directory from rank 0: the full model (config, safetensors, tokenizer), or

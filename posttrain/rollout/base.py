@@ -10,7 +10,7 @@ log softmax(logits).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -115,3 +115,26 @@ def context_error(prompt_tokens: int, max_tokens: int, max_context: int) -> str:
         "shorten the prompt, lower max_tokens, or use a model with a longer context (make-model --preset "
         "tiny-32k / small-32k)"
     )
+
+
+def text_before_stop(text: str, stops: Sequence[str]) -> str | None:
+    """`text` cut before the earliest of the stop strings in it, or None when none occurs."""
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text[:cut] if cut >= 0 else None
+
+
+def stop_string_prefix(decode: Callable[[list[int]], str], tokens: list[int], stops: Sequence[str]) -> int:
+    """How many of `tokens` a response keeps under stop strings: the shortest prefix whose text holds one of
+    `stops` (the token that completed it is the last kept, as the native engine stops there), or all of
+    them when none occurs. A decoded prefix only grows as tokens are added, so the shortest is found by
+    bisection: O(log n) decodes for an engine that generated the whole response before looking."""
+    if text_before_stop(decode(tokens), stops) is None:
+        return len(tokens)
+    low, high = 1, len(tokens)  # the answer is in [low, high]
+    while low < high:
+        mid = (low + high) // 2
+        if text_before_stop(decode(tokens[:mid]), stops) is None:
+            low = mid + 1
+        else:
+            high = mid
+    return low

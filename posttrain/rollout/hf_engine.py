@@ -14,7 +14,14 @@ import torch.nn.functional as F
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams, context_error
+from posttrain.rollout.base import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    context_error,
+    stop_string_prefix,
+    text_before_stop,
+)
 
 
 class HFRolloutEngine:
@@ -120,11 +127,15 @@ class HFRolloutEngine:
                     break
             tokens = tokens[:length]
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if sampling.stop:
-                full = self.tokenizer.decode(tokens, skip_special_tokens=False)
-                cut = min((full.find(s) for s in sampling.stop if s in full), default=-1)
-                if cut >= 0:
-                    text, reason = full[:cut], "stop"
+            if sampling.stop:  # keep the tokens up to the one that completed the stop string, as native does
+
+                def decode(ids: list[int]) -> str:
+                    return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+                kept = stop_string_prefix(decode, tokens, sampling.stop)
+                cut = text_before_stop(decode(tokens[:kept]), sampling.stop)
+                if cut is not None:
+                    length, tokens, text, reason = kept, tokens[:kept], cut, "stop"
             results.append(GenerationResult(tokens, row_lp[:length].tolist(), text, reason))
         return results
 

@@ -44,6 +44,7 @@ from posttrain.rollout.base import (
     GenerationResult,
     SamplingParams,
     context_error,
+    text_before_stop,
 )
 from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, supports
 from posttrain.rollout.multimodal import check_images, image_token_ids, prefill_inputs, same_images
@@ -471,10 +472,9 @@ class NativeRolloutEngine:
             seq.stop_reason = "stop"
             return True
         if sp.stop:
-            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
-            cut = min((text.find(s) for s in sp.stop if s in text), default=-1)
-            if cut >= 0:
-                seq.text, seq.stop_reason = text[:cut], "stop"
+            cut = text_before_stop(self.tokenizer.decode(seq.tokens, skip_special_tokens=False), sp.stop)
+            if cut is not None:
+                seq.text, seq.stop_reason = cut, "stop"
                 return True
         if len(seq.tokens) >= sp.max_tokens:
             seq.stop_reason = "length"

@@ -152,6 +152,44 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tiny_model_dir: Pa
     assert again["grad_norm"] == pytest.approx(after_next["grad_norm"], rel=1e-6)
 
 
+def test_resume_takes_this_runs_optimizer_settings_not_the_checkpoints(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The optimizer's and the schedule's state dicts carry lr, betas, eps and weight decay: a resumed run with
+    other settings must train with its own (config.json records them), keeping the moments and the schedule's
+    position."""
+    from posttrain.engine.train_engine import TrainEngine
+
+    def engine(optim: OptimConfig) -> TrainEngine:
+        config = EngineConfig(model_path=str(tiny_model_dir), optim=optim, total_steps=10, share_prompt=False)
+        return TrainEngine(config)
+
+    def zero_grad_step(eng: TrainEngine) -> dict[str, float]:
+        for p in eng.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return eng.optim_step()
+
+    old = OptimConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=4)
+    first = engine(old)
+    zero_grad_step(first)
+    first.save(tmp_path / "ckpt")
+    new = OptimConfig(lr=5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, warmup_steps=4)
+    resumed = engine(new)
+    with caplog.at_level("INFO", logger="posttrain.engine.train_engine"):
+        resumed.load(tmp_path / "ckpt")
+    group = resumed.optimizer.param_groups[0]
+    assert (tuple(group["betas"]), group["eps"], group["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.1)
+    assert resumed.scheduler.base_lrs == [5e-5]
+    # one warm-up step was taken before the save: the next is step 2 of 4 at the new lr
+    assert resumed.scheduler.last_epoch == 1
+    assert zero_grad_step(resumed)["lr"] == pytest.approx(5e-5 * 2 / 4)
+    assert "lr 0.001 -> 5e-05" in caplog.text and "weight_decay 0.0 -> 0.1" in caplog.text
+    # the moments came back: Adam's step count continues from the checkpoint's
+    state = next(iter(resumed.optimizer.state.values()))
+    assert float(state["step"]) == 2
+
+
 def test_frozen_engine_rejects_training(tiny_model_dir: Path) -> None:
     from posttrain.engine.train_engine import TrainEngine
     from posttrain.errors import ConfigError

@@ -122,6 +122,25 @@ def test_hf_engine_matches_native_greedy(tiny_model_dir: Path) -> None:
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-4
 
 
+def test_hf_engine_stops_at_a_stop_string_with_its_tokens_as_native_does(tiny_model_dir: Path) -> None:
+    """The tokens (what training sees) end with the one that completed the stop string, not at eos: the
+    reward scored the cut text, so tokens past it would be trained on unscored."""
+    ps = prompts(tiny_model_dir)
+    native_engine, hf_engine = NativeRolloutEngine(str(tiny_model_dir)), HFRolloutEngine(str(tiny_model_dir))
+    full = native_engine.generate(ps, SamplingParams(max_tokens=16, temperature=0.0))
+    cut_any = False
+    for prompt, whole in zip(ps, full, strict=True):
+        if len(whole.text) < 4:  # an untrained model: some prompts give special tokens only
+            continue
+        stop = SamplingParams(max_tokens=16, temperature=0.0, stop=(whole.text[2:4],))
+        (native,) = native_engine.generate([prompt], stop)
+        (hf,) = hf_engine.generate([prompt], stop)
+        assert (hf.token_ids, hf.text, hf.stop_reason) == (native.token_ids, native.text, native.stop_reason)
+        assert len(hf.log_probs) == len(hf.token_ids)
+        cut_any |= len(hf.token_ids) < len(whole.token_ids)
+    assert cut_any
+
+
 def test_unsupported_settings_error_on_the_request() -> None:
     with pytest.raises(Exception, match="min_p must be in"):
         SamplingParams(min_p=1.5).validate()
