@@ -55,6 +55,7 @@ def _dpo(args: argparse.Namespace) -> None:
     from posttrain.trainers.dpo import DPOTrainer
 
     cfg = load_config(DPOConfig, args.config_name, args.overrides)
+    preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = DPOTrainer(cfg)
     trainer.fit()
     print(f"wrote {trainer.hf_dir}")

@@ -35,6 +35,7 @@ SFT_OVERRIDES = [
     "optim.batch_size=64",
     "trainer.val_every=5",
     "trainer.stop_at_val_nll=0.7",
+    "data.val_max_prompts=1024",  # the validation the stopping point was tuned on
     "trainer.loggers=[jsonl]",
 ]
 RL_OVERRIDES = [

@@ -168,6 +168,11 @@ def check_preference(
         raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {options.label_smoothing}")
     if options.label_smoothing and not set(loss_types) & {"sigmoid", "robust", "simpo"}:
         raise ConfigError("dpo.label_smoothing applies to the sigmoid, robust and simpo losses only")
+    if options.simpo_gamma != PreferenceOptions().simpo_gamma and "simpo" not in loss_types:
+        raise ConfigError(
+            f"dpo.simpo_gamma={options.simpo_gamma} is set, but it applies to the simpo loss only (dpo.loss_type="
+            f"{list(loss_types)}): it would be ignored"
+        )
 
 
 def needs_reference(loss_types: Sequence[str]) -> bool:

@@ -12,7 +12,10 @@ from typing import Any
 
 from posttrain.commands.verl_map import BY_KEY, RULES, VERL_DEFAULTS, Context, NoEffect, Unmappable
 from posttrain.commands.verl_unmapped import UNMAPPED, unmapped_reason
+from posttrain.config.load import from_dict, to_dict
 from posttrain.config.schema import RLConfig
+from posttrain.errors import ConfigError
+from posttrain.trainers.settings_in_effect import unused_rl_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +107,33 @@ def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversi
             pass
         except Unmappable as exc:
             out.unmapped.append(Skipped(rule.verl, value, f"verl's default {value!r}: {exc}"))
+    _leave_out_unused(out)
     return out
+
+
+def _leave_out_unused(out: Conversion) -> None:
+    """Move to `no_effect` the mapped keys whose switch is off in the converted run (verl's `kl_loss_type`
+    default while `use_kl_loss` is false, a critic's settings without a critic): posttrain refuses a key that
+    would be ignored, and verl does not read these either."""
+    nested: dict[str, Any] = to_dict(RLConfig())
+    for m in out.mapped:
+        node = nested
+        *parents, leaf = m.key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = m.value
+    try:
+        cfg = from_dict(RLConfig, nested)
+    except ConfigError:
+        return  # an invalid value: `posttrain train` on the converted line names it
+    unused = {key.split("=", 1)[0]: because for keys, because in unused_rl_settings(cfg) for key in keys}
+    kept = []
+    for m in out.mapped:
+        if m.key in unused:
+            out.no_effect.append(Skipped(m.verl_key, m.verl_value, f"not used: {unused[m.key]}"))
+        else:
+            kept.append(m)
+    out.mapped = kept
 
 
 def hydra_value(value: Any) -> str:

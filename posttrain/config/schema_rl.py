@@ -32,7 +32,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
     stop: tuple[str, ...] = ()  # stop strings, besides the tokenizer's eos
-    val_temperature: float = 0.0  # 0 = greedy, as validation accuracy is defined
+    val_temperature: float = 0.0  # 0 = greedy, as validation accuracy is defined; no top-p/top-k/min-p
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from posttrain.trainers.agent_generation import check_agent_config
 from posttrain.trainers.async_rollout import check_async_config
 from posttrain.trainers.on_policy_distill import check_distill_rl_config
 from posttrain.trainers.pixel_bounds import check_pixel_bounds
+from posttrain.trainers.settings_in_effect import check_settings_in_effect
 from posttrain.trainers.setup import policy_loss_options
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo")
@@ -272,6 +273,7 @@ def check_rl_config(cfg: RLConfig) -> None:
     if cfg.reward.custom_function_path:
         load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
     check_backends(cfg.trainer.loggers, key="trainer.loggers")  # unknown names; wandb/mlflow not installed
+    check_settings_in_effect(cfg)  # keys set while the switch that uses them is off
 
 
 def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:

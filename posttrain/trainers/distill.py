@@ -38,6 +38,7 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.checks import check_files, check_model_options
 from posttrain.trainers.pixel_bounds import pixel_bounds_set
+from posttrain.trainers.settings_in_effect import check_offline_settings_in_effect
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.trainers.step_loop import StepResult, StepTrainer
@@ -93,6 +94,7 @@ def check_distill_config(cfg: DistillConfig) -> None:
             f"optim.batch_size={cfg.optim.batch_size} must be divisible by the {cfg.trainer.world_size} workers"
         )
     check_worker_settings(cfg.trainer)
+    check_offline_settings_in_effect(cfg, "distill")
 
 
 def prompt_batch(batch: Batch, pad_id: int) -> Batch:

@@ -42,6 +42,7 @@ from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.checks import check_files, check_model_options
 from posttrain.trainers.pairs import check_pair_batches, pair_data
+from posttrain.trainers.settings_in_effect import check_offline_settings_in_effect
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.trainers.step_loop import StepResult, StepTrainer
@@ -67,6 +68,11 @@ def check_dpo_config(cfg: DPOConfig) -> None:
     check_files(cfg.data.train_files, "data.train_files")
     d = cfg.dpo
     check_preference(d.loss_type, d.loss_weights, PreferenceOptions(d.beta, d.label_smoothing, d.simpo_gamma))
+    if d.reference != "model" and not needs_reference(d.loss_type):
+        raise ConfigError(
+            f"dpo.reference={d.reference} is set, but no loss in dpo.loss_type={list(d.loss_type)} uses a "
+            "reference model's log-probs: it would be ignored"
+        )
     if cfg.model.share_prompt:
         raise ConfigError(
             "model.share_prompt=true is for RL (n samples of a prompt); set model.share_prompt=false"
@@ -78,6 +84,7 @@ def check_dpo_config(cfg: DPOConfig) -> None:
             "sequence parallelism yet (posttrain sft and posttrain train do): leave it 1"
         )
     check_worker_settings(cfg.trainer)
+    check_offline_settings_in_effect(cfg, "dpo")
 
 
 class DPOTrainer(StepTrainer[ActorGroup]):

@@ -39,6 +39,7 @@ from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.checks import check_files, check_model_options
 from posttrain.trainers.pairs import check_pair_batches, pair_data
+from posttrain.trainers.settings_in_effect import check_offline_settings_in_effect
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
 from posttrain.trainers.step_loop import StepResult, StepTrainer
@@ -71,6 +72,11 @@ def check_rm_config(cfg: RMConfig) -> None:
             )
     if m.lora.rank:
         raise ConfigError("model.lora.rank must be 0: the reward model (a new score head) trains fully")
+    if m.router_aux_loss_coef:
+        raise ConfigError(
+            f"model.router_aux_loss_coef={m.router_aux_loss_coef} is set, but the reward model adds no router "
+            "load-balancing loss (a mixture-of-experts policy's update does): leave it null"
+        )
     check_pair_batches(cfg, "rm")
     if cfg.model.sequence_parallel_size != 1:
         raise ConfigError(
@@ -78,6 +84,7 @@ def check_rm_config(cfg: RMConfig) -> None:
             "rows, which sequence parallelism (packed rows only) does not split: leave it 1"
         )
     check_worker_settings(cfg.trainer)
+    check_offline_settings_in_effect(cfg, "rm")
 
 
 class RMTrainer(StepTrainer[RewardModelGroup]):

@@ -194,7 +194,8 @@ def reuses_update_log_probs(cfg: RLConfig) -> bool:
 
 
 def sampling_params(cfg: RLConfig) -> tuple[SamplingParams, SamplingParams]:
-    """Training's sampling (`rollout.*`, validated) and validation's: `rollout.val_temperature`, untruncated."""
+    """Training's sampling (`rollout.*`, validated) and validation's: `rollout.val_temperature`, untruncated
+    (no top-p, top-k or min-p; the stop strings stay, as they end a response)."""
     sampling = SamplingParams(
         max_tokens=cfg.data.max_response_length,
         temperature=cfg.rollout.temperature,
@@ -205,7 +206,7 @@ def sampling_params(cfg: RLConfig) -> tuple[SamplingParams, SamplingParams]:
     )
     sampling.validate()
     return sampling, dataclasses.replace(
-        sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0
+        sampling, temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0, min_p=0.0
     )
 
 
@@ -216,7 +217,9 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
         engine=engine_config(
             cfg.model,
             optim=cfg.actor.optim,
-            total_steps=cfg.trainer.total_steps * optimizer_steps_per_step(cfg),
+            # the actor does not train in the critic's warm-up steps: its schedule spans the steps it trains
+            total_steps=max(1, cfg.trainer.total_steps - cfg.algorithm.critic_warmup)
+            * optimizer_steps_per_step(cfg),
             micro_batch_size=cfg.actor.micro_batch_size,
             max_token_len=cfg.actor.max_token_len_per_worker,
             config_section="actor",

@@ -36,6 +36,7 @@ from posttrain.trainers.checks import (
     data_parallel_size,
 )
 from posttrain.trainers.pixel_bounds import check_pixel_bounds, run_processor
+from posttrain.trainers.settings_in_effect import check_offline_settings_in_effect
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.step_loop import StepResult, StepTrainer
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
@@ -66,6 +67,7 @@ def check_sft_config(cfg: SFTConfig) -> None:
         check_vision_language_model(cfg.model)
     check_worker_settings(cfg.trainer)
     check_sequence_parallel_config(cfg.model, cfg.trainer.world_size, cfg.trainer.backend)
+    check_offline_settings_in_effect(cfg, "sft")
     dp = data_parallel_size(cfg.model, cfg.trainer.world_size)  # the ranks of an sp group share rows
     if cfg.optim.batch_size % dp:
         workers = f"{dp} data-parallel groups (workers / model.sequence_parallel_size)"
@@ -166,8 +168,9 @@ class SFTTrainer(StepTrainer[ActorGroup]):
     def validate(self, group: ActorGroup) -> dict[str, float]:
         """`val/nll`: mean negative log-likelihood per response token on the validation split."""
         assert self.val_set is not None
-        rows = (len(self.val_set) // group.data_parallel_size) * group.data_parallel_size
-        items = [self.val_set[i] for i in range(min(rows, 1024))]
+        rows = min(len(self.val_set), self.cfg.data.val_max_prompts or len(self.val_set))
+        rows -= rows % group.data_parallel_size  # every data-parallel group gets the same number of rows
+        items = [self.val_set[i] for i in range(rows)]
         batch = self.collate_fn(items, pad_token_id=self.tokenizer.pad_token_id)
         inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], self.non_tensor_keys)
         log_probs = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS]

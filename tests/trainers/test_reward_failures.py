@@ -161,4 +161,7 @@ def test_a_validation_in_which_every_score_fails_stops_the_run(
 def test_bad_reward_settings_are_named_at_start(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, override: str, message: str
 ) -> None:
-    fails_fast(rl_config(tiny_model_dir, arithmetic_data, tmp_path, *LOCAL, override), ConfigError, message)
+    # a reward function of one's own: without it reward.timeout_s is refused as unused before its range
+    function = f"reward.custom_function_path={write_reward(tmp_path, ALWAYS_RAISES)}"
+    job = [*LOCAL, function, override]
+    fails_fast(rl_config(tiny_model_dir, arithmetic_data, tmp_path, *job), ConfigError, message)
