@@ -291,7 +291,7 @@ class Backend:
 
     # ---- paths ---------------------------------------------------------------------------------
     def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
-        if not NAME.match(name) or name in (".", ".."):
+        if not NAME.fullmatch(name) or name in (".", ".."):
             raise ValueError(f"checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)")
         return self.root / model_id.replace(":", "_") / kind / name
 
@@ -301,7 +301,7 @@ class Backend:
     def resolve(self, path: str, kind: str) -> tuple[str, Path]:
         """(model id, folder) of a `tinker://<model_id>/<kind>/<name>` path that exists here."""
         match = re.fullmatch(r"tinker://([^/]+)/([^/]+)/([^/]+)", path)
-        if match is None or match.group(2) != kind or not MODEL_ID.match(match.group(1)):
+        if match is None or match.group(2) != kind or not MODEL_ID.fullmatch(match.group(1)):
             raise ValueError(f"{path!r} is not a tinker://<model_id>/{kind}/<name> path")
         folder = self.checkpoint_dir(match.group(1), kind, match.group(3))
         if not folder.is_dir():

@@ -324,13 +324,14 @@ class HttpTrainingClient(ResolvedFuture):
 
     # ---- state ---------------------------------------------------------------------------------
     def save_state(
-        self, name: str, ttl_seconds: int | None = None
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
     ) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
-        """Weights and optimizer state under `tinker://<model>/weights/<name>` on the server."""
+        """Weights and optimizer state under `tinker://<model>/weights/<name>` on the server; a name saved
+        before is an error unless `overwrite`."""
 
         def body(seq_id: int) -> dict[str, Any]:
             request = types.SaveWeightsRequest(
-                model_id=self.model_id, path=name, seq_id=seq_id, ttl_seconds=ttl_seconds
+                model_id=self.model_id, path=name, seq_id=seq_id, ttl_seconds=ttl_seconds, overwrite=overwrite
             )
             return dump(request)
 

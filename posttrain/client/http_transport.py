@@ -155,7 +155,8 @@ class RetryPolicy:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
     def retryable(self, status: int) -> bool:
-        return status in self.statuses or status >= 500
+        """408, 409, 429 and 5xx, except 501: an endpoint the server does not implement stays so."""
+        return status in self.statuses or (status >= 500 and status != 501)
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
         ceiling = min(self.max_delay_s, self.base_delay_s * 2**attempt)

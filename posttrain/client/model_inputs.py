@@ -53,6 +53,13 @@ def text_row(model_input: types.ModelInput, what: str) -> InputRow:
     return InputRow(tokens)
 
 
+def check_expected_tokens(chunk: types.ImageChunk, where: str) -> None:
+    """An image's declared token count is a count: a negative one (which would shrink a request's length under
+    a server's limits) is a ValueError naming the chunk."""
+    if chunk.expected_tokens is not None and chunk.expected_tokens < 0:
+        raise ValueError(f"{where}: expected_tokens={chunk.expected_tokens} is negative")
+
+
 def declared_length(model_input: types.ModelInput, what: str) -> int | None:
     """The length of a ModelInput as its chunks declare it, for a client that does not hold the model (http):
     an image chunk counts its `expected_tokens`. None when an image chunk leaves it out (tinker calls it
@@ -64,6 +71,7 @@ def declared_length(model_input: types.ModelInput, what: str) -> int | None:
             length = None if length is None else length + len(chunk.tokens)
         elif isinstance(chunk, types.ImageChunk):
             unsized = chunk.expected_tokens is None
+            check_expected_tokens(chunk, f"{what}: chunk {j}")
             length = None if length is None or unsized else length + int(chunk.expected_tokens or 0)
         elif isinstance(chunk, types.ImageAssetPointerChunk):
             raise ValueError(pointer_refusal(chunk, f"{what}: chunk {j}"))
@@ -113,13 +121,42 @@ class ModelInputReader:
         cache: dict[bytes, tuple[int, dict[str, torch.Tensor]]] = {}
         return [self.row(m, f"{what} {i}", cache) for i, m in enumerate(inputs)]
 
+    @cached_property
+    def vocab_size(self) -> int:
+        """The model's embedding rows (its text config's vocab_size): the token ids it can read."""
+        text = getattr(self._config, "text_config", None) or self._config
+        return int(text.vocab_size)
+
+    def check_token_ids(self, tokens: Sequence[int] | torch.Tensor, what: str) -> None:
+        """A ValueError naming the first id outside 0..vocab_size-1 and its position: such an id would index
+        past the embedding (an IndexError on CPU, a device-side assert on a GPU that poisons the process)."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        bad = ((ids < 0) | (ids >= self.vocab_size)).nonzero()
+        if len(bad):
+            at = int(bad[0])
+            raise ValueError(
+                f"{what}: token id {int(ids[at])} at position {at} is outside the model's vocabulary "
+                f"(0..{self.vocab_size - 1})"
+            )
+
     def row(
         self,
         model_input: types.ModelInput,
         what: str,
         cache: dict[bytes, tuple[int, dict[str, torch.Tensor]]] | None = None,
     ) -> InputRow:
-        """The row of one ModelInput (`what` names it in errors)."""
+        """The row of one ModelInput (`what` names it in errors); every token id is checked against the
+        model's vocabulary."""
+        row = self._row(model_input, what, cache)
+        self.check_token_ids(row.tokens, what)
+        return row
+
+    def _row(
+        self,
+        model_input: types.ModelInput,
+        what: str,
+        cache: dict[bytes, tuple[int, dict[str, torch.Tensor]]] | None = None,
+    ) -> InputRow:
         if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
             row = text_row(model_input, what)
             token = getattr(self._config, "image_token_id", None)
@@ -165,6 +202,7 @@ class ModelInputReader:
             if isinstance(chunk, types.EncodedTextChunk):
                 length += len(chunk.tokens)
             elif isinstance(chunk, types.ImageChunk) and chunk.expected_tokens is not None:
+                check_expected_tokens(chunk, where)
                 length += chunk.expected_tokens
             elif isinstance(chunk, types.ImageChunk):
                 self._image_token(model_input, what)  # a text-only model: the ValueError that names it

@@ -66,6 +66,11 @@ def _model_facts(base_model: str) -> tuple[int, ModelInputReader]:
     return context, ModelInputReader(base_model)
 
 
+def context_length(base_model: str) -> int:
+    """The model's context in tokens (its max_position_embeddings): what a sample without max_tokens may fill."""
+    return _model_facts(base_model)[0]
+
+
 class SamplingClient(ResolvedFuture):
     """Samples from one sampler (`sampler_id`) of a backend; `base_model` is the model directory."""
 

@@ -26,6 +26,7 @@ from posttrain.client.custom_loss import CustomLoss, custom_output, linearise, p
 from posttrain.client.model_inputs import ModelInputReader
 from posttrain.client.sampling import SamplingClient
 from posttrain.config.schema import OptimConfig
+from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.models import load_config, load_tokenizer
 from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
@@ -54,6 +55,10 @@ class TrainingClient(ResolvedFuture):
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         rows = self._inputs.rows([d.model_input for d in data])
         config = check_request(data, loss_fn, loss_fn_config, [len(r.tokens) for r in rows])
+        for i, datum in enumerate(data):
+            targets = datum.loss_fn_inputs.get(keys.TARGET_TOKENS)
+            if targets is not None:
+                self._inputs.check_token_ids(targets.to_torch(), f"datum {i}: target_tokens")
         batch = datums_to_batch(data, self._backend.world_size, rows)
         data = list(data)
 
@@ -120,16 +125,26 @@ class TrainingClient(ResolvedFuture):
         return self._backend.submit(run, model_id)
 
     # ---- state ---------------------------------------------------------------------------------
-    def save_state(self, name: str, ttl_seconds: int | None = None) -> AwaitableConcurrentFuture[Any]:
-        """Weights and optimizer state under `tinker://<model_id>/weights/<name>`."""
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> AwaitableConcurrentFuture[Any]:
+        """Weights and optimizer state under `tinker://<model_id>/weights/<name>`; a name saved before is an
+        error unless `overwrite` (tinker's default and meaning)."""
         return self._save(
-            "weights", name, ttl_seconds, self._backend.group.save_state, types.SaveWeightsResponse
+            "weights", name, ttl_seconds, self._backend.group.save_state, types.SaveWeightsResponse, overwrite
         )
 
     def _save(
-        self, kind: str, name: str, ttl_seconds: int | None, write: Any, response: Any
+        self,
+        kind: str,
+        name: str,
+        ttl_seconds: int | None,
+        write: Any,
+        response: Any,
+        overwrite: bool = True,
     ) -> AwaitableConcurrentFuture[Any]:
-        """Write `kind` checkpoint `name` with `write(model_id, folder)` in call order; its tinker path."""
+        """Write `kind` checkpoint `name` with `write(model_id, folder)` in call order; its tinker path. The
+        name is checked for an earlier checkpoint in call order too (a save queued before this one counts)."""
         if ttl_seconds is not None:
             raise ValueError(
                 "ttl_seconds: checkpoints here do not expire (they stay until deleted); pass None"
@@ -139,6 +154,8 @@ class TrainingClient(ResolvedFuture):
         model_id = self.model_id
 
         def run() -> Any:
+            if not overwrite and folder.exists():
+                raise ValueError(f"checkpoint {path} exists already: pass overwrite=True to replace it")
             folder.mkdir(parents=True, exist_ok=True)
             write(model_id, folder)
             return response(path=path)

@@ -185,15 +185,26 @@ class Adapters:
         gate.set_result(client)
 
     # ---- saving --------------------------------------------------------------------------------------
-    def save(self, model: TrainingModel, client: TrainingClient, name: str, *, by_tenant: bool = True) -> Any:
+    def save(
+        self,
+        model: TrainingModel,
+        client: TrainingClient,
+        name: str,
+        *,
+        by_tenant: bool = True,
+        overwrite: bool = True,
+    ) -> Any:
         """Save the adapter's state as checkpoint `name` (in the backend's call order, crash-safe), make it
-        the model's restore point before the future resolves; the future of SaveWeightsResponse."""
+        the model's restore point before the future resolves; the future of SaveWeightsResponse. Without
+        `overwrite` (the tenant's save_state default) a name saved before is an error, checked in call order."""
         backend = self.state.service.backend
         folder = backend.checkpoint_dir(client.model_id, "weights", name)  # checks the name
         path = backend.tinker_path(client.model_id, "weights", name)
         backend_id = client.model_id
 
         def run() -> types.SaveWeightsResponse:
+            if not overwrite and folder.exists():
+                raise ValueError(f"checkpoint {path} exists already: pass overwrite=True to replace it")
             publish(folder, lambda tmp: backend.group.save_state(backend_id, tmp))
             self._saved(model, path, by_tenant)
             return types.SaveWeightsResponse(path=path)
@@ -225,10 +236,14 @@ class Adapters:
         return backend.submit(run, backend_id)
 
     # ---- releasing -----------------------------------------------------------------------------------
-    def release(self, model: TrainingModel, why: str = "idle") -> bool:
-        """Save an unused loaded adapter under the reserved name and drop it from the backend."""
+    def release(
+        self, model: TrainingModel, why: str = "idle", *, busy_too: bool = False, wait_s: float | None = None
+    ) -> bool:
+        """Save an unused loaded adapter under the reserved name and drop it from the backend. `busy_too` (a
+        graceful stop): a model with a request still running is saved too, after that request (the backend
+        runs a model's calls in order), waiting at most `wait_s` for the two."""
         with self._lock:
-            if model.busy or not model.loaded:
+            if (model.busy and not busy_too) or not model.loaded:
                 return False
             assert model.gate is not None
             client = model.gate.result()
@@ -237,11 +252,12 @@ class Adapters:
             model.gate = pending  # requests from now on wait for the release, then for the reload
         backend = self.state.service.backend
         try:
-            self.save(model, client, INTERNAL, by_tenant=False).result()
-            backend.submit(lambda: backend.group.drop_model(client.model_id)).result()
+            self.save(model, client, INTERNAL, by_tenant=False).result(timeout=wait_s)
+            backend.submit(lambda: backend.group.drop_model(client.model_id)).result(timeout=wait_s)
             backend.models.pop(client.model_id, None)
         except Exception as exc:  # noqa: BLE001 - the adapter stays loaded; the next sweep tries again
-            log.warning("could not release the adapter of %s: %s", model.model_id, exc)
+            reason = f"not saved within {wait_s:g} s" if isinstance(exc, TimeoutError) else exc
+            log.warning("could not release the adapter of %s: %s", model.model_id, reason)
             with self._lock:
                 model.releasing = False
                 model.gate = resolved(client)
@@ -264,6 +280,8 @@ class Adapters:
         ]
         return sum(self.release(m, f"unused for {idle_seconds:g} s") for m in idle)
 
-    def release_all(self) -> int:
-        """At a graceful stop: save every loaded adapter, so no model loses its unsaved steps."""
-        return sum(self.release(m, "the server stops") for m in list(self.state.models.values()) if m.loaded)
+    def release_all(self, wait_s: float) -> int:
+        """At a graceful stop: save every loaded adapter, so no model loses its unsaved steps; one whose request
+        still runs (answered as failed: it may or may not be applied) is saved after it, within `wait_s`."""
+        loaded = [m for m in list(self.state.models.values()) if m.loaded]
+        return sum(self.release(m, "the server stops", busy_too=True, wait_s=wait_s) for m in loaded)

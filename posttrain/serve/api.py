@@ -12,10 +12,10 @@ from fastapi import HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 from tinker import types
 
-from posttrain.client.model_inputs import ModelInputReader
+from posttrain.client.model_inputs import ModelInputReader, check_expected_tokens
 from posttrain.client.training import TrainingClient
 from posttrain.serve.adapters import TrainingModel
-from posttrain.serve.futures import Encoder
+from posttrain.serve.futures import Encoder, in_thread
 from posttrain.serve.schema import Bodies
 from posttrain.serve.state import ServerState
 
@@ -55,9 +55,13 @@ class Api:
             raise HTTPException(400, f"{model.__name__}: {exc.errors(include_url=False)}") from None
 
     @staticmethod
-    def length(model_input: Any) -> int:
-        """Tokens in a ModelInput (400 when it cannot say: an image chunk without expected_tokens)."""
+    def length(model_input: Any, what: str = "model_input") -> int:
+        """Tokens in a ModelInput (400 when it cannot say: an image chunk without expected_tokens, or with a
+        negative count)."""
         try:
+            for j, chunk in enumerate(model_input.chunks):
+                if isinstance(chunk, types.ImageChunk):
+                    check_expected_tokens(chunk, f"{what}: chunk {j}")
             return int(model_input.length)
         except ValueError as exc:
             raise HTTPException(400, f"model_input: {exc}") from None
@@ -73,7 +77,7 @@ class Api:
         size gives for the model in `base_dir`, read from the image's header in a worker thread, off the
         event loop; an input that cannot be counted is a 400 naming it."""
         if not any(_unsized_image(m) for m in inputs.values()):
-            return sum(self.length(m) for m in inputs.values())
+            return sum(self.length(m, k) for k, m in inputs.items())
         reader = _reader(base_dir)
         try:
             return await run_in_threadpool(lambda: sum(reader.length(m, k) for k, m in inputs.items()))
@@ -85,12 +89,33 @@ class Api:
         self.state.limits.check_tokens(tokens)
         self.state.meter.admit_tokens(tenant, tokens)
 
-    def submitted(
-        self, tenant: str, kind: str, future: Any, encode: Encoder, model_id: str | None = None, **extra: Any
+    def created(
+        self, tenant: str, kind: str, model_id: str, create: Callable[[], Any], encode: Encoder
     ) -> dict[str, Any]:
-        self.state.limits.check_queued(self.state.queued(tenant))
-        request_id = self.state.futures.add(tenant, kind, future, encode, model_id)
-        return {"request_id": request_id, **({"model_id": model_id} if model_id else {}), **extra}
+        """Create training model `model_id` (`create` runs on a thread of its own), once: every check that can
+        refuse (the tenant's queue, the adapter slots) runs before anything is held or started, so a refused
+        request leaves nothing behind; a repeat of an accepted one (the SDK retries a lost answer with the same
+        session and model_seq_id) gets the first one's request id, as a retried seq_id does."""
+        state = self.state
+        earlier = state.creations.get(model_id)
+        if earlier is not None and earlier[0] == tenant:
+            return {"request_id": earlier[1], "model_id": model_id}
+        state.limits.check_queued(state.queued(tenant))
+        state.hold_slot(model_id, tenant)
+        request = state.futures.open(tenant, kind, model_id)  # journaled before the work starts
+        state.creations[model_id] = (tenant, request.request_id)
+        state.futures.attach(request, in_thread(create), encode)
+        return {"request_id": request.request_id, "model_id": model_id}
+
+    def repeat(self, model: TrainingModel, seq_id: int | None, kind: str) -> dict[str, Any] | None:
+        """The answer to a seq_id the model has seen (a retry: its first request id), else None; a missing or
+        out-of-range seq_id is a 400. Checked before anything is charged, so a retry costs no tokens."""
+        if seq_id is None:
+            raise HTTPException(400, f"{kind} needs a seq_id")
+        if not 0 <= seq_id < MAX_SEQ_ID:
+            raise HTTPException(400, f"seq_id {seq_id} is outside 0..2**62")
+        earlier = self.state.sequencer.seen(model.model_id, seq_id)
+        return None if earlier is None else {"request_id": earlier, "model_id": model.model_id}
 
     def in_order(
         self,
@@ -103,16 +128,14 @@ class Api:
     ) -> dict[str, Any]:
         """Run `start(client)` in the model's seq_id order, once its adapter is loaded; a seq_id seen
         before returns its first request id (a retry is applied once)."""
-        if seq_id is None:
-            raise HTTPException(400, f"{kind} needs a seq_id")
-        if not 0 <= seq_id < MAX_SEQ_ID:
-            raise HTTPException(400, f"seq_id {seq_id} is outside 0..2**62")
-        state, model_id = self.state, model.model_id
-        earlier = state.sequencer.seen(model_id, seq_id)
+        earlier = self.repeat(model, seq_id, kind)
         if earlier is not None:
-            return {"request_id": earlier, "model_id": model_id}
+            return earlier
+        assert seq_id is not None
+        state, model_id = self.state, model.model_id
         state.adapters.check_slot(model)
-        state.limits.check_queued(state.queued(tenant))
+        if not state.sequencer.is_next(model_id, seq_id):  # the one it waits for is never refused: it
+            state.limits.check_queued(state.queued(tenant))  # would leave the parked ones waiting forever
         # journaled (request and seq_id) before the work starts, not beside it (FutureStore.open)
         request = state.futures.open(tenant, kind, model_id)
         state.sequencer.remember(model_id, seq_id, request.request_id)

@@ -7,12 +7,13 @@ The file is one mapping of Limits' fields (posttrain/serve/limits.py), e.g.
     tokens_per_second: 20000
     adapter_idle_seconds: 600
 
-Fields left out keep their defaults. An unknown key, a value of the wrong type or a negative value is a
-ConfigError naming the key (and, for an unknown one, the valid keys).
+Fields left out keep their defaults. An unknown key, a value of the wrong type, a negative value, NaN or
+infinity is a ConfigError naming the key (and, for an unknown one, the valid keys).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def load_limits(path: str | Path) -> Limits:
         raise ConfigError(f"--config {path}: {key}: {str(exc).splitlines()[0]}") from None
     assert isinstance(limits, Limits)
     for name in valid:
-        if getattr(limits, name) < 0:
-            raise ConfigError(f"--config {path}: {name} must be >= 0, got {getattr(limits, name)}")
+        value = getattr(limits, name)
+        if not math.isfinite(value) or value < 0:  # NaN passes `< 0`: it would switch the limit off
+            raise ConfigError(f"--config {path}: {name} must be a finite number >= 0, got {value}")
     return limits

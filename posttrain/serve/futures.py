@@ -277,6 +277,11 @@ class Sequencer:
         with self._lock:
             return self._models.setdefault(model_id, _ModelQueue()).seen.get(seq_id)
 
+    def is_next(self, model_id: str, seq_id: int) -> bool:
+        """Whether `seq_id` is the one the model waits for: it starts at once (with any parked after it)."""
+        with self._lock:
+            return self._models.setdefault(model_id, _ModelQueue()).next_seq == seq_id
+
     def remember(self, model_id: str, seq_id: int, request_id: str) -> None:
         with self._lock:
             seen = self._models.setdefault(model_id, _ModelQueue()).seen

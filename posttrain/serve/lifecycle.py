@@ -7,8 +7,9 @@ finished results leave memory after `future_ttl_seconds`, the journal forgets an
 A graceful stop (SIGTERM or SIGINT; uvicorn has stopped taking requests, and the long polls have returned
 `try_again`): requests parked behind a missing seq_id fail at once (that id will not come now), running
 ones get `shutdown_grace_seconds` to finish, those still running then fail with an error saying so; every
-loaded adapter is saved (the server's own save, as for an idle one), so after a restart each model goes on
-exactly where it stopped; the journal is closed. Every answer is in the journal for pollers to fetch from
+loaded adapter is saved (the server's own save, as for an idle one; one whose request still runs after that
+request, waiting at most `BUSY_SAVE_WAIT_S` or the grace time), so after a restart each model goes on exactly
+where it stopped; the journal is closed. Every answer is in the journal for pollers to fetch from
 the restarted server.
 """
 
@@ -22,6 +23,8 @@ from posttrain.serve.state import ServerState
 
 log = logging.getLogger("posttrain.serve")
 PURGE_EVERY_S = 60.0
+# a stop saves a model whose request outlived the grace time after that request: how long it may wait for both
+BUSY_SAVE_WAIT_S = 60.0
 
 
 class ServerStopped(RuntimeError):
@@ -58,7 +61,7 @@ def shut_down(state: ServerState) -> dict[str, int]:
         f"the server stopped while this request ran (it did not finish within shutdown_grace_seconds={grace:g}); "
         "it may or may not have been applied"
     )
-    saved = state.adapters.release_all()
+    saved = state.adapters.release_all(wait_s=max(grace, BUSY_SAVE_WAIT_S))
     state.journal.close()
     counts = {"parked_failed": parked, "finished": pending - len(failed), "failed": len(failed)}
     counts["adapters_saved"] = saved

@@ -11,6 +11,7 @@ from fastapi import FastAPI, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 from tinker import types
 
+from posttrain.client.sampling import context_length
 from posttrain.serve.api import Api, as_json
 from posttrain.serve.futures import failed
 from posttrain.serve.journal import SamplerRow
@@ -59,9 +60,14 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
             "prompt_alt_tokens_k": body.prompt_alt_tokens_k, "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
         }  # fmt: skip
         named = [k for k, v in unsupported.items() if v]
-        # every sample counts at least one token, so num_samples is bounded by tokens_per_request too
-        prompt_tokens = await api.input_tokens({"prompt": body.prompt}, api.base_dir(sampler.base_name))
-        api.tokens(tenant, prompt_tokens + body.num_samples * max(1, body.sampling_params.max_tokens or 1))
+        # every sample counts the tokens it may generate: max_tokens, or without it what the context leaves
+        # (the sampler fills up to the context then); at least one, so num_samples is bounded too
+        base_dir = api.base_dir(sampler.base_name)
+        prompt_tokens = await api.input_tokens({"prompt": body.prompt}, base_dir)
+        max_tokens = body.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = context_length(base_dir) - prompt_tokens
+        api.tokens(tenant, prompt_tokens + body.num_samples * max(1, max_tokens))
 
         def start() -> Any:
             if named:

@@ -15,7 +15,7 @@ from tinker import types
 from posttrain.client.training import TrainingClient
 from posttrain.serve.adapters import is_internal
 from posttrain.serve.api import Api, as_json
-from posttrain.serve.futures import in_thread, resolved
+from posttrain.serve.futures import resolved
 from posttrain.serve.journal import SamplerRow
 from posttrain.serve.state import Sampler
 from posttrain.serve.wire import WireError, decode_forward_backward, encode_forward_backward_output
@@ -42,7 +42,6 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             raise HTTPException(400, "create_model needs a lora_config: this server trains LoRA adapters")
         lora = body.lora_config
         state.limits.check_rank(lora.rank)
-        state.hold_slot(model_id, tenant)
 
         def create() -> types.CreateModelResponse:
             try:
@@ -55,7 +54,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
                 state.creating.pop(model_id, None)
             return types.CreateModelResponse(model_id=model_id)
 
-        return api.submitted(tenant, "create_model", in_thread(create), as_json, model_id)
+        return api.created(tenant, "create_model", model_id, create, as_json)
 
     @app.post("/api/v1/get_info", openapi_extra=bodies.json(types.GetInfoRequest))
     async def get_info(request: Request) -> dict:
@@ -84,6 +83,10 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         except WireError as exc:
             raise HTTPException(400, str(exc)) from None
         model = state.model(call.model_id, tenant)
+        kind = "forward" if call.forward_only else "forward_backward"
+        earlier = api.repeat(model, call.seq_id, kind)
+        if earlier is not None:  # a retry: answered with the first delivery's id, charged nothing
+            return earlier
         inputs = {f"datum {i}": d.model_input for i, d in enumerate(call.data)}
         api.tokens(tenant, await api.input_tokens(inputs, api.base_dir(model.base_name)))
 
@@ -91,7 +94,6 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             verb = client.forward if call.forward_only else client.forward_backward
             return verb(call.data, call.loss_fn, call.loss_fn_config)
 
-        kind = "forward" if call.forward_only else "forward_backward"
         return api.in_order(model, call.seq_id, tenant, kind, start, encode_forward_backward_output)
 
     @app.post("/api/v1/optim_step", openapi_extra=bodies.json(types.OptimStepRequest))
@@ -117,7 +119,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
 
         def start(client: TrainingClient) -> Any:
             _check_name(name, body.ttl_seconds)
-            return state.adapters.save(model, client, name)
+            return state.adapters.save(model, client, name, overwrite=body.overwrite)
 
         return api.in_order(model, body.seq_id, tenant, "save_weights", start, as_json)
 
@@ -160,7 +162,6 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             raise HTTPException(400, "load_weights needs model_id + seq_id, or session_id + model_seq_id")
         state.session(body.session_id, tenant)
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
-        state.hold_slot(model_id, tenant)
 
         def create() -> types.LoadWeightsResponse:
             service = state.service
@@ -182,7 +183,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
                 state.creating.pop(model_id, None)
             return types.LoadWeightsResponse(path=body.path, model_id=model_id)
 
-        return api.submitted(tenant, "load_weights", in_thread(create), as_json, model_id)
+        return api.created(tenant, "load_weights", model_id, create, as_json)
 
 
 def _check_name(name: str, ttl_seconds: int | None) -> None:

@@ -41,6 +41,10 @@ def build_state(
     if not (path / "config.json").exists():
         raise ConfigError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
     name = model_name or path.name
+    if backend != "ray" and n_workers != 1:
+        raise ConfigError(
+            f"--n-workers {n_workers} needs --backend ray (the local backend is one in-process worker)"
+        )
     extra = {"n_workers": n_workers, "device": "cpu"} if backend == "ray" else {}
     service = ServiceClient(backend, root_dir=root_dir, base_models=[str(path.resolve())], **extra)  # type: ignore[arg-type]
     if tokenizer_id is not None and not tokenizer_id.strip():

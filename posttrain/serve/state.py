@@ -67,6 +67,8 @@ class ServerState:
     )  # sampler id -> (tenant, why): 410
     checkpoint_owner: dict[str, str] = field(default_factory=dict)  # backend model id -> tenant
     creating: dict[str, str] = field(default_factory=dict)  # model ids being created -> tenant (slots held)
+    # model id -> (tenant, request id) of the create_model / load_weights that made it: a repeat gets that id
+    creations: dict[str, tuple[str, str]] = field(default_factory=dict)
     stop: asyncio.Event | None = None  # set when a graceful stop begins: long polls return at once
     loop: asyncio.AbstractEventLoop | None = None
 

@@ -29,11 +29,11 @@ class ApiKeys:
         if not keys:
             raise ConfigError(f"no API keys: give --keys FILE or set {ENV} (tml-...=tenant,...)")
         for key, tenant in keys.items():
-            if not KEY.match(key):
+            if not KEY.fullmatch(key):
                 raise ConfigError(
                     f"API key {key[:8]}... must be 'tml-' followed by 16+ letters, digits, '-', '_'"
                 )
-            if not TENANT.match(tenant):
+            if not TENANT.fullmatch(tenant):
                 raise ConfigError(f"tenant name {tenant!r}: letters, digits, '.', '_', '-' (at most 64)")
         self._keys = dict(keys)
         # looked up by digest: one dict lookup per request whatever the number of tenants, and no

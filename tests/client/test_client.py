@@ -119,6 +119,9 @@ def test_saved_states_round_trip_weights_and_optimizer(
     tc.optim_step(ADAM)
     saved = tc.save_state("one").result()
     assert saved.path == f"tinker://{tc.model_id}/weights/one"
+    with pytest.raises(ValueError, match="exists already: pass overwrite=True"):  # tinker's default
+        tc.save_state("one").result()
+    assert tc.save_state("one", overwrite=True).result().path == saved.path  # the same weights again
     reference = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
     # the next step from the saved state: with its optimizer state, equal to the original's next step
     tc.forward_backward(data, "cross_entropy")

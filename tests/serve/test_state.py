@@ -29,7 +29,10 @@ def test_the_limits_file_yaml_or_json_names_what_is_wrong(tmp_path: Path) -> Non
     cases = {
         "max_lora_rnk: 8\n": r"unknown key 'max_lora_rnk'; valid keys: max_lora_rank, adapters_per_tenant",
         "max_lora_rank: eight\n": r"max_lora_rank: Value 'eight'",
-        "adapters_total: -1\n": r"adapters_total must be >= 0",
+        "adapters_total: -1\n": r"adapters_total must be a finite number >= 0, got -1",
+        # NaN passes a `< 0` check and would switch the limit off; infinity crashed the stop's int()
+        "requests_per_second: .nan\n": r"requests_per_second must be a finite number >= 0, got nan",
+        "shutdown_grace_seconds: .inf\n": r"shutdown_grace_seconds must be a finite number >= 0, got inf",
         "- 1\n- 2\n": r"expected a mapping",
     }
     for text, message in cases.items():
