@@ -87,8 +87,9 @@ async def run_episode(
             raise PosttrainError(f"environment step {turn} failed: {type(exc).__name__}: {exc}") from exc
         times.env += time.perf_counter() - start
         transitions.append(Transition(row.tokens, action, result.reward, result.metrics, row.images))
-        if result.done:
-            return Trajectory(transitions, result.stop_reason)
+        if result.done:  # a turn cut at its token limit that an env calls complete was still cut
+            cut = action.stop_reason == "length" and result.stop_reason == "completed"
+            return Trajectory(transitions, "max_tokens" if cut else result.stop_reason)
         if action.stop_reason == "length":
             return Trajectory(transitions, "max_tokens")
         observation = result.next_observation

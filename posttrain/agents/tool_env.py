@@ -202,6 +202,16 @@ class ToolChatGroup:
 TOOL_AGENT = "tool_agent"  # verl's agent_name for multi-turn tool use
 
 
+def without_nulls(value: Any) -> Any:
+    """`value` with every null entry of its mappings dropped, at every depth. Parquet gives all rows of a
+    struct column the same fields: a row that gives kwargs for one tool reads back with every other tool (and
+    every other row's argument names) set to null; those nulls mean "not given", so a tool's own defaults
+    apply, as they do for a jsonl row that leaves them out."""
+    if isinstance(value, Mapping):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
 @register_agent(TOOL_AGENT)
 def tool_agent(row: Mapping[str, Any], setup: AgentSetup) -> ToolChatGroup:
     """A row's chat with the run's tools; `extra_info.tools_kwargs[tool]` is passed to that tool's calls."""
@@ -211,6 +221,7 @@ def tool_agent(row: Mapping[str, Any], setup: AgentSetup) -> ToolChatGroup:
         )
     info = row.get("extra_info") or {}
     tools_kwargs = info.get("tools_kwargs") or {} if isinstance(info, Mapping) else {}
+    tools_kwargs = without_nulls(tools_kwargs)
     if not isinstance(tools_kwargs, Mapping) or not all(
         isinstance(v, Mapping) for v in tools_kwargs.values()
     ):

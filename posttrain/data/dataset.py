@@ -144,9 +144,17 @@ def parse_extra_info(row: dict, where: str) -> dict:
     return extra
 
 
-def render_prompt(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-    """The chat-templated prompt text (ending with the assistant header) and its token ids."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_prompt(
+    tokenizer: ChatTokenizer, messages: list[dict[str, str]], where: str = "prompt"
+) -> tuple[str, list[int]]:
+    """The chat-templated prompt text (ending with the assistant header) and its token ids. A template that
+    refuses the row (many raise on roles that do not alternate) is a DataError naming the row."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise DataError(f"{where}: the model's chat template refused the prompt: {exc}") from None
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -195,7 +203,7 @@ class PromptDataset:
                 get_field(row, "reward_model.ground_truth", where), "reward_model.ground_truth", where
             )
             extra_info = parse_extra_info(row, where)
-            raw_prompt, ids = render_prompt(tokenizer, messages)
+            raw_prompt, ids = render_prompt(tokenizer, messages, where)
             if len(ids) > max_prompt_length:
                 if overlong == "error":
                     raise DataError(

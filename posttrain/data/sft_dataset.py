@@ -122,7 +122,7 @@ class SFTDataset:
             )
         messages = parse_messages(row, where)
         response = as_text(get_field(row, self.response_key, where), self.response_key, where)
-        _, prompt_ids = render_prompt(tokenizer, messages)
+        _, prompt_ids = render_prompt(tokenizer, messages, where)
         response_ids = list(tokenizer.encode(response + eos, add_special_tokens=False))
         first = 1 if self.train_on == "everything" else 0
         return prompt_ids + response_ids, [first] * len(prompt_ids) + [1] * len(response_ids)

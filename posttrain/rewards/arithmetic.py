@@ -19,14 +19,16 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 def extract_last_integer(text: str) -> int | None:
-    """The last number in `text` if it is an integer (commas removed, "19.0" -> 19), else None."""
+    """The last number in `text` if it is an integer (commas removed, "19.0" -> 19), else None. Read exactly
+    (never through a float, which holds every integer only up to 2**53: long_addition's 20-digit sums would
+    score a correct answer 0 and a nearby wrong one 1)."""
     matches = _NUMBER.findall(text)
     if not matches:
         return None
-    value = float(matches[-1].replace(",", ""))
-    if not value.is_integer():
+    whole, _, fraction = matches[-1].replace(",", "").partition(".")
+    if fraction.strip("0"):
         return None
-    return int(value)
+    return int(whole)
 
 
 # long_addition's worked solution ends "answer <sum>"; tool_multiplication's answer "The answer is <product>."

@@ -12,9 +12,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from posttrain.errors import ConfigError, RewardError
@@ -45,12 +45,14 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     return matches[-1].replace(",", "").replace("$", "")
 
 
-def _to_number(text: str) -> float | None:
+def _to_number(text: str) -> Decimal | None:
+    """The number `text` writes, exactly ("72" == "72.0" == "$72"; 1000000001 != 1000000000, which floats
+    compared with a relative tolerance would call equal)."""
     try:
-        value = float(text.replace(",", "").replace("$", "").strip())
-    except ValueError:
+        value = Decimal(text.replace(",", "").replace("$", "").strip())
+    except InvalidOperation:
         return None
-    return value if math.isfinite(value) else None
+    return value if value.is_finite() else None
 
 
 @register_scorer("openai/gsm8k", "gsm8k")
@@ -71,6 +73,6 @@ def compute_score(
     if answer is None:
         return 0.0
     value = _to_number(answer)
-    if value is not None and math.isclose(value, expected, rel_tol=1e-9, abs_tol=1e-9):
+    if value is not None and value == expected:
         return score
     return format_score

@@ -65,7 +65,10 @@ class RewardManager:
         self,
         compute_score: Callable[..., Any] | IsolatedFunction | None = None,
         scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+        numeric_keys: Sequence[str] = (),
     ) -> None:
+        """`numeric_keys`: values of a dict return that the run computes with (GDPO's reward components),
+        held to the score's rule: a row where one is missing or not a number in range counts as failed."""
         scorer_kwargs = dict(scorer_kwargs or {})
         if compute_score is not None and scorer_kwargs:
             raise ConfigError(
@@ -83,6 +86,7 @@ class RewardManager:
                 raise ConfigError(f"scorer_kwargs[{data_source!r}]: {exc}") from None
         self._compute_score = compute_score
         self._scorer_kwargs = {k: dict(v) for k, v in scorer_kwargs.items()}
+        self._numeric_keys = tuple(numeric_keys)
 
     def score(
         self,
@@ -129,7 +133,7 @@ class RewardManager:
                 if isinstance(out, CallFailure):
                     failure = out
                 else:
-                    value, row_extra = _to_score(out)
+                    value, row_extra = _to_score(out, self._numeric_keys)
             except ConfigError:
                 raise
             except Exception as exc:
@@ -177,8 +181,23 @@ class RewardManager:
         return self._compute_score(**row)
 
 
-def _to_score(out: Any) -> tuple[float, dict[str, Any]]:
-    """A scorer's return (a number, or a dict with "score" and extra values) as (score, extra)."""
+# Scores (and numeric components) past this size are refused: rewards are float32 tensors, and a group's
+# variance squares them, so 1e39 becomes inf and 1e20 an infinite variance: NaN advantages for the whole group
+MAX_ABS_SCORE = 1e9
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)) and abs(float(value)) <= MAX_ABS_SCORE:
+        return float(value)
+    raise RewardError(
+        f"scorer returned {what} {value!r} ({type(value).__name__}), expected a finite number of magnitude at "
+        f"most {MAX_ABS_SCORE:g}"
+    )
+
+
+def _to_score(out: Any, numeric_keys: Sequence[str] = ()) -> tuple[float, dict[str, Any]]:
+    """A scorer's return (a number, or a dict with "score" and extra values) as (score, extra); the extras
+    named in `numeric_keys` must be numbers as the score must."""
     row_extra: dict[str, Any] = {}
     if isinstance(out, Mapping):
         if "score" not in out:
@@ -186,10 +205,11 @@ def _to_score(out: Any) -> tuple[float, dict[str, Any]]:
                 f"scorer returned a dict without a 'score' key (keys: {', '.join(map(str, out))})"
             )
         row_extra = {str(k): v for k, v in out.items() if k != "score"}
+        for key in numeric_keys:
+            if key in row_extra:
+                row_extra[key] = _number(row_extra[key], f"'{key}'")
         out = out["score"]
-    if not isinstance(out, numbers.Real) or not math.isfinite(float(out)):
-        raise RewardError(f"scorer returned {out!r} ({type(out).__name__}), expected a finite number")
-    return float(out), row_extra
+    return _number(out, "score"), row_extra
 
 
 def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

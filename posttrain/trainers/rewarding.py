@@ -51,7 +51,7 @@ class RewardStage:
                     reward.custom_function_path, reward.custom_function_name, reward.timeout_s
                 )
         scorer_kwargs = {"openai/gsm8k": {"method": reward.gsm8k_method}} if custom is None else None
-        self.manager = RewardManager(custom, scorer_kwargs)
+        self.manager = RewardManager(custom, scorer_kwargs, numeric_keys=cfg.algorithm.gdpo_reward_keys)
         check_reward_model(cfg)
         self.model = RewardModelScorer(reward.model) if reward.model.path else None
         self.use_rules = self.model is None or reward.model.with_rule_rewards

@@ -142,6 +142,19 @@ def test_limits_end_episodes_with_their_reason(tiny_model_dir: Path) -> None:
     assert t.stop_reason in ("context_overflow", "max_tokens")
 
 
+def test_a_single_turn_cut_at_its_token_limit_is_recorded_as_max_tokens(tiny_model_dir: Path) -> None:
+    """SingleTurnEnv calls every answer complete; one cut at max_tokens is still scored (as the non-agent
+    path scores cut answers) but its stop reason says it was cut (agent/stop/max_tokens, clip_frac)."""
+    engine = NativeRolloutEngine(str(tiny_model_dir), seed=0)
+    sampler = EngineSampler(engine, SamplingParams(max_tokens=2, temperature=1.0))
+    tok = load_tokenizer(tiny_model_dir)
+    prompt = tok.encode("<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n")
+    env = SingleTurnGroup(prompt, tok.decode, lambda text, gt: 0.5, "2", ()).make_envs(1)[0]
+    t = asyncio.run(run_episode(env, sampler, EpisodeLimits(max_tokens_per_turn=2)))
+    assert t.transitions[0].action.stop_reason == "length"  # no eos to stop at: cut at 2 tokens
+    assert t.stop_reason == "max_tokens" and t.total_reward == 0.5
+
+
 def test_single_turn_groups_are_the_same_loop(service: tinker.ServiceClient, tiny_model_dir: Path) -> None:
     tok = load_tokenizer(tiny_model_dir)
     tc = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=1)
@@ -158,4 +171,6 @@ def test_single_turn_groups_are_the_same_loop(service: tinker.ServiceClient, tin
     assert [len(g) for g in result] == [4, 4, 4]
     assert all(len(t.transitions) == 1 for g in result for t in g)
     assert metrics["agent/turns_mean"] == 1.0
-    assert metrics["agent/stop/completed"] == 1.0
+    cut = [t.transitions[0].action.stop_reason == "length" for g in result for t in g]
+    assert metrics["agent/stop/completed"] == 1.0 - sum(cut) / len(cut)  # the rest were cut at 8 tokens
+    assert metrics.get("agent/stop/max_tokens", 0.0) == sum(cut) / len(cut)

@@ -194,6 +194,14 @@ def test_rows_pass_tools_kwargs_and_bad_ones_are_named(tokenizer: Any) -> None:
     assert builder.tools_kwargs == {"calculator": {"create_kwargs": {}}}
     with pytest.raises(DataError, match="row 0.*search"):
         group_builder(row(tools_kwargs={"search": {}}), setup)
+    # read back from parquet, a struct column gives every row every field: the ones not given are null
+    from_parquet = {
+        "calculator": {"create_kwargs": {"precision": None}, "execute_kwargs": None},
+        "python": None,
+    }
+    assert group_builder(row(tools_kwargs=from_parquet), setup).tools_kwargs == {
+        "calculator": {"create_kwargs": {}}
+    }
     with pytest.raises(ConfigError, match="needs tools"):
         group_builder(row(), AgentSetup(tokenizer))
 

@@ -154,3 +154,21 @@ def test_collate_uid_count_must_match(tmp_path, tokenizer):
     ds = PromptDataset(write_rows(tmp_path / "t.jsonl", [make_row(0)]), tokenizer, max_prompt_length=64)
     with pytest.raises(DataError, match="1 items but 2 uids"):
         collate_prompts([ds[0]], pad_token_id=0, uids=["a", "b"])
+
+
+def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
+    """Many templates (Mistral's, Llama 2's) raise on roles that do not alternate: the error names the row."""
+    import copy
+
+    strict = copy.copy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if loop.index0 % 2 == 1 and m['role'] == 'user' %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    rows = [make_row(i) for i in range(3)]
+    rows[2]["prompt"] = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r"rows.jsonl: row 2: the model's chat template refused .*must alternate"
+    ):
+        PromptDataset(path, strict, max_prompt_length=64)

@@ -35,3 +35,14 @@ def test_extract_last_integer():
 def test_non_integer_ground_truth_is_an_error():
     with pytest.raises(RewardError, match="arithmetic ground truth is not an integer: 'abc'"):
         compute_score("1", "abc")
+
+
+def test_long_integers_are_read_exactly():
+    """long_addition's long tail writes 20-digit sums: a float holds every integer only up to 2**53, so a
+    correct answer scored 0 and a wrong neighbour 1."""
+    assert compute_score("answer 12345678901234567890", "12345678901234567890") == 1.0
+    assert compute_score("answer 1815072237673070562", "1815072237673070562") == 1.0
+    for wrong in ("4611687117939015681", "4611687117939015780", "4611687117939015425"):
+        assert compute_score(f"answer {wrong}", "4611687117939015680") == 0.0
+    assert extract_last_integer("12345678901234567890.000") == 12345678901234567890
+    assert extract_last_integer("12345678901234567890.5") is None

@@ -18,6 +18,11 @@ from posttrain.rewards.gsm8k import SOLUTION_CLIP_CHARS, compute_score, extract_
         ("#### 5 then I changed my mind #### 6", "5", 0.0),
         ("The answer is 72", "72", 0.0),  # strict: no #### -> no answer
         ("#### 0.5", "0.50", 1.0),
+        # exact, not within a relative tolerance: large answers off by one are wrong
+        ("#### 1000000001", "1000000000", 0.0),
+        ("#### 123456789100", "123456789012", 0.0),
+        ("#### 0", "0.000000001", 0.0),
+        ("#### 123456789012345678901", "123456789012345678901", 1.0),
     ],
 )
 def test_strict(response, ground_truth, expected):

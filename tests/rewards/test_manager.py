@@ -92,10 +92,29 @@ def test_error_messages_are_capped_but_all_counted():
     assert result.scores == [0.0] * 20
 
 
-@pytest.mark.parametrize("bad", [None, "1.0", math.nan, math.inf, [1.0], {"value": 1.0}, torch.tensor(1.0)])
+@pytest.mark.parametrize(
+    "bad", [None, "1.0", math.nan, math.inf, [1.0], {"value": 1.0}, torch.tensor(1.0), 1e39, -1e300, 10**400]
+)
 def test_non_numbers_are_errors(bad):
     result = RewardManager(compute_score=lambda **kw: bad).score(["s"], ["r"], ["g"])
     assert result.scores == [0.0] and result.n_errors == 1
+
+
+def test_huge_scores_would_be_inf_in_float32_and_are_errors():
+    result = RewardManager(compute_score=lambda **kw: 1e39).score(["s"], ["r"], ["g"])
+    assert result.n_errors == 1 and "magnitude at most" in result.errors[0]
+
+
+def test_numeric_components_are_held_to_the_scores_rule():
+    """GDPO's reward components (numeric_keys) are computed with: NaN or text there is the row's failure,
+    naming the key; other extras (logged values such as a prediction string) are left as they are."""
+    returns = iter([{"score": 1.0, "fmt": 1.0}, {"score": 1.0, "fmt": math.nan}, {"score": 0.0, "fmt": "ok"}])
+    manager = RewardManager(compute_score=lambda **kw: next(returns), numeric_keys=("fmt",))
+    result = manager.score(["s"] * 3, ["r"] * 3, ["g"] * 3)
+    assert result.scores == [1.0, 0.0, 0.0] and result.n_errors == 2
+    assert "'fmt'" in result.errors[0]
+    text = RewardManager(compute_score=lambda **kw: {"score": 1.0, "pred": "7"}).score(["s"], ["r"], ["g"])
+    assert text.n_errors == 0 and text.extra == {"pred": ["7"]}
 
 
 def test_numeric_types_are_accepted():

@@ -37,6 +37,16 @@ class ToolError(PosttrainError):
     message, prefixed with "Error: ")."""
 
 
+class ToolFailed(ToolError):
+    """A call that ran and failed: a program that exited with an error or was killed at its limits. `text`
+    goes back to the model as it is (the program's output and why it ended); the call counts as failed (no
+    tool-use bonus, `tool_errors`), and as timed out when `timed_out` (`agent.end_on_tool_timeout`)."""
+
+    def __init__(self, text: str, timed_out: bool = False) -> None:
+        super().__init__(text)
+        self.text, self.timed_out = text, timed_out
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One well-formed call parsed from the model's text."""

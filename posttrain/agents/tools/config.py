@@ -128,7 +128,10 @@ class SchemaOverride:
         own["name"] = self.name
         if function.get("description"):
             own["description"] = str(function["description"])
-        given = (function.get("parameters") or {}).get("properties") or {}
+        parameters = function.get("parameters") or {}
+        given = parameters.get("properties") or {} if isinstance(parameters, Mapping) else None
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"{where}.tool_schema.function.parameters(.properties) must be a mapping")
         known = own.get("parameters", {}).get("properties", {})
         unknown = [p for p in given if p not in known]
         if unknown:
@@ -170,6 +173,8 @@ def tools_from_config(data: Any, source: str = "tool config") -> list[Tool]:
         for key in entry:
             if key not in _ENTRY_KEYS:
                 raise ConfigError(f"{where}: unknown key {key!r}; allowed: {', '.join(_ENTRY_KEYS)}")
+        if not isinstance(entry.get("config") or {}, Mapping):
+            raise ConfigError(f"{where}.config must be a mapping of the tool's keyword arguments")
         config = dict(entry.get("config") or {})
         kind = config.pop("type", "native")
         if kind != "native":

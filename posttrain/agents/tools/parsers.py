@@ -55,6 +55,8 @@ def call_from_json(body: str, index: int) -> ToolCall | str:
         obj: Any = json.loads(body)
     except json.JSONDecodeError as exc:
         return f"{where}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    except (ValueError, RecursionError) as exc:  # an integer of >4300 digits; ~1000 nested brackets
+        return f"{where}: invalid JSON ({type(exc).__name__}: {str(exc)[:200]})"
     if not isinstance(obj, dict):
         return (
             f'{where}: expected a JSON object {{"name": ..., "arguments": {{...}}}}, got {type(obj).__name__}'
@@ -66,7 +68,7 @@ def call_from_json(body: str, index: int) -> ToolCall | str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return f'{where} ({name}): "arguments" is a string that is not a JSON object'
     if not isinstance(arguments, dict):
         return f'{where} ({name}): "arguments" must be a JSON object, got {type(arguments).__name__}'

@@ -67,7 +67,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.agents.tools.base import FunctionTool, ToolError
+from posttrain.agents.tools.base import FunctionTool, ToolError, ToolFailed
 from posttrain.errors import ConfigError
 
 NOBODY_UID = 65534
@@ -323,7 +323,10 @@ class PythonSandboxTool(FunctionTool):
             code: a complete Python program; use print() to show results
         """
         result = await self.run_code(code)
-        return format_result(result, self)
+        text = format_result(result, self)
+        if run_status(result, self):  # an error exit or a kill: the model sees the same text, the call failed
+            raise ToolFailed(text, timed_out=result.timed_out)
+        return text
 
     async def run_code(self, code: str) -> RunResult:
         """Runs `code` in the sandbox; the process is killed on timeout, output flood or cancellation."""

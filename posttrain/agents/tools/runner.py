@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from posttrain.agents.tools.base import Tool, ToolCall, ToolError, ToolOutput
+from posttrain.agents.tools.base import Tool, ToolCall, ToolError, ToolFailed, ToolOutput
 from posttrain.errors import ConfigError
 
 TruncateSide = Literal["left", "right", "middle"]
@@ -118,6 +118,8 @@ class ToolRunner:
                     text, ok = f"Error: tool {call.name!r} returned {type(text).__name__}, not text", False
             except TimeoutError:
                 text, ok, timed_out = f"Error: {call.name} timed out after {self.timeout_s:g} s", False, True
+            except ToolFailed as exc:  # ran and failed: its own output, not an "Error:" line
+                text, ok, timed_out = exc.text, False, exc.timed_out
             except ToolError as exc:
                 text, ok, timed_out = f"Error: {exc}", False, False
             except Exception as exc:  # a tool's bug is the model's error message, not the batch's crash

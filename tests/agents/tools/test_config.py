@@ -141,6 +141,14 @@ def test_verl_sandbox_fusion_config_is_refused_for_its_class_before_its_keys(tmp
             "NotATool is not a posttrain tool",
         ),
         ("tools:\n  - config: {}\n", "needs a class_name"),
+        (
+            "tools:\n  - class_name: calculator\n    config: max_result_digits=200\n",
+            "config must be a mapping",
+        ),
+        (
+            "tools:\n  - class_name: calculator\n    tool_schema:\n      function:\n        parameters: [1]\n",
+            "parameters(.properties) must be a mapping",
+        ),
         ("tool:\n  - class_name: calculator\n", "expected a mapping with a `tools` list"),
         (
             "tools:\n  - class_name: calculator\n  - class_name: calculator\n",

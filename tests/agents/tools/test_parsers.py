@@ -47,6 +47,10 @@ def test_no_call_is_plain_content() -> None:
         ('{"name": "calculator", "arguments": [1, 2]}', '"arguments" must be a JSON object'),
         ('{"name": "calculator", "arguments": "not json"}', "not a JSON object"),
         ('["calculator", {"x": 1}]', "expected a JSON object"),
+        # json raises more than JSONDecodeError: a repetition loop inside a call used to crash the step
+        ("[" * 5000 + "]" * 5000, "invalid JSON (RecursionError"),
+        ('{"name": "calculator", "arguments": {"x": ' + "9" * 5000 + "}}", "invalid JSON (ValueError"),
+        ('{"name": "calculator", "arguments": "' + "[" * 5000 + '"}', "not a JSON object"),
     ],
 )
 def test_malformed_call_is_an_error_message_not_a_crash(body: str, message: str) -> None:

@@ -16,13 +16,19 @@ from pathlib import Path
 import pytest
 
 from posttrain.agents.tools import PythonSandboxTool, ToolCall, ToolRunner, python_sandbox
+from posttrain.agents.tools.base import ToolFailed
 from posttrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def run(tool: PythonSandboxTool, code: str) -> str:
-    return asyncio.run(tool.call({"code": code}, {}))
+    """What the model sees of a call: the program's output, and how it ended when not normally (a failed
+    call raises ToolFailed carrying that text)."""
+    try:
+        return asyncio.run(tool.call({"code": code}, {}))
+    except ToolFailed as failed:
+        return failed.text
 
 
 def alive(marker: str) -> list[int]:
@@ -55,9 +61,12 @@ def test_the_codes_errors_are_its_output(tool: PythonSandboxTool) -> None:
     assert out.endswith("[exit status 1]")
     assert run(tool, "import sys; sys.exit(3)").endswith("[exit status 3]")
     assert "SyntaxError" in run(tool, "def (:")
-    # through the runner the call itself succeeded: the model's code failing is not a tool error
+    # through the runner the model sees the same text, and the call counts as failed (no tool-use bonus for
+    # code that crashes, tool_errors counts it); the program printing is a success
     out = asyncio.run(ToolRunner([tool]).run(ToolCall("python", {"code": "raise ValueError('bad')"})))
-    assert out.ok and "ValueError: bad" in out.text
+    assert not out.ok and not out.timed_out and "ValueError: bad" in out.text
+    assert out.text.endswith("[exit status 1]") and not out.text.startswith("Error:")
+    assert asyncio.run(ToolRunner([tool]).run(ToolCall("python", {"code": "print(1)"}))).ok
 
 
 def test_each_call_is_a_fresh_process_in_a_fresh_directory(tool: PythonSandboxTool) -> None:
@@ -96,6 +105,8 @@ def test_wall_clock_timeout_kills_a_sleeping_program() -> None:
     out = run(tool, "print('started', flush=True)\nimport time\ntime.sleep(60)")
     assert time.monotonic() - start < 4.0  # the program sleeps 60 s: killed long before
     assert out == "started\n[killed: ran longer than 0.5 s]"
+    answer = asyncio.run(ToolRunner([tool]).run(ToolCall("python", {"code": "import time; time.sleep(60)"})))
+    assert not answer.ok and answer.timed_out  # agent.end_on_tool_timeout sees the sandbox's own limit too
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit() -> None:
@@ -115,7 +126,7 @@ def test_huge_output_is_capped_and_the_process_killed() -> None:
     assert out.count("x") <= 10_000
     runner = ToolRunner([tool], max_response_chars=300, truncate_side="middle")
     answer = asyncio.run(runner.run(ToolCall("python", {"code": "print('y' * 50_000)"})))
-    assert answer.ok and answer.truncated and len(answer.text) <= 300
+    assert not answer.ok and answer.truncated and len(answer.text) <= 300
     assert answer.text.endswith("[killed: output exceeded 10000 bytes]")
 
 
