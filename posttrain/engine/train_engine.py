@@ -68,6 +68,10 @@ from posttrain.models.vl import vision_tower, vision_tower_trained
 
 log = logging.getLogger(__name__)
 
+# Metrics that are a micro-batch's part of the mini-batch's loss (normalised by the mini-batch's totals, as the
+# loss is): summed over micro-batches like `loss`; averaged, they read the loss divided by the micro-batches
+SUMMED_METRICS = frozenset({"actor/pg_loss", "critic/vf_loss"})
+
 
 class TrainEngine:
     """Model + optimizer under FSDP2. `forward_backward` accumulates, `optim_step` applies."""
@@ -498,8 +502,12 @@ class TrainEngine:
                     (loss * self.sp.size if self.sp is not None else loss).backward()
                 loss_sum += float(loss.detach())
                 for k, v in metrics.items():
-                    if k.endswith("_max"):  # a maximum stays a maximum; everything else is averaged
+                    if k.endswith(
+                        "_max"
+                    ):  # a maximum stays a maximum; a loss part adds up; the rest is averaged
                         totals[k] = max(totals.get(k, float("-inf")), float(v))
+                    elif k in SUMMED_METRICS:
+                        totals[k] = totals.get(k, 0.0) + float(v)
                     else:
                         totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
         finally:

@@ -47,7 +47,10 @@ def start_producer(
     `ref_log_probs`: the reference's log-probs of a sampled batch, computed on the producer thread before the
     trainer takes it (when the reference has workers of its own, `resources.ref`)."""
     async_rl = cfg.async_rl
-    start = version - version % async_rl.sync_every  # the version the pool holds after a (re)start
+    # after a (re)start the pool holds the actor's current weights: step 0's, or the resumed checkpoint's (the
+    # resume syncs them), whatever sync_every; counting from the last multiple of sync_every ran the gate that
+    # many batches ahead and dropped batches that were not stale
+    start = version
     if async_rl.streaming and pool is not None:
         return StreamingProducer(cfg, pool, loader, sampling, start, pad_id, list(settled), ref_log_probs)
     return RolloutProducer(cfg, rollout, loader, sampling, start, pad_id, decode, ref_log_probs)
@@ -99,8 +102,11 @@ def publish_weights(
     pool: RolloutGroup | None,
     producer: Producer | None,
     sync_sampler: Callable[[], None],
+    last: bool = False,
 ) -> dict[str, float]:
-    """After the update that made policy version `version`: weights to the sampler (asynchronous: every
+    """After the update that made policy version `version` (`last`: the run's final update, whose weights go
+    to the sampler whatever `sync_every`, so the final validation samples the weights the run ends with):
+    weights to the sampler (asynchronous: every
     `sync_every` updates). The trainer fetches them and hands them to the producer, which loads them into the
     pool between its generation calls (with partial rollouts, between two chunks; streaming, once the groups in
     flight end), so the trainer goes on at once. `sync_sampler` is the synchronous path (colocated, or no
@@ -109,7 +115,7 @@ def publish_weights(
         sync_sampler()
         return {}
     metrics = {"async/weight_sync_s": 0.0, "async/publish_wait_s": 0.0}
-    if version % async_rl.sync_every:
+    if version % async_rl.sync_every and not last:
         return metrics
     if pool is None or producer is None:
         start = time.perf_counter()

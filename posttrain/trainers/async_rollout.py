@@ -57,6 +57,7 @@ from posttrain.data.dataloader import PromptDataLoader
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import SamplingParams
 from posttrain.trainers.partial_rollout import sample_in_chunks
+from posttrain.trainers.validation import sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,11 @@ def check_async_config(cfg: RLConfig) -> None:
     if a.sync_every > a.staleness:
         raise ConfigError(
             f"async_rl.sync_every={a.sync_every} > staleness={a.staleness}: batches would always be too old"
+        )
+    if cfg.trainer.val_every % a.sync_every:
+        raise ConfigError(
+            f"trainer.val_every={cfg.trainer.val_every} is not a multiple of async_rl.sync_every={a.sync_every}: "
+            "a validation between two weight syncs would sample weights older than the step it reports"
         )
     if cfg.resources.rollout == "trainer":
         raise ConfigError(
@@ -291,7 +297,7 @@ class RolloutProducer(WeightHandOver[Callable[[], object]]):
             if self._stop:
                 raise _Stopped
         self._chunk_idle += self._load_handed_weights()
-        return self.rollout.sample(rows, sampling), self.published
+        return sample_rows(self.rollout, rows, sampling), self.published  # a continuation: any row count
 
     def _load_handed_weights(self) -> float:
         """Producer thread: load the newest weights the trainer handed over, if any, and publish their version.

@@ -143,12 +143,20 @@ class CheckpointManager:
         return state
 
     def _retain(self, keep: Path) -> None:
-        """Delete the oldest checkpoints beyond `max_to_keep`; never `keep` (the one `latest` names)."""
+        """Delete the oldest checkpoints beyond `max_to_keep`; never `keep` (the one `latest` names). Oldest by
+        when they were written (their trainer state is written last), then by step: in a directory that still
+        holds an earlier run's higher steps (a new run with trainer.resume=false) numbers alone kept those and
+        deleted this run's previous checkpoint."""
         if self.max_to_keep <= 0:
             return
+
+        def written(path: Path) -> tuple[int, int]:
+            state = path / STATE_FILE
+            return (state.stat().st_mtime_ns if state.exists() else 0, int(path.name.split("_")[1]))
+
         steps = sorted(
             (p for p in self.run_dir.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()),
-            key=lambda p: int(p.name.split("_")[1]),
+            key=written,
         )
         others = [p for p in steps if p != keep]
         for old in others[: max(0, len(others) - (self.max_to_keep - 1))]:

@@ -19,6 +19,8 @@ from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.rollout.base import SamplingParams
 from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.validation import sample_rows
+from posttrain.workers.sampling import concat_padded
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +28,9 @@ log = logging.getLogger(__name__)
 def sample_and_score(
     rollout: Rollout, prompts: Batch, sampling: SamplingParams, rewards: RewardStage
 ) -> Batch:
-    """Generate one response per row of `prompts` and score it; the prompt's columns are kept."""
-    batch = rollout.sample(prompts, sampling)
+    """Generate one response per row of `prompts` (any number of rows: `sample_rows`) and score it; the
+    prompt's columns are kept."""
+    batch = sample_rows(rollout, prompts, sampling)
     batch = batch.union(prompts.select(tensor_keys=[]))
     return batch.union(rewards.score(batch))
 
@@ -43,15 +46,22 @@ def remax_baselines(
         stop=sampling.stop,
         stop_token_ids=sampling.stop_token_ids,
     )
-    scored = sample_and_score(rollout, prompts, greedy, rewards)
+    scored = sample_and_score(rollout, prompts, greedy, rewards)  # one row per prompt, whatever the workers
     baseline = scored[keys.TOKEN_LEVEL_SCORES].sum(-1)
     return baseline.repeat_interleave(n), float(scored[keys.RESPONSE_MASK].sum())
 
 
 def generate_step_batch(
-    cfg: RLConfig, rollout: Rollout, loader: PromptDataLoader, sampling: SamplingParams, rewards: RewardStage
+    cfg: RLConfig,
+    rollout: Rollout,
+    loader: PromptDataLoader,
+    sampling: SamplingParams,
+    rewards: RewardStage,
+    pad_id: int,
 ) -> tuple[Batch, dict[str, float]]:
-    """The step's scored rollouts: `train_batch_prompts` groups of `rollout.n` samples.
+    """The step's scored rollouts: `train_batch_prompts` groups of `rollout.n` samples. With dynamic sampling
+    the rounds' prompts were padded to each round's widest, so their rows are joined left-padded to the
+    widest of all (`pad_id`).
 
     Ends with the reward stage's verdict on the step's failed scores (`RewardStage.end_step`): a RewardError
     stops the run here, before any update on those scores.
@@ -98,4 +108,4 @@ def generate_step_batch(
         pieces += [b for b in dropped if len(b)]
     metrics.update(rewards.end_step())
     # whole groups stay together: rows are in group order and every round holds want * n rows
-    return Batch.concat(pieces).index(slice(0, want * n)), metrics
+    return concat_padded(pieces, pad_id).index(slice(0, want * n)), metrics

@@ -254,7 +254,7 @@ class RLTrainer:
                     )
                 else:
                     batch, gen_metrics = generate_step_batch(
-                        cfg, rollout, self.loader, self.sampling, self.rewards
+                        cfg, rollout, self.loader, self.sampling, self.rewards, self.pad_id
                     )
             if cfg.trainer.balance_batch and actor.data_parallel_size > 1:  # the groups of a step's split
                 batch, balance_metrics = balance_across_workers(batch, actor.data_parallel_size)
@@ -305,7 +305,10 @@ class RLTrainer:
         actor, _ = self._running()
         pool = self.groups.rollout_pool if self.groups is not None else None
         version = self.step_count + 1  # updates applied, this step's included
-        return publish_weights(self.cfg.async_rl, version, actor, pool, self.producer, self.sync_sampler)
+        last = version == self.cfg.trainer.total_steps
+        return publish_weights(
+            self.cfg.async_rl, version, actor, pool, self.producer, self.sync_sampler, last
+        )
 
     def _reference_log_probs(self, batch: Batch) -> Batch:
         """`ref_log_prob` of the batch's responses: from the reference's own workers (`resources.ref`) or the

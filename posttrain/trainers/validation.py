@@ -28,6 +28,13 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
     return Batch.concat([batch, batch.index([len(batch) - 1] * extra)])
 
 
+def sample_rows(rollout: Rollout, rows: Batch, sampling: SamplingParams) -> Batch:
+    """`rollout.sample` of any number of rows: padded to a multiple of the group's workers (`pad_rows`), the
+    padding's responses dropped (a group splits a batch evenly, and a continuation or a greedy pass holds
+    whatever number of rows it holds)."""
+    return rollout.sample(pad_rows(rows, rollout.world_size), sampling).index(slice(0, len(rows)))
+
+
 def validate(
     rollout: Rollout,
     dataset: IndexedDataset,
@@ -48,7 +55,7 @@ def validate(
     count = min(limit or len(dataset), len(dataset))
     items = [dataset[i] for i in range(count)]
     batch = collate(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
-    out = rollout.sample(pad_rows(batch, rollout.world_size), sampling).index(slice(0, len(batch)))
+    out = sample_rows(rollout, batch, sampling)
     out = out.union(batch.select(tensor_keys=[]))
     result = rewards.score_texts(out)
     error_rate = rewards.check_validation(result)  # RewardError when every score failed

@@ -99,6 +99,8 @@ def test_micro_batching_does_not_change_the_update(mode: str, tiny_model_dir: Pa
     (m_whole, w_whole), (m_micro, w_micro) = results
     assert m_whole["loss"] == pytest.approx(m_micro["loss"], abs=1e-5)
     assert m_whole["grad_norm"] == pytest.approx(m_micro["grad_norm"], rel=1e-4)
+    # the policy-loss part of the loss is a sum of micro-batch parts too (it read 1/4 of it, averaged)
+    assert m_whole["actor/pg_loss"] == pytest.approx(m_micro["actor/pg_loss"], abs=1e-5)
     assert_same_weights(w_micro, w_whole)
 
 

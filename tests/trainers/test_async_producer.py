@@ -106,3 +106,104 @@ def test_the_producer_thread_adds_the_reference_log_probs() -> None:
     finally:
         producer.stop()
     assert threads and set(threads) == {"rollout-producer"}
+
+
+class VersionPool:
+    """A rollout pool whose rows record the weights version that sampled them."""
+
+    world_size = 1
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def load_weights(self, weights: dict) -> dict:
+        self.version = weights["v"]
+        return {}
+
+    def sample(self, rows: Batch, sampling: SamplingParams) -> Batch:
+        b, r = len(rows), sampling.max_tokens
+        tensors = {
+            keys.RESPONSES: torch.zeros(b, r, dtype=torch.long),
+            keys.RESPONSE_MASK: torch.ones(b, r),
+            keys.ROLLOUT_LOG_PROBS: torch.zeros(b, r),
+        }
+        return Batch.from_dict(tensors, {"sampled_with": [self.version] * b})
+
+
+class ZeroRewards:
+    def score(self, batch: Batch) -> Batch:
+        scores = torch.zeros(len(batch), 4)
+        return Batch.from_dict({keys.TOKEN_LEVEL_SCORES: scores}, {keys.SCORE: [0.0] * len(batch)})
+
+    def end_step(self) -> dict[str, float]:
+        return {}
+
+
+@pytest.mark.parametrize("resumed_at", [0, 3])
+def test_a_resume_between_two_weight_syncs_drops_nothing_that_is_not_stale(resumed_at: int) -> None:
+    """k=2, sync_every=2, resumed at step 3: the pool holds the checkpoint's weights (version 3), and the
+    producer counts from there; it used to count from version 2 and drop fresh batches as too old."""
+    from posttrain.data.dataloader import PromptDataLoader
+    from posttrain.data.dataset import collate_prompts
+    from posttrain.trainers.async_driver import publish_weights, start_producer, take_batch
+
+    cfg = RLConfig()
+    cfg = replace(
+        cfg,
+        rollout=replace(cfg.rollout, n=2),
+        data=replace(cfg.data, train_batch_prompts=2),
+        async_rl=replace(cfg.async_rl, staleness=2, sync_every=2),
+    )
+    items = [
+        {"input_ids": [1, 2, 3], "data_source": "x", "ground_truth": "1", "extra_info": {}, "raw_prompt": "p",
+         "messages": [], "index": i}
+        for i in range(100)
+    ]  # fmt: skip
+    loader = PromptDataLoader(items, 2, lambda it, uids: collate_prompts(it, 0, uids), shuffle=False)
+    loader.load_state_dict({"epoch": 0, "position": resumed_at})
+    sampling = SamplingParams(max_tokens=4, temperature=1.0)
+    pool = VersionPool(resumed_at)  # the resume's sync_sampler: the checkpoint's weights in the pool
+    actor = type("Actor", (), {"rollout_weights": lambda self: {"v": self.version}})()
+    actor.version = resumed_at
+    producer = start_producer(cfg, pool, pool, loader, sampling, resumed_at, 0, str, [])  # type: ignore[arg-type]
+    try:
+        for step in range(resumed_at, resumed_at + 6):
+            time.sleep(0.05)  # the producer runs ahead as far as its gate lets it
+            batch, metrics = take_batch(producer, cfg, pool, sampling, step, ZeroRewards())  # type: ignore[arg-type]
+            assert metrics["async/dropped_samples"] == 0.0, step
+            true_staleness = step - min(batch["sampled_with"])
+            assert true_staleness <= 2 and metrics["async/staleness"] == true_staleness, step
+            actor.version = step + 1  # the update
+            publish_weights(cfg.async_rl, step + 1, actor, pool, producer, lambda: None)  # type: ignore[arg-type]
+    finally:
+        producer.stop()
+
+
+def test_the_runs_last_weights_reach_the_sampler_whatever_sync_every() -> None:
+    """sync_every=2 and a run of 3 steps: the final validation samples version 3, not the synced 2."""
+    from posttrain.data.dataloader import PromptDataLoader
+    from posttrain.data.dataset import collate_prompts
+    from posttrain.trainers.async_driver import publish_weights, start_producer
+
+    cfg = RLConfig()
+    cfg = replace(
+        cfg, rollout=replace(cfg.rollout, n=1), async_rl=replace(cfg.async_rl, staleness=2, sync_every=2)
+    )
+    items = [
+        {"input_ids": [1, 2], "data_source": "x", "ground_truth": "1", "extra_info": {}, "raw_prompt": "p",
+         "messages": [], "index": i}
+        for i in range(100)
+    ]  # fmt: skip
+    loader = PromptDataLoader(items, 2, lambda it, uids: collate_prompts(it, 0, uids), shuffle=False)
+    pool = VersionPool(2)
+    actor = type("Actor", (), {"rollout_weights": lambda self: {"v": 3}})()
+    producer = start_producer(cfg, pool, pool, loader, SamplingParams(max_tokens=2), 2, 0, str, [])  # type: ignore[arg-type]
+    try:
+        publish_weights(cfg.async_rl, 3, actor, pool, producer, lambda: None)  # type: ignore[arg-type]
+        producer.settle_weights()
+        assert pool.version == 2  # between two syncs: nothing handed over
+        publish_weights(cfg.async_rl, 3, actor, pool, producer, lambda: None, last=True)  # type: ignore[arg-type]
+        producer.settle_weights()
+        assert pool.version == 3
+    finally:
+        producer.stop()

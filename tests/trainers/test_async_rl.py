@@ -130,6 +130,10 @@ def test_the_deterministic_schedule_repeats_exactly(
         (["async_rl.staleness=-1"], "staleness must be >= 0"),
         (["async_rl.sync_every=2"], "needs async_rl.staleness >= 1"),
         ([*SPLIT, "async_rl.staleness=1", "async_rl.sync_every=2"], "batches would always be too old"),
+        (
+            [*SPLIT, "async_rl.staleness=2", "async_rl.sync_every=2", "trainer.val_every=3"],
+            "trainer.val_every=3 is not a multiple of async_rl.sync_every=2",
+        ),
         ([*SPLIT, "async_rl.staleness=1", "algorithm.dynamic_sampling=true"], "async_rl.streaming=true"),
         (["async_rl.streaming=true"], "streaming needs async_rl.staleness >= 1"),
         (["async_rl.stream_extra_groups=-1"], "stream_extra_groups must be >= 0"),

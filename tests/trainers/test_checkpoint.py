@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,21 @@ def test_a_kill_before_latest_moves_keeps_the_previous_one_current(tmp_path: Pat
     save(manager, 2)
     (tmp_path / "latest").write_text(pointer)  # as if killed after the folder rename, before the pointer
     assert manager.latest() == tmp_path / "step_1"
+
+
+def test_retention_keeps_this_runs_previous_checkpoint_over_an_earlier_runs_higher_steps(
+    tmp_path: Path,
+) -> None:
+    """A new run (trainer.resume=false) in a directory holding an earlier run's step_10 and step_20: keeping
+    the newest two keeps this run's step_2 and step_4, written last, not step_20 by its number."""
+    earlier = CheckpointManager(tmp_path, max_to_keep=2)
+    save(earlier, 10)
+    save(earlier, 20)
+    for old in ("step_10", "step_20"):  # written an hour before this run
+        state = tmp_path / old / "trainer_state.pt"
+        os.utime(state, ns=(state.stat().st_atime_ns, state.stat().st_mtime_ns - 3600 * 10**9))
+    run = CheckpointManager(tmp_path, max_to_keep=2)
+    save(run, 2)
+    save(run, 4)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_4"]
+    assert run.latest() == tmp_path / "step_4"
