@@ -195,6 +195,7 @@ def test_the_api_vision_tower_setting_reaches_the_engine(
             assert weights_moved(svc, base) == (tower_trains, True), mode
 
 
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_the_api_vision_tower_setting_reaches_ray_workers(
     vl_dir: Path, tmp_path: Path, ray_cluster: None
 ) -> None:

@@ -273,6 +273,7 @@ def _sp_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
     shutdown_distributed()
 
 
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_sp2_aux_loss_equals_the_unsliced_run(tiny_moe_dir: Path, tmp_path: Path) -> None:
     """sp=2 on 2 spawned gloo ranks (one dp group) against sp=1 in this process: the same aux loss on both
     ranks, the same total loss and the same gradients, router weights included."""

@@ -189,6 +189,7 @@ def test_sigkill_after_a_checkpoint_then_resume_repeats_the_uninterrupted_run(
     assert_same_metrics(straight, run, range(0, 4))
 
 
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_sigkill_while_saving_keeps_the_previous_checkpoint(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
 ) -> None:
@@ -212,6 +213,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(
     assert (run / "latest").read_text() == "step_3"
 
 
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_sigterm_finishes_the_step_saves_and_exits_then_resumes(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
 ) -> None:
@@ -298,6 +300,7 @@ def kill_actor_rank_once(monkeypatch: pytest.MonkeyPatch, step: int, rank: int) 
     return killed
 
 
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_worker_killed_without_restarts_exits_with_one_line_naming_role_and_rank(
     tiny_model_dir: Path,
     arithmetic_data: dict,
@@ -359,6 +362,7 @@ def test_worker_killed_with_restarts_continues_from_the_last_checkpoint(
 
 
 # ---- another world size, another model -----------------------------------------------------------
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_a_two_worker_checkpoint_resumes_on_one_worker_resharded(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:

@@ -125,6 +125,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 18-29 s of worker processes on 2 cores; CI runs it with -m slow
 def test_sft_with_sp2_on_two_workers_equals_one_worker(
     tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
 ) -> None:
