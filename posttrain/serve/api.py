@@ -48,9 +48,23 @@ class Api:
             self.state.meter.admit(tenant)
         return tenant
 
+    async def raw_body(self, request: Request) -> bytes:
+        """The request's body, at most `max_request_bytes` (413 otherwise): refused by its declared length
+        before anything is read, or as soon as the bytes read pass the limit (a chunked body declares none)."""
+        limits = self.state.limits
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit():
+            limits.check_body_size(int(declared))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            limits.check_body_size(size)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def body(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
         try:
-            return model.model_validate_json(await request.body())
+            return model.model_validate_json(await self.raw_body(request))
         except pydantic.ValidationError as exc:
             raise HTTPException(400, f"{model.__name__}: {exc.errors(include_url=False)}") from None
 

@@ -39,6 +39,15 @@ class Limits:
     future_ttl_seconds: float = 600.0  # a finished, unretrieved result stays in memory this long
     journal_keep_seconds: float = 86_400.0  # and in the journal this long
     shutdown_grace_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
+    # a request body's size (JSON or protobuf, images included), refused with 413 before it is read whole
+    max_request_bytes: int = 256 * 2**20
+
+    def check_body_size(self, size: int) -> None:
+        if size > self.max_request_bytes:
+            raise HTTPException(
+                413,
+                f"request body of {size} bytes or more is over the limit max_request_bytes={self.max_request_bytes}",
+            )
 
     def check_rank(self, rank: int) -> None:
         if rank > self.max_lora_rank:

@@ -73,7 +73,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
     @app.post("/api/v1/forward_backward", openapi_extra=bodies.protobuf("ForwardBackwardRequest"))
     async def forward_backward(request: Request) -> dict:
         tenant = await api.tenant(request)
-        body = await request.body()
+        body = await api.raw_body(request)
         if request.headers.get("content-encoding") == "zstd":
             raise HTTPException(
                 415, "zstd-compressed bodies are not accepted (the server's client config disables them)"

@@ -109,22 +109,27 @@ def result(client: httpx.Client, request_id: str) -> Any:
     raise AssertionError(f"{request_id} never finished")
 
 
+def forward_backward_message(model_id: str, seq_id: int, tokens: list[int], targets: list[int]) -> Any:
+    """The protobuf body of a cross-entropy forward_backward of one datum, as the SDK sends it."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)},
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return forward_backward_request_to_proto(request)
+
+
 def training(client: httpx.Client, model_id: str, seq_id: int, verb: str) -> str:
     """Send a forward, forward_backward or optim_step; its request id."""
     if verb == "optim_step":
         step = {"model_id": model_id, "seq_id": seq_id, "adam_params": {"learning_rate": 0.05}}
         answer = client.post("/api/v1/optim_step", json=step)
     else:
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(PROMPT),
-            loss_fn_inputs={"target_tokens": TARGET, "weights": [1.0] * len(TARGET)},
-        )
-        request = types.ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-            model_id=model_id,
-            seq_id=seq_id,
-        )
-        message = forward_backward_request_to_proto(request)
+        message = forward_backward_message(model_id, seq_id, PROMPT, TARGET)
         message.forward_only = verb == "forward"
         answer = client.post(
             "/api/v1/forward_backward",

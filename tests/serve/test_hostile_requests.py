@@ -12,15 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
-from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from posttrain.serve.limits import Limits
 from posttrain.serve.server import build_state
 from posttrain.serve.tenants import ApiKeys
 
-from .conftest import KEYS, SESSION, Running, result, serve_in_thread, training
+from .conftest import KEYS, SESSION, Running, forward_backward_message, result, serve_in_thread, training
 
 ALICE, BOB = list(KEYS)
 
@@ -62,19 +60,6 @@ def forward_backward(client: httpx.Client, message: Any) -> httpx.Response:
         content=message.SerializeToString(),
         headers={"content-type": "application/x-protobuf"},
     )
-
-
-def datum_message(model_id: str, seq_id: int, tokens: list[int], targets: list[int]) -> Any:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(tokens),
-        loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)},
-    )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=model_id,
-        seq_id=seq_id,
-    )
-    return forward_backward_request_to_proto(request)
 
 
 def test_a_create_model_refused_by_a_limit_creates_nothing_and_a_repeat_is_the_same_request(
@@ -173,7 +158,7 @@ def test_token_ids_outside_the_vocabulary_are_the_requests_error(
         ([5, 6, 7], [6, 10**9, 8], "datum 0: target_tokens: token id 1000000000 at position 1"),
     ]
     for seq_id, (tokens, targets, message) in enumerate(cases, start=1):
-        sent = forward_backward(client, datum_message(model_id, seq_id, tokens, targets))
+        sent = forward_backward(client, forward_backward_message(model_id, seq_id, tokens, targets))
         answer = result(client, sent.json()["request_id"])
         assert answer["category"] == "user" and message in answer["error"], answer
     # and the model goes on
@@ -185,7 +170,7 @@ def test_a_negative_image_size_is_a_400_naming_the_chunk(
 ) -> None:
     client, session_id = alice
     model_id = new_model(client, session_id, 0)
-    message = datum_message(model_id, 1, [5] * 8, [5] * 8)
+    message = forward_backward_message(model_id, 1, [5] * 8, [5] * 8)
     message.data[0].model_input.add().image.CopyFrom(
         pb.ImageChunk(data=b"x", format="png", expected_tokens=-100)
     )
@@ -217,3 +202,27 @@ def test_n_workers_without_ray_is_refused(tiny_model_dir: Path, tmp_path: Path) 
 
     with pytest.raises(ConfigError, match="--n-workers 2 needs --backend ray"):
         build_state(str(tiny_model_dir), "tiny", ApiKeys(KEYS), str(tmp_path), n_workers=2)
+
+
+def test_a_body_over_max_request_bytes_is_a_413_before_it_is_read(
+    server: Running, alice: tuple[httpx.Client, str]
+) -> None:
+    client, session_id = alice
+    model_id = new_model(client, session_id, 0)
+    server.state.limits = replace(server.state.limits, max_request_bytes=2000)  # type: ignore[attr-defined]
+    big = forward_backward(
+        client, forward_backward_message(model_id, 1, [5] * 1000, [5] * 1000)
+    )  # declares its length
+    assert big.status_code == 413 and "max_request_bytes=2000" in big.text
+
+    def chunks() -> Iterator[bytes]:  # chunked: no length declared, refused once the bytes read pass it
+        yield b'{"model_id": "' + model_id.encode() + b'", "seq_id": 1, "path": "'
+        for _ in range(10):
+            yield b"x" * 500
+
+    streamed = client.post(
+        "/api/v1/save_weights", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert streamed.status_code == 413 and "max_request_bytes=2000" in streamed.text
+    small = forward_backward(client, forward_backward_message(model_id, 1, [5] * 8, [5] * 8))
+    assert small.status_code == 200
