@@ -19,6 +19,7 @@ import torch
 
 from posttrain.data import keys as K
 from posttrain.data.batch import Batch
+from posttrain.data.chat_masks import ROLES
 from posttrain.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,10 @@ def parse_messages(row: dict, where: str) -> list[dict[str, str]]:
         ):
             raise DataError(
                 f"{where}: field 'prompt' message {j} must be a dict with string 'role' and 'content'"
+            )
+        if msg["role"] not in ROLES:  # a template may drop a role it does not know, and the message with it
+            raise DataError(
+                f"{where}: field 'prompt' message {j} has unknown role {msg['role']!r}; valid: {', '.join(ROLES)}"
             )
         messages.append({"role": msg["role"], "content": msg["content"]})
     return messages

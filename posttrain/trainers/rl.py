@@ -463,6 +463,7 @@ class RLTrainer:
         seed_everything(self.cfg.trainer.seed)
         self.step_count = 0
         self.loader.load_state_dict({"epoch": 0, "position": 0})
+        self.rewards.close()  # the old stage's scoring process (a custom function's) is not left running
         self.rewards = RewardStage(self.cfg)
         self.rewards.attach_model(self.groups.reward_model if self.groups is not None else None)
         self.history = []

@@ -172,3 +172,14 @@ def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
         DataError, match=r"rows.jsonl: row 2: the model's chat template refused .*must alternate"
     ):
         PromptDataset(path, strict, max_prompt_length=64)
+
+
+def test_an_unknown_role_is_named(tmp_path, tokenizer):
+    """Qwen's template renders only the roles it knows: a "User" message would vanish from the prompt."""
+    rows = [make_row(0), make_row(1)]
+    rows[1]["prompt"] = [{"role": "User", "content": "What is 1+0?"}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r"rows.jsonl: row 1: field 'prompt' message 0 has unknown role 'User'"
+    ):
+        PromptDataset(path, tokenizer, max_prompt_length=64)

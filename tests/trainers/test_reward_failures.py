@@ -165,3 +165,18 @@ def test_bad_reward_settings_are_named_at_start(
     function = f"reward.custom_function_path={write_reward(tmp_path, ALWAYS_RAISES)}"
     job = [*LOCAL, function, override]
     fails_fast(rl_config(tiny_model_dir, arithmetic_data, tmp_path, *job), ConfigError, message)
+
+
+def test_a_restart_stops_the_old_scoring_process(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """After a worker failure the driver starts from a fresh reward stage: the old one's isolated process (a
+    custom function's, reward.timeout_s > 0) is stopped, not left running beside the new one."""
+    job = [*LOCAL, f"reward.custom_function_path={write_reward(tmp_path, ALWAYS_RAISES)}"]
+    trainer = RLTrainer(rl_config(tiny_model_dir, arithmetic_data, tmp_path / "run", *job))
+    old = trainer.rewards
+    isolated = old.manager._compute_score
+    child = isolated._child()  # type: ignore[union-attr]  # the scoring process a first score starts
+    assert child.alive()
+    trainer._reset_progress()
+    assert trainer.rewards is not old and not child.alive()
