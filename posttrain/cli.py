@@ -142,7 +142,7 @@ def _serve(args: argparse.Namespace) -> None:
     serve(
         args.model, model_name=args.model_name, keys_file=args.keys, root_dir=args.state_dir,
         host=args.host, port=args.port, backend=args.backend, n_workers=args.n_workers, config=args.config,
-        tokenizer_id=args.tokenizer_id,
+        tokenizer_id=args.tokenizer_id, public_metrics=args.public_metrics,
     )  # fmt: skip
 
 
@@ -222,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", choices=["local", "ray"], default="local")
     p.add_argument("--n-workers", type=int, default=1, help="ray backend: data-parallel workers")
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key, every tenant's series (for a scraper on a network only operators "
+        "reach; by default /metrics needs a key and shows that tenant's own series)",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(

@@ -351,6 +351,11 @@ class Connection:
             await asyncio.sleep(period_s)
             try:
                 await self.post("/api/v1/session_heartbeat", body)
+            except HttpApiError as exc:
+                if exc.status == 410:  # the session finished (expired while this process slept, say)
+                    log.warning("session %s finished on the server: %s; heartbeats stop", session_id, exc)
+                    return
+                log.warning("session %s: heartbeat failed: %s", session_id, exc)
             except Exception as exc:  # noqa: BLE001 - a missed beat is not the caller's error
                 log.warning("session %s: heartbeat failed: %s", session_id, exc)
 

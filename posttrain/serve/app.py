@@ -93,7 +93,10 @@ def make_app(state: ServerState) -> FastAPI:
 
     # ---- service ------------------------------------------------------------------------------
     @app.get("/metrics", response_class=Response)
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        """Prometheus' text format: the caller's own series (a tenant's key), or every tenant's without a key
+        when the server runs with --public-metrics."""
+        tenant = None if state.public_metrics else await api.tenant(request)
         loaded = sum(1 for m in list(state.models.values()) if m.loaded)
         gauges = {
             "posttrain_adapters_loaded": ("LoRA adapters loaded on the backend.", loaded),
@@ -101,7 +104,7 @@ def make_app(state: ServerState) -> FastAPI:
             "posttrain_futures_in_memory": ("Requests held in memory.", state.futures.in_memory()),
             "posttrain_requests_pending": ("Requests not finished.", len(state.futures.pending())),
         }
-        return Response(state.meter.prometheus(gauges), media_type="text/plain; version=0.0.4")
+        return Response(state.meter.prometheus(gauges, tenant), media_type="text/plain; version=0.0.4")
 
     @app.get("/api/v1/healthz")
     async def healthz() -> dict:
@@ -148,7 +151,7 @@ def make_app(state: ServerState) -> FastAPI:
     async def finish_session(session_id: str, request: Request) -> dict:
         tenant = await api.tenant(request)
         state.session(session_id, tenant)
-        state.finish_session(session_id)
+        state.finish_session(session_id, f"session {session_id!r} was finished by its client")
         return {}
 
     add_training_routes(app, api)

@@ -261,7 +261,9 @@ class _ModelQueue:
 
 
 class Sequencer:
-    """Per training model: start requests in seq_id order; a repeated seq_id is the same request."""
+    """Per training model: start requests in seq_id order; a repeated seq_id is the same request. A sampling
+    session's seq_ids are remembered here too (`seen`/`remember`, never `submit`: samples run in any order),
+    so that a retried `asample` gets the first one's request id."""
 
     def __init__(self, journal: Journal | None = None) -> None:
         self._models: dict[str, _ModelQueue] = {}
@@ -291,6 +293,13 @@ class Sequencer:
                     del seen[old]
         if self._journal is not None:
             self._journal.seq(model_id, seq_id, request_id)
+
+    def forget(self, key: str) -> None:
+        """Forget what a sampling session's seq_ids were (it was released)."""
+        with self._lock:
+            self._models.pop(key, None)
+        if self._journal is not None:
+            self._journal.forget_seqs(key)
 
     def submit(self, model_id: str, seq_id: int, start: Start) -> concurrent.futures.Future[Any]:
         """A future for `start()`'s result, started once every lower seq_id of the model has started.

@@ -40,6 +40,8 @@ Answer = dict[str, Any] | bytes  # what retrieve_future returns: a JSON body, or
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS finished_sessions (
+    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, why TEXT NOT NULL, finished REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS models (
     model_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, base_name TEXT NOT NULL, backend_id TEXT NOT NULL,
     lora TEXT NOT NULL, restore_path TEXT, tenant_saved INTEGER NOT NULL DEFAULT 0);
@@ -132,6 +134,22 @@ class Journal:
             session_id: tenant for session_id, tenant in self._read("SELECT session_id, tenant FROM sessions")
         }
 
+    def session_finished(self, session_id: str, tenant: str, why: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            self._db.execute(
+                "INSERT OR REPLACE INTO finished_sessions VALUES (?, ?, ?, ?)",
+                (session_id, tenant, why, time.time()),
+            )
+            self._db.execute("COMMIT")
+
+    def finished_sessions(self) -> dict[str, tuple[str, str]]:
+        rows = self._read("SELECT session_id, tenant, why FROM finished_sessions ORDER BY finished")
+        return {session_id: (tenant, why) for session_id, tenant, why in rows}
+
     def checkpoint_owner(self, backend_id: str, tenant: str) -> None:
         self._write("INSERT OR REPLACE INTO checkpoints VALUES (?, ?)", backend_id, tenant)
 
@@ -183,6 +201,9 @@ class Journal:
                     "DELETE FROM seqs WHERE model_id = ? AND seq_id < ?", (model_id, seq_id - SEQS_KEPT)
                 )
 
+    def forget_seqs(self, key: str) -> None:
+        self._write("DELETE FROM seqs WHERE model_id = ?", key)
+
     def seqs(self) -> dict[str, dict[int, str]]:
         out: dict[str, dict[int, str]] = {}
         for model_id, seq_id, request_id in self._read("SELECT model_id, seq_id, request_id FROM seqs"):
@@ -225,13 +246,14 @@ class Journal:
         self._write("DELETE FROM samplers WHERE sampler_id = ?", sampler_id)
 
     def purge(self, keep_seconds: float) -> int:
-        """Forget answers finished, and sampling sessions released, more than `keep_seconds` ago (a
-        released session's row is kept only to say so in a 404); how many answers."""
+        """Forget answers finished, and sessions finished or sampling sessions released, more than
+        `keep_seconds` ago (their rows are kept only to say so in a 410 or 404); how many answers."""
         with self._lock:
             if self._closed:
                 return 0
             horizon = time.time() - keep_seconds
             self._db.execute("DELETE FROM samplers WHERE released = 1 AND created < ?", (horizon,))
+            self._db.execute("DELETE FROM finished_sessions WHERE finished < ?", (horizon,))
             cursor = self._db.execute(
                 "DELETE FROM futures WHERE status = 'done' AND finished < ?", (horizon,)
             )

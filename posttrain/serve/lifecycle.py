@@ -2,7 +2,8 @@
 
 Upkeep (a task on the event loop, every quarter second when adapters may go idle, else every second):
 finished results leave memory after `future_ttl_seconds`, the journal forgets answers older than
-`journal_keep_seconds` (checked every minute), and adapters idle for `adapter_idle_seconds` are released.
+`journal_keep_seconds` (checked every minute), sessions not heard from for `session_idle_seconds` finish,
+and adapters idle for `adapter_idle_seconds` are released.
 
 A graceful stop (SIGTERM or SIGINT; uvicorn has stopped taking requests, and the long polls have returned
 `try_again`): requests parked behind a missing seq_id fail at once (that id will not come now), running
@@ -38,6 +39,11 @@ async def maintain(state: ServerState) -> None:
         await asyncio.sleep(0.25 if limits.adapter_idle_seconds > 0 else 1.0)
         try:
             state.futures.evict(limits.future_ttl_seconds)
+            if limits.session_idle_seconds > 0:
+                for session_id in state.expire_sessions(limits.session_idle_seconds):
+                    log.warning(
+                        "session %s expired (not heard from in %gs)", session_id, limits.session_idle_seconds
+                    )
             if time.monotonic() - last_purge > PURGE_EVERY_S:
                 last_purge = time.monotonic()
                 await asyncio.to_thread(state.journal.purge, limits.journal_keep_seconds)

@@ -6,10 +6,12 @@ slot), tokens per request (413), queued requests, requests per second and tokens
 the SDK retries with backoff). The rates are token buckets per tenant holding one second's worth; a request
 larger than that is let through when the bucket is full and leaves it in debt, so the long-run rate holds.
 The lifetimes bound memory and disk: idle adapters are released after `adapter_idle_seconds` (0 = never),
+sessions without a heartbeat finish after `session_idle_seconds` (releasing their sampling sessions),
 finished results leave memory `future_ttl_seconds` after they finish (at once when retrieved) and the
 journal after `journal_keep_seconds`; a graceful stop waits `shutdown_grace_seconds` for running requests.
 Counters per tenant (requests by endpoint and status, tokens, seconds, queue time) are served at `/metrics`
-in Prometheus' text format.
+in Prometheus' text format: to a tenant's key its own series (and the server's gauges), to anyone every
+tenant's only with `posttrain serve --public-metrics` (a scraper on a network only operators reach).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Limits:
     # a tenant's sampling sessions kept (each holds a copy of the weights); a new one releases the least
     # recently used beyond this many, and a finished session releases its own
     samplers_per_tenant: int = 8
+    # a session not heard from (no heartbeat, no request on its models or samplers) this long is finished, as
+    # by the client's /finish: its sampling sessions are released; 0 = never
+    session_idle_seconds: float = 900.0
     future_ttl_seconds: float = 600.0  # a finished, unretrieved result stays in memory this long
     journal_keep_seconds: float = 86_400.0  # and in the journal this long
     shutdown_grace_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
@@ -141,9 +146,15 @@ class Meter:
             self.queue_seconds[tenant] += seconds
             self.finished[tenant] += 1
 
-    def prometheus(self, gauges: Mapping[str, tuple[str, float]] | None = None) -> str:
-        """The counters in Prometheus' text format, with `gauges` (name -> (help, value)) after them."""
+    def prometheus(
+        self, gauges: Mapping[str, tuple[str, float]] | None = None, tenant: str | None = None
+    ) -> str:
+        """The counters in Prometheus' text format, with `gauges` (name -> (help, value)) after them; only
+        `tenant`'s series when given (what a tenant's own key may see), else every tenant's."""
         out: list[str] = []
+
+        def mine(name: str) -> bool:
+            return tenant is None or name == tenant
 
         def family(name: str, kind: str, text: str, rows: list[tuple[str, float]]) -> None:
             out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
@@ -153,26 +164,24 @@ class Meter:
         with self._lock:
             family(
                 "posttrain_requests_total", "counter", "Requests by tenant, endpoint and HTTP status.",
-                [(f'{{tenant="{t}",endpoint="{e}",status="{s}"}}', n) for (t, e, s), n in sorted(self.requests.items())],
+                [(f'{{tenant="{t}",endpoint="{e}",status="{s}"}}', n) for (t, e, s), n in sorted(self.requests.items()) if mine(t)],
             )  # fmt: skip
             family(
                 "posttrain_request_seconds_total", "counter", "Time spent answering requests, by tenant.",
-                [(f'{{tenant="{t}"}}', s) for t, s in sorted(self.seconds.items())],
+                [(f'{{tenant="{t}"}}', s) for t, s in sorted(self.seconds.items()) if mine(t)],
             )  # fmt: skip
             family(
                 "posttrain_tokens_total", "counter", "Tokens in training and sampling requests, by tenant.",
-                [(f'{{tenant="{t}"}}', n) for t, n in sorted(self.tokens.items())],
+                [(f'{{tenant="{t}"}}', n) for t, n in sorted(self.tokens.items()) if mine(t)],
             )  # fmt: skip
             out.extend([
                 "# HELP posttrain_queue_seconds Time submitted requests waited before the backend ran them "
                 "(the backend runs one call at a time: until the call before finished), by tenant.",
                 "# TYPE posttrain_queue_seconds summary",
             ])  # fmt: skip
-            for tenant in sorted(self.finished):
-                out.append(
-                    f'posttrain_queue_seconds_sum{{tenant="{tenant}"}} {self.queue_seconds[tenant]:.6f}'
-                )
-                out.append(f'posttrain_queue_seconds_count{{tenant="{tenant}"}} {self.finished[tenant]}')
+            for name in filter(mine, sorted(self.finished)):
+                out.append(f'posttrain_queue_seconds_sum{{tenant="{name}"}} {self.queue_seconds[name]:.6f}')
+                out.append(f'posttrain_queue_seconds_count{{tenant="{name}"}} {self.finished[name]}')
         for name, (text, value) in (gauges or {}).items():
             family(name, "gauge", text, [("", value)])
         return "\n".join(out) + "\n"

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from posttrain.serve.adapters import TrainingModel
 from posttrain.serve.checkpoints import recover as repair_checkpoints
@@ -30,12 +31,18 @@ def recover(state: ServerState) -> dict[str, int]:
     """Load the journal into a fresh state; counts of what was recovered (also logged)."""
     journal = state.journal
     repaired = repair_checkpoints(state.service.backend.root)
-    state.sessions.update(journal.sessions())
+    state.finished_sessions.update(journal.finished_sessions())
+    now = time.monotonic()  # a session's heartbeats resume after a restart: each gets a fresh idle window
+    for session_id, tenant in journal.sessions().items():
+        if session_id not in state.finished_sessions:
+            state.sessions[session_id] = tenant
+            state.session_heard[session_id] = now
     state.checkpoint_owner.update(journal.checkpoint_owners())
     seqs = journal.seqs()
     restorable, lost = [], []
+    for key, seen in seqs.items():  # training models' and sampling sessions' seq_ids
+        state.sequencer.restore(key, seen)
     for row in journal.models():
-        state.sequencer.restore(row.model_id, seqs.get(row.model_id, {}))
         if _exists(state, row.restore_path):
             state.models[row.model_id] = TrainingModel(
                 row.model_id, row.tenant, row.base_name, row.lora, row.backend_id, row.restore_path,

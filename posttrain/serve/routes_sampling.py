@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from posttrain.client.sampling import context_length
-from posttrain.serve.api import Api, as_json
+from posttrain.serve.api import MAX_SEQ_ID, Api, as_json
 from posttrain.serve.futures import failed
 from posttrain.serve.journal import SamplerRow
 from posttrain.serve.state import Sampler
@@ -64,6 +64,14 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         # (the sampler fills up to the context then); at least one, so num_samples is bounded too
         base_dir = api.base_dir(sampler.base_name)
         prompt_tokens = await api.input_tokens({"prompt": body.prompt}, base_dir)
+        # from here to `remember` nothing awaits: a retry of this seq_id (the SDK's, after a lost answer) gets
+        # this request's id, sampled once and charged once
+        if body.seq_id is not None:
+            if not 0 <= body.seq_id < MAX_SEQ_ID:
+                raise HTTPException(400, f"seq_id {body.seq_id} is outside 0..2**62")
+            earlier = state.sequencer.seen(body.sampling_session_id, body.seq_id)
+            if earlier is not None:
+                return _sample_answer(earlier, body.num_samples)
         max_tokens = body.sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = context_length(base_dir) - prompt_tokens
@@ -79,6 +87,8 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
 
         state.limits.check_queued(state.queued(tenant))
         pending = state.futures.open(tenant, "sample")  # journaled before the work starts (FutureStore.open)
+        if body.seq_id is not None:
+            state.sequencer.remember(body.sampling_session_id, body.seq_id, pending.request_id)
         future: Any = None
         try:  # in a worker thread: `sample` processes the prompt's image chunks, which would stall the loop
             future = await run_in_threadpool(start)
@@ -88,5 +98,11 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
             if future is None:
                 future = failed(RuntimeError("the sample request was cancelled before it started"))
             state.futures.attach(pending, future, encode_sample_response)
-        ids = [f"{pending.request_id}:{i}" for i in range(body.num_samples)]
-        return {"request_id": pending.request_id, "sample_sequence_ids": ids}
+        return _sample_answer(pending.request_id, body.num_samples)
+
+
+def _sample_answer(request_id: str, num_samples: int) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num_samples)],
+    }

@@ -33,6 +33,7 @@ def build_state(
     poll_timeout_s: float = 20.0,
     limits: Limits | None = None,
     tokenizer_id: str | None = None,
+    public_metrics: bool = False,
 ) -> ServerState:
     """The server's state on a new backend, with what the journal in `root_dir` remembers. `tokenizer_id`
     is what `get_info` tells clients to load the tokenizer from (default: the model directory, which only
@@ -51,7 +52,7 @@ def build_state(
         raise ConfigError("--tokenizer-id is empty: give a hub id or a directory, or leave it out")
     state = ServerState(
         service, keys, {name: str(path.resolve())}, poll_timeout_s=poll_timeout_s, limits=limits or Limits(),
-        tokenizer_ids={name: tokenizer_id} if tokenizer_id else {},
+        tokenizer_ids={name: tokenizer_id} if tokenizer_id else {}, public_metrics=public_metrics,
     )  # fmt: skip
     recover(state)
     return state
@@ -81,11 +82,20 @@ def serve(
     n_workers: int = 1,
     config: str | None = None,
     tokenizer_id: str | None = None,
+    public_metrics: bool = False,
 ) -> None:
     limits = load_limits(config) if config else Limits()
     keys = ApiKeys.load(keys_file)
     state = build_state(
-        model_dir, model_name, keys, root_dir, backend, n_workers, limits=limits, tokenizer_id=tokenizer_id
+        model_dir,
+        model_name,
+        keys,
+        root_dir,
+        backend,
+        n_workers,
+        limits=limits,
+        tokenizer_id=tokenizer_id,
+        public_metrics=public_metrics,
     )
     log.warning("serving %s as %r on http://%s:%d", model_dir, next(iter(state.served)), host, port)
     grace = limits.shutdown_grace_seconds

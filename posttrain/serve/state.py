@@ -4,6 +4,7 @@ journal (journal.py) so that it survives a restart (recovery.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,12 +52,16 @@ class ServerState:
     )  # base model name -> id reported (else its dir)
     poll_timeout_s: float = 20.0
     limits: Limits = field(default_factory=Limits)
+    public_metrics: bool = False  # /metrics without a key, every tenant's series (else a key, its own)
     journal: Journal = field(init=False)  # <the backend's folder>/serve-journal.sqlite3
     meter: Meter = field(init=False)
     futures: FutureStore = field(init=False)
     sequencer: Sequencer = field(init=False)
     adapters: Adapters = field(init=False)
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> tenant
+    session_heard: dict[str, float] = field(default_factory=dict)  # session id -> monotonic time last heard
+    # session id -> (tenant, why): finished by /finish or for want of heartbeats; 410 to whatever names it
+    finished_sessions: dict[str, tuple[str, str]] = field(default_factory=dict)
     models: dict[str, TrainingModel] = field(default_factory=dict)  # tinker model id -> model
     lost: dict[str, tuple[str, str]] = field(default_factory=dict)  # model id -> (tenant, why): 410
     samplers: dict[str, Sampler] = field(default_factory=dict)  # in order of last use
@@ -98,11 +103,54 @@ class ServerState:
     # ---- sessions and ownership ------------------------------------------------------------------
     def add_session(self, session_id: str, tenant: str) -> None:
         self.sessions[session_id] = tenant
+        self.session_heard[session_id] = time.monotonic()
         self.journal.session(session_id, tenant)
 
     def session(self, session_id: str, tenant: str) -> None:
+        """A tenant's live session, heard from now; 410 for one that finished (the SDK's heartbeat stops on
+        it), 404 for an unknown or another tenant's."""
         if self.sessions.get(session_id) != tenant:
+            finished = self.finished_sessions.get(session_id)
+            if finished is not None and finished[0] == tenant:
+                raise HTTPException(410, finished[1])
             raise HTTPException(404, f"no session {session_id!r}")
+        self.session_heard[session_id] = time.monotonic()
+
+    def heard_from(self, resource_id: str) -> None:
+        """A request on a model or sampler (`<session>:train:<n>`, `<session>:sample:<n>`, ...) keeps its
+        session alive, as a heartbeat does."""
+        session_id = resource_id.split(":", 1)[0]
+        if session_id in self.session_heard:
+            self.session_heard[session_id] = time.monotonic()
+
+    def finish_session(self, session_id: str, why: str) -> None:
+        """End a session: its sampling sessions are released (its models stay: they are the tenant's), and
+        what names it later gets 410 with `why`."""
+        tenant = self.sessions.pop(session_id, None)
+        self.session_heard.pop(session_id, None)
+        if tenant is None:
+            return
+        for sampler_id in [
+            k for k in [*self.samplers, *self.dormant_samplers] if k.startswith(f"{session_id}:")
+        ]:
+            self.release_sampler(sampler_id)
+        self.finished_sessions[session_id] = (tenant, why)
+        while len(self.finished_sessions) > 100_000:  # remembered for a clear 410, within bounds
+            self.finished_sessions.pop(next(iter(self.finished_sessions)))
+        self.journal.session_finished(session_id, tenant, why)
+
+    def expire_sessions(self, idle_seconds: float) -> list[str]:
+        """Finish the sessions not heard from (no heartbeat, no request) for `idle_seconds`; their ids."""
+        horizon = time.monotonic() - idle_seconds
+        expired = [k for k, heard in list(self.session_heard.items()) if heard < horizon]
+        for session_id in expired:
+            self.finish_session(
+                session_id,
+                f"session {session_id!r} expired: no heartbeat or request for session_idle_seconds="
+                f"{idle_seconds:g}; its sampling sessions were released (its models were kept); create a new "
+                "session",
+            )
+        return expired
 
     def own_checkpoints(self, backend_id: str, tenant: str) -> None:
         self.checkpoint_owner[backend_id] = tenant
@@ -115,6 +163,7 @@ class ServerState:
             if lost is not None and lost[0] == tenant:
                 raise HTTPException(410, lost[1])
             raise HTTPException(404, f"no training model {model_id!r}")
+        self.heard_from(model_id)
         return model
 
     def sampler(self, sampler_id: str, tenant: str) -> Sampler:
@@ -137,6 +186,7 @@ class ServerState:
                 raise HTTPException(410, lost[1])
             raise HTTPException(404, f"no sampling session {sampler_id!r}")
         self.samplers[sampler_id] = self.samplers.pop(sampler_id)  # the most recently used: last
+        self.heard_from(sampler_id)
         return sampler
 
     def open_sampler(self, row: SamplerRow) -> SamplingClient:
@@ -182,15 +232,9 @@ class ServerState:
         if tenant is not None:
             self.released_samplers[sampler_id] = tenant
             self.journal.sampler_released(sampler_id)
+            self.sequencer.forget(sampler_id)
             while len(self.released_samplers) > 100_000:  # remembered for a clear 404, within bounds
                 self.released_samplers.pop(next(iter(self.released_samplers)))
-
-    def finish_session(self, session_id: str) -> None:
-        """A finished session's sampling sessions are released (its models stay: they are the tenant's)."""
-        for sampler_id in [
-            k for k in [*self.samplers, *self.dormant_samplers] if k.startswith(f"{session_id}:")
-        ]:
-            self.release_sampler(sampler_id)
 
     def check_path(self, path: str, tenant: str, kind: str) -> None:
         """A tinker:// path of this tenant's own checkpoints (the backend then resolves it in its folder)."""

@@ -107,7 +107,7 @@ def test_tokens_per_second_is_a_429_naming_it_and_metrics_have_queue_time(
         with pytest.raises(AssertionError, match=r"limit tokens_per_second=2 reached"):
             training(alice, model_id, 2, "forward")
         assert alice.post(f"/api/v1/sessions/{session_id}/finish").status_code == 200
-    metrics = server.client(None).get("/metrics").text
+    metrics = server.client(ALICE).get("/metrics").text
     assert (
         'posttrain_requests_total{tenant="alice",endpoint="/api/v1/forward_backward",status="429"}' in metrics
     )

@@ -66,7 +66,7 @@ def test_the_server_enforces_limits_per_tenant_and_counts(server: Running) -> No
             create["model_seq_id"] = 51
             second = bob.post("/api/v1/create_model", json=create)
             assert second.status_code == 403 and "adapters_per_tenant=1" in second.text
-        metrics = server.client(None).get("/metrics").text
+        metrics = server.client(BOB).get("/metrics").text
         assert (
             'posttrain_requests_total{tenant="bob",endpoint="/api/v1/create_model",status="403"} 1' in metrics
         )
