@@ -97,22 +97,29 @@ class HFRolloutEngine:
             mask[i, width - len(p) :] = 1
         stop_ids = sorted(set(self.eos_ids) | set(sampling.stop_token_ids))
         greedy = sampling.temperature == 0
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            max_new_tokens=sampling.max_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
-            min_p=None if greedy or sampling.min_p == 0 else sampling.min_p,
-            eos_token_id=stop_ids,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        # `generate` samples from the global RNG: run it on a forked one, seeded by the request's seed or by
+        # this engine's own stream, so that sampling is repeatable from the engine's seed and never moves the
+        # process's RNG (the trainer's, in a colocated worker)
+        seed = sampling.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=sampling.max_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_p=None if greedy else sampling.top_p,
+                top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+                min_p=None if greedy or sampling.min_p == 0 else sampling.min_p,
+                eos_token_id=stop_ids,
+                pad_token_id=self.pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         new = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits, before any processor
         scale = 1.0 if greedy else sampling.temperature

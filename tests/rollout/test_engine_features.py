@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.rollout.hf_engine import HFRolloutEngine
@@ -144,3 +145,24 @@ def test_hf_engine_stops_at_a_stop_string_with_its_tokens_as_native_does(tiny_mo
 def test_unsupported_settings_error_on_the_request() -> None:
     with pytest.raises(Exception, match="min_p must be in"):
         SamplingParams(min_p=1.5).validate()
+
+
+def test_hf_engine_samples_from_its_own_seed_and_leaves_the_global_rng_alone(tiny_model_dir: Path) -> None:
+    sampling = SamplingParams(max_tokens=8, temperature=1.0)
+    ps = prompts(tiny_model_dir)[:2]
+    runs = []
+    for _ in range(2):
+        engine = HFRolloutEngine(str(tiny_model_dir), seed=3)
+        torch.manual_seed(123)
+        runs.append([r.token_ids for r in engine.generate(ps, sampling)])
+        assert torch.rand(1).item() == _first(123)  # the global RNG did not move
+    assert runs[0] == runs[1]  # the engine's seed, not the process's RNG, decides the samples
+    other = HFRolloutEngine(str(tiny_model_dir), seed=4)
+    assert [r.token_ids for r in other.generate(ps, sampling)] != runs[0]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    assert [r.token_ids for r in other.generate(ps, seeded)] == [r.token_ids for r in engine.generate(ps, seeded)]
+
+
+def _first(seed: int) -> float:
+    """The first `torch.rand(1)` after `torch.manual_seed(seed)`."""
+    return torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
