@@ -139,8 +139,8 @@ class SFTDataset:
 def collate_sft(
     items: Sequence[dict[str, Any]], pad_token_id: int, uids: Sequence[str] | None = None
 ) -> Batch:
-    """Right-pad to the longest row: tensors input_ids, attention_mask, position_ids, loss_mask (float);
-    non-tensors index, and uid when `uids` is given (the dataloader passes them)."""
+    """Right-pad to the longest row: tensors input_ids, attention_mask, position_ids, loss_mask (float, 0 on
+    each row's first token); non-tensors index, and uid when `uids` is given (the dataloader passes them)."""
     if not items:
         raise DataError("collate_sft: no items")
     if uids is not None and len(uids) != len(items):
@@ -154,6 +154,10 @@ def collate_sft(
         input_ids[r, :n] = torch.as_tensor(it["input_ids"], dtype=torch.long)
         attention_mask[r, :n] = 1
         loss_mask[r, :n] = torch.as_tensor(it[K.LOSS_MASK], dtype=torch.float32)
+    # a row's first token has nothing before it to predict it (its log-prob is 0 by the engine's convention):
+    # it never counts as a trained token, as in TRL's shifted labels; else a text row, or any row trained on
+    # everything, adds a zero-loss token to the count that scales the gradient and val/nll
+    loss_mask[:, 0] = 0
     non_tensors: dict[str, list] = {K.INDEX: [it["index"] for it in items]}
     if uids is not None:
         non_tensors[K.UID] = list(uids)

@@ -73,3 +73,11 @@ def test_collate_right_pads(tmp_path, tokenizer):
     assert b[K.LOSS_MASK][1].tolist() == [float(m) for m in long["loss_mask"]]
     assert list(b[K.UID]) == ["0-0", "0-1"]
     assert K.UID not in collate_sft([short], pad_token_id=0)
+
+
+def test_a_rows_first_token_is_never_a_trained_token(tmp_path, tokenizer):
+    """Nothing precedes it to predict it: a text row (or one trained on everything) counts one token fewer,
+    as TRL's shifted labels do; otherwise the gradient and val/nll are scaled by n / (n + 1)."""
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    b = collate_sft([{"input_ids": ids, K.LOSS_MASK: [1] * len(ids), "index": 0}], pad_token_id=0)
+    assert b[K.LOSS_MASK][0].tolist() == [0.0] + [1.0] * (len(ids) - 1)
