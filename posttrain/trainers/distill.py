@@ -70,6 +70,12 @@ def check_distill_config(cfg: DistillConfig) -> None:
         raise ConfigError(
             f"distill.lmbda must be in [0, 1] (the share of student-generated batches), got {d.lmbda}"
         )
+    if d.lmbda > 0 and cfg.data.train_on == "everything":
+        raise ConfigError(
+            f"distill.lmbda={d.lmbda} samples answers from the student, which needs each row's prompt, but "
+            "data.train_on=everything makes every token a loss token (no prompt is left): use last_assistant or "
+            "all_assistant, or distill.lmbda=0"
+        )
     if not (math.isfinite(d.temperature) and d.temperature > 0):
         raise ConfigError(f"distill.temperature must be > 0, got {d.temperature}")
     if cfg.model.remove_padding:
@@ -95,6 +101,18 @@ def check_distill_config(cfg: DistillConfig) -> None:
         )
     check_worker_settings(cfg.trainer)
     check_offline_settings_in_effect(cfg, "distill")
+
+
+def check_rows_have_prompts(rows: SFTDataset, lmbda: float) -> None:
+    """With lmbda > 0 the student answers each row's prompt (the tokens before its first loss token): a row
+    trained from its first token (a `text` row) has none. Refused at the start, not at the first
+    student-sampled step."""
+    for i in range(len(rows)):
+        if rows[i][keys.LOSS_MASK][0]:
+            raise DataError(
+                f"distill.lmbda={lmbda}: training row {i} has no prompt before its first loss token (a 'text' row), "
+                "so the student has nothing to answer: use prompt + response or chat rows, or distill.lmbda=0"
+            )
 
 
 def prompt_batch(batch: Batch, pad_id: int) -> Batch:
@@ -159,6 +177,15 @@ class DistillTrainer(StepTrainer[DistillGroup]):
         )
         self.train_set = make(cfg.data.train_files)
         self.val_set = make(cfg.data.val_files) if cfg.data.val_files else None
+        if cfg.distill.lmbda > 0:
+            check_rows_have_prompts(self.train_set, cfg.distill.lmbda)
+        if self.val_set is not None:
+            val_rows = min(len(self.val_set), cfg.data.val_max_prompts or len(self.val_set))
+            if val_rows < cfg.trainer.world_size:
+                raise ConfigError(
+                    f"data.val_files: {val_rows} held-out rows for {cfg.trainer.world_size} workers; validation "
+                    "gives each worker as many rows (at least one): give more rows, or leave data.val_files empty"
+                )
         self.loader = PromptDataLoader(
             self.train_set,
             cfg.optim.batch_size,
@@ -228,9 +255,7 @@ class DistillTrainer(StepTrainer[DistillGroup]):
         """`val/jsd` and `val/kl_to_teacher` per loss token on held-out rows (their responses), no update."""
         assert self.val_set is not None
         rows = min(len(self.val_set), self.cfg.data.val_max_prompts or len(self.val_set))
-        rows -= rows % group.world_size
-        if rows == 0:
-            return {}
+        rows -= rows % group.world_size  # at least one per worker (checked at the start)
         batch = collate_sft([self.val_set[i] for i in range(rows)], self.pad_id).select(LOSS_COLUMNS, [])
         d = self.cfg.distill
         out = group.gkd(batch, beta=d.beta, temperature=d.temperature, backward=False)

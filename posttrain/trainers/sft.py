@@ -169,10 +169,11 @@ class SFTTrainer(StepTrainer[ActorGroup]):
         """`val/nll`: mean negative log-likelihood per response token on the validation split."""
         assert self.val_set is not None
         rows = min(len(self.val_set), self.cfg.data.val_max_prompts or len(self.val_set))
-        rows -= rows % group.data_parallel_size  # every data-parallel group gets the same number of rows
         items = [self.val_set[i] for i in range(rows)]
-        batch = self.collate_fn(items, pad_token_id=self.tokenizer.pad_token_id)
+        # every data-parallel group gets as many rows: fillers repeat the last one and are left out after
+        fillers = [items[-1]] * (-rows % group.data_parallel_size)
+        batch = self.collate_fn(items + fillers, pad_token_id=self.tokenizer.pad_token_id)
         inputs = batch.select([keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS], self.non_tensor_keys)
-        log_probs = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS]
-        mask = batch[keys.LOSS_MASK]
+        log_probs = group.forward(inputs, model="actor")[keys.OLD_LOG_PROBS][:rows]
+        mask = batch[keys.LOSS_MASK][:rows]
         return {"val/nll": float(-(log_probs * mask).sum() / mask.sum().clamp(min=1))}

@@ -36,8 +36,10 @@ class DistillWorker(ActorRolloutRefWorker):
 
     def gkd(self, batch: Batch, beta: float, temperature: float, backward: bool = True) -> dict[str, float]:
         """sum over loss tokens of JSD_beta(teacher || student) / `global_tokens` (the whole batch's loss tokens,
-        meta), accumulated into the gradients when `backward` (then `optim_step`); metrics are this rank's
-        token means: `distill/jsd` and the full-vocabulary `distill/kl_to_teacher` = KL(student || teacher)."""
+        meta), plus a MoE student's router load-balancing loss (`model.router_aux_loss_coef` times its mean over
+        the micro-batches, as the training engine adds it), accumulated into the gradients when `backward`
+        (then `optim_step`); metrics are this rank's token means: `distill/jsd` and the full-vocabulary
+        `distill/kl_to_teacher` = KL(student || teacher), and `actor/router_aux_loss` for a MoE student."""
         if self.teacher is None:
             raise RuntimeError("gkd needs a teacher (ActorRolloutRefSpec.teacher)")
         if self.rollout is not None:
@@ -47,7 +49,7 @@ class DistillWorker(ActorRolloutRefWorker):
         micro = [batch.index(list(range(i, min(i + size, len(batch))))) for i in range(0, len(batch), size)]
         global_tokens = float(batch.meta.get(keys.GLOBAL_TOKENS, float(batch[keys.LOSS_MASK][:, 1:].sum())))
         keep_gathered = engine.mesh.size() == 1
-        sums = {"jsd": 0.0, "kl": 0.0, "tokens": 0.0}
+        sums = {"jsd": 0.0, "kl": 0.0, "tokens": 0.0, "router_aux": 0.0}
         was_training = model.training
         if not backward:
             model.eval()
@@ -60,15 +62,21 @@ class DistillWorker(ActorRolloutRefWorker):
                     model.set_reshard_after_backward(last or not keep_gathered)
                 with torch.no_grad():
                     teacher = _logits(self.teacher, mb)[:, :-1]
-                with contextlib.nullcontext() if backward else torch.no_grad():
+                aux_capture = engine.router_aux.capture() if engine.router_aux else contextlib.nullcontext()
+                with contextlib.nullcontext() if backward else torch.no_grad(), aux_capture:
                     student = _logits(engine, mb)[:, :-1]
                 # a model's padded vocabulary rows past the tokenizer are never targets: compare the shared part
                 width = min(student.shape[-1], teacher.shape[-1])
                 student, teacher = student[..., :width], teacher[..., :width]
                 mask = mb[keys.LOSS_MASK][:, 1:].to(torch.float32)  # position t predicts token t + 1
                 jsd = generalized_jsd(student, teacher, beta, temperature)
+                if engine.router_aux is not None:  # a MoE student's load-balancing loss, as SFT and RL add it
+                    aux = engine.router_aux.loss()
+                    sums["router_aux"] += float(aux.detach()) / len(micro)
                 if backward:
                     loss = (jsd * mask).sum() * self.dp_size / max(global_tokens, 1.0)
+                    if engine.router_aux is not None:
+                        loss = loss + engine.router_aux_loss_coef * aux.to(loss.device) / len(micro)
                     loss.backward()
                 with torch.no_grad():
                     kl = generalized_jsd(student.detach(), teacher, 1.0, temperature)
@@ -82,7 +90,10 @@ class DistillWorker(ActorRolloutRefWorker):
             reshard_all(self.teacher.model)
             model.train(was_training)
         tokens = max(sums["tokens"], 1.0)
-        return {"distill/jsd": sums["jsd"] / tokens, "distill/kl_to_teacher": sums["kl"] / tokens}
+        metrics = {"distill/jsd": sums["jsd"] / tokens, "distill/kl_to_teacher": sums["kl"] / tokens}
+        if engine.router_aux is not None:
+            metrics["actor/router_aux_loss"] = sums["router_aux"]
+        return metrics
 
     def ping(self) -> dict[str, Any]:
         return {**super().ping(), "teacher": self.teacher is not None}

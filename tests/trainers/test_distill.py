@@ -12,7 +12,7 @@ import yaml
 from posttrain.cli import main
 from posttrain.config.load import YAML_DIR, load_config, to_dict
 from posttrain.config.schema import DistillConfig
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, make_tiny_model
 from posttrain.trainers.distill import DistillTrainer
 
@@ -118,6 +118,11 @@ def test_cli_distill(
         (("optim.max_token_len_per_worker=64",), "optim.max_token_len_per_worker"),
         (("distill.teacher_path=",), "distill.teacher_path is required"),
         (("data.max_pixels=3136",), "distill reads text rows only"),
+        (("data.train_on=everything", "distill.lmbda=0.5"), "data.train_on=everything makes every token"),
+        (
+            ("data.val_max_prompts=1", "trainer.backend=ray", "trainer.n_workers_per_node=2"),
+            "1 held-out rows",
+        ),
     ],
 )
 def test_unsupported_settings_are_refused(
@@ -128,3 +133,35 @@ def test_unsupported_settings_are_refused(
     )
     with pytest.raises(ConfigError, match=message):
         DistillTrainer(cfg)
+
+
+def test_text_rows_without_a_prompt_are_refused_at_the_start_when_the_student_samples(
+    tiny_model_dir: Path, teacher_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    text = tmp_path / "text.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"{i} + {i} = {2 * i}"}) for i in range(8)) + "\n")
+    data = {**arithmetic_data, "train": text}
+    cfg = load_config(
+        DistillConfig,
+        "distill",
+        overrides(tiny_model_dir, teacher_dir, data, tmp_path / "r", "distill.lmbda=0.5"),
+    )
+    with pytest.raises(DataError, match=r"training row 0 has no prompt before its first loss token"):
+        DistillTrainer(cfg)
+
+
+def test_a_moe_students_router_loss_is_trained(
+    tiny_moe_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    extra = ("trainer.total_steps=1", "model.router_aux_loss_coef=0.5", "data.val_files=[]")
+    cfg = load_config(
+        DistillConfig,
+        "distill",
+        overrides(tiny_moe_dir, tiny_moe_dir, arithmetic_data, tmp_path / "r", *extra),
+    )
+    metrics = DistillTrainer(cfg).fit()
+    assert (
+        abs(metrics["distill/jsd"]) < 1e-6
+    )  # the teacher of itself: the gradient is the router loss's alone
+    assert metrics["actor/router_aux_loss"] > 0
+    assert metrics["actor/grad_norm" if "actor/grad_norm" in metrics else "grad_norm"] > 1e-4

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from posttrain.config.load import load_config
 from posttrain.config.schema import SFTConfig
 from posttrain.models import load_causal_lm, load_tokenizer
@@ -56,3 +58,35 @@ def test_sft_rejects_shared_prompts(tiny_model_dir: Path, arithmetic_data: dict,
     )
     with pytest.raises(ConfigError, match="share_prompt=true is for RL"):
         SFTTrainer(cfg)
+
+
+@pytest.mark.slow  # two Ray workers (CI runs it with -m slow)
+def test_validation_with_fewer_rows_than_workers_pads_them(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, ray_cluster: None
+) -> None:
+    """One held-out row on two data-parallel workers: the row is repeated to fill the second worker and
+    counted once, so val/nll equals the one-worker run's (it used to leave no rows and crash before export)."""
+    nll = {}
+    for name, extra in (("one", []), ("two", ["trainer.backend=ray", "trainer.n_workers_per_node=2"])):
+        run = tmp_path / name
+        cfg = load_config(
+            SFTConfig,
+            "sft",
+            [
+                f"model.path={tiny_model_dir}",
+                f"data.train_files=[{arithmetic_data['train']}]",
+                f"data.val_files=[{arithmetic_data['test']}]",
+                f"trainer.run_dir={run}",
+                "trainer.total_steps=1",
+                "data.val_max_prompts=1",
+                "optim.batch_size=4",
+                "trainer.threads_per_worker=1",
+                *extra,
+            ],
+        )
+        trainer = SFTTrainer(cfg)
+        trainer.fit()
+        assert (trainer.hf_dir / "config.json").exists()
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        nll[name] = [r["val/nll"] for r in rows if "val/nll" in r][-1]
+    assert nll["two"] == pytest.approx(nll["one"], rel=1e-4)
