@@ -126,10 +126,16 @@ class TrainEngine:
             model.eval()
         else:
             model.train()
-            # dropout would make the recomputed log-probs differ from the sampled ones
+            # dropout would make the recomputed log-probs differ from the sampled ones: the modules', and the
+            # attention's (a float the attention functions read while training, e.g. `attention_dropout: 0.1`)
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+                if isinstance(getattr(module, "attention_dropout", None), float):
+                    module.attention_dropout = 0.0
+            for config_part in (model.config, getattr(model.config, "text_config", None)):
+                if isinstance(getattr(config_part, "attention_dropout", None), float):
+                    config_part.attention_dropout = 0.0
             if config.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = config.lora.rank > 0

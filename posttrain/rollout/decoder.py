@@ -22,6 +22,7 @@ the rotary embedding, as its attention does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +48,26 @@ def text_model(model: nn.Module) -> nn.Module | None:
     return inner if inner is not None and hasattr(inner, "rotary_emb") else None
 
 
+def sliding_window(config: Any) -> int | None:
+    """The attention window of a model that attends to its last W tokens only (Mistral's `sliding_window`,
+    Qwen2's when `use_sliding_window` is on, a layer of type "sliding_attention"), else None. The decoder
+    attends to the whole context, which equals a window of W for sequences of at most W tokens."""
+    text = getattr(config, "text_config", None) or config
+    window = getattr(text, "sliding_window", None)
+    if not window:
+        return None
+    if "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return int(window)
+    if getattr(text, "use_sliding_window", None) is False:  # Qwen2's switch, off: full attention everywhere
+        return None
+    if getattr(text, "layer_types", None):  # every layer named, none sliding
+        return None
+    return int(window)
+
+
 def supports(model: nn.Module) -> bool:
-    config = model.config
-    text_config = getattr(config, "text_config", None) or config
-    return (
-        getattr(config, "model_type", None) in SUPPORTED
-        and not getattr(text_config, "use_sliding_window", False)
-        and text_model(model) is not None
-    )
+    """Whether the decoder runs `model` (a sliding window bounds the requests it takes: `sliding_window`)."""
+    return getattr(model.config, "model_type", None) in SUPPORTED and text_model(model) is not None
 
 
 class SlotKVCache:

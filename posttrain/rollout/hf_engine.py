@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_tokenizer
@@ -47,6 +48,12 @@ class HFRolloutEngine:
         )
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        )
+        # only SamplingParams shape the distribution: `generate` fills every setting left unset from the
+        # directory's generation_config.json (Qwen2.5-Instruct's repetition_penalty 1.05, say), so it is
+        # replaced by one that sets nothing but the special tokens
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id
         )
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
@@ -112,8 +119,9 @@ class HFRolloutEngine:
                 max_new_tokens=sampling.max_tokens,
                 do_sample=not greedy,
                 temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p,
-                top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+                # explicitly off at 0 and 1.0, not left unset for a default to fill
+                top_p=1.0 if greedy else sampling.top_p,
+                top_k=0 if greedy else sampling.top_k,
                 min_p=None if greedy or sampling.min_p == 0 else sampling.min_p,
                 eos_token_id=stop_ids,
                 pad_token_id=self.pad_id,

@@ -46,7 +46,7 @@ from posttrain.rollout.base import (
     context_error,
     text_before_stop,
 )
-from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, supports
+from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, sliding_window, supports
 from posttrain.rollout.multimodal import check_images, image_token_ids, prefill_inputs, same_images
 from posttrain.rollout.sampling import sample_tokens
 
@@ -93,8 +93,8 @@ class NativeRolloutEngine:
         self.model.to(self.device).eval().requires_grad_(False)
         if not supports(self.model):
             raise ConfigError(
-                f"rollout.name=native supports {', '.join(SUPPORTED)} without sliding "
-                f"window; {model_path} is '{self.model.config.model_type}': use rollout.name=hf"
+                f"rollout.name=native supports {', '.join(SUPPORTED)}; {model_path} is "
+                f"'{self.model.config.model_type}': use rollout.name=hf"
             )
         self.tokenizer = load_tokenizer(model_path)
         self.runner = DecoderRunner(self.model)
@@ -106,6 +106,7 @@ class NativeRolloutEngine:
         self.max_prefill_tokens = max_prefill_tokens
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
         self.max_context = int(getattr(text_config, "max_position_embeddings", 1 << 30))
+        self.window = sliding_window(self.model.config)  # within it, full attention is the same attention
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_ids = self._eos_ids()
         self.pad_id = (
@@ -251,6 +252,12 @@ class NativeRolloutEngine:
         total = len(request.prompt_ids) + request.sampling.max_tokens
         if total > self.max_context:
             return context_error(len(request.prompt_ids), request.sampling.max_tokens, self.max_context)
+        if self.window is not None and total > self.window:
+            return (
+                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.sampling.max_tokens} = {total} "
+                f"is over the model's sliding attention window of {self.window} tokens, which rollout.name=native "
+                "does not implement (it attends to the whole context): use rollout.name=hf, or shorter requests"
+            )
         return None
 
     # ---- the scheduler loop --------------------------------------------------------------------

@@ -25,7 +25,7 @@ from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.losses import LossSpec, build_loss
 from posttrain.workers.process import ProcessRNG, prepare_worker_process, rank_seed
-from posttrain.workers.sampling import sample_batch
+from posttrain.workers.sampling import sample_batch, untie_rollout_head
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,8 @@ class ActorRolloutRefWorker:
             if spec.with_rollout
             else None
         )
+        if self.rollout is not None and "lm_head" in spec.engine.lora.target_modules and self.lora:
+            untie_rollout_head(self.rollout)  # the merged head changes; the embeddings must not
 
     # ---- health --------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:

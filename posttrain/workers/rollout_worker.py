@@ -27,7 +27,7 @@ from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.workers.process import ProcessRNG, prepare_worker_process, rank_seed
-from posttrain.workers.sampling import batch_prompts, results_batch, sample_batch
+from posttrain.workers.sampling import batch_prompts, results_batch, sample_batch, untie_rollout_head
 
 
 @dataclass
@@ -52,6 +52,9 @@ class RolloutSpec:
     record_routing: bool = (
         False  # the sampler records each token's experts (routing replay R3, native engine)
     )
+    # LoRA adapts the output projection (`lm_head` in target_modules): the synced head is W_E + BA while the
+    # embeddings stay W_E, so a tied model's sampler gets a head of its own
+    adapted_head: bool = False
 
 
 class RolloutWorker:
@@ -72,6 +75,8 @@ class RolloutWorker:
             attn_implementation=spec.attn_implementation,
             **({"record_routing": True} if spec.record_routing else {}),
         )
+        if spec.adapted_head:
+            untie_rollout_head(self.engine)
         self._streams: list[_Submission] = []
 
     def ping(self) -> dict[str, Any]:

@@ -13,8 +13,21 @@ import torch
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
+from posttrain.engine.lora import untie_output_embeddings
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import GenerationRequest, GenerationResult, SamplingParams
+
+
+def untie_rollout_head(engine: Any) -> None:
+    """Give a sampler's model an output projection of its own, for LoRA on `lm_head`: the trainer adapts
+    the head alone (W_E + BA) and syncs it merged, which on a tied model would overwrite the embeddings."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        raise ConfigError(
+            f"LoRA on lm_head needs a sampler whose output projection can be untied; {type(engine).__name__} "
+            "has no HF model: leave lm_head out of model.lora.target_modules"
+        )
+    untie_output_embeddings(model)
 
 
 def batch_prompts(batch: Batch) -> list[list[int]]:

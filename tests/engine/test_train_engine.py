@@ -13,6 +13,7 @@ from posttrain.config.schema import OptimConfig
 from posttrain.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from posttrain.data import keys
 from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.train_engine import TrainEngine
 from posttrain.models import load_causal_lm
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefSpec, ActorRolloutRefWorker
 from posttrain.workers.losses import LossSpec
@@ -199,3 +200,34 @@ def test_frozen_engine_rejects_training(tiny_model_dir: Path) -> None:
     engine = TrainEngine(replace(spec(tiny_model_dir).engine, trainable=False))
     with pytest.raises(ConfigError, match="frozen engine"):
         engine.forward_backward(synthetic_rl_batch(), lambda lp, ent, mb: (lp.sum(), {}))
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_attention_dropout_is_off_while_training(
+    tiny_model_dir: Path, tmp_path: Path, remove_padding: bool
+) -> None:
+    """A config's `attention_dropout` (a float HF attention reads while training) would make the log-probs of
+    the update differ from the recomputed ones (0.15 nats at 0.1); the engine turns it off as it does nn.Dropout."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "dropout"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    engine = TrainEngine(
+        EngineConfig(model_path=str(model_dir), remove_padding=remove_padding, share_prompt=False)
+    )
+    batch = synthetic_rl_batch(rows=8, vocab=1000)
+    recomputed = engine.compute_log_prob(batch)
+    seen = {}
+
+    def loss_fn(
+        log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: object
+    ) -> tuple[torch.Tensor, dict]:
+        seen["log_probs"] = log_probs.detach()
+        return log_probs.sum() * 0, {}
+
+    engine.forward_backward(batch, loss_fn)
+    diff = (seen["log_probs"] - recomputed).abs() * batch[keys.RESPONSE_MASK]
+    assert float(diff.max()) < 1e-5

@@ -4,6 +4,7 @@ errors, the async API, cache reuse and sleep/wake; and the HF engine on the same
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -160,9 +161,30 @@ def test_hf_engine_samples_from_its_own_seed_and_leaves_the_global_rng_alone(tin
     other = HFRolloutEngine(str(tiny_model_dir), seed=4)
     assert [r.token_ids for r in other.generate(ps, sampling)] != runs[0]
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
-    assert [r.token_ids for r in other.generate(ps, seeded)] == [r.token_ids for r in engine.generate(ps, seeded)]
+    assert [r.token_ids for r in other.generate(ps, seeded)] == [
+        r.token_ids for r in engine.generate(ps, seeded)
+    ]
 
 
 def _first(seed: int) -> float:
     """The first `torch.rand(1)` after `torch.manual_seed(seed)`."""
     return torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
+
+
+def test_hf_engine_samples_only_as_sampling_params_say(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`generate` fills unset settings from the directory's generation_config.json (a repetition penalty, say):
+    they must not shape the distribution whose log-probs the engine reports; nor may a top-k it was not given."""
+    import shutil
+
+    penalised = tmp_path / "penalised"
+    shutil.copytree(tiny_model_dir, penalised)
+    path = penalised / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config.update(repetition_penalty=1000.0, no_repeat_ngram_size=1)
+    path.write_text(json.dumps(config))
+    ps = prompts(tiny_model_dir)
+    native = [r.token_ids for r in NativeRolloutEngine(str(tiny_model_dir)).generate(ps, GREEDY)]
+    assert [r.token_ids for r in HFRolloutEngine(str(penalised)).generate(ps, GREEDY)] == native
+    hot = SamplingParams(max_tokens=1, temperature=5.0, seed=0)  # nearly flat over 1024 tokens
+    first = HFRolloutEngine(str(tiny_model_dir)).generate([ps[0]] * 300, hot)
+    assert len({r.token_ids[0] for r in first}) > 50  # no top-50 cut
