@@ -393,6 +393,15 @@ def check_input_lengths(shapes: Mapping[str, Sequence[int]], *, model_input_leng
     if len(shapes["target_tokens"]) == 0:
         raise ApiLossError("loss_fn_inputs target_tokens must have one entry per position, got a scalar")
     length = shapes["target_tokens"][0]
+    if length == 0:
+        raise ApiLossError("loss_fn_inputs target_tokens is empty: a datum needs at least one position")
+    deep = {key: list(shape) for key, shape in shapes.items() if len(shape) > 1}
+    if deep:
+        listed = ", ".join(f"{key} has shape {shape}" for key, shape in sorted(deep.items()))
+        raise ApiLossError(
+            f"loss_fn_inputs must have one value per position (rank 1): {listed}; several target tokens per "
+            "position ([T, K]) are not supported"
+        )
     firsts = {key: (shape[0] if len(shape) else None) for key, shape in shapes.items()}
     wrong = {key: n for key, n in firsts.items() if n != length}
     if wrong:

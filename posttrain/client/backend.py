@@ -143,6 +143,7 @@ class Backend:
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []  # sample calls not yet generated
         self._ready_samplers: set[str] = set()  # samplers whose creating call has run
+        self._failed_samplers: dict[str, BaseException] = {}  # samplers whose creating call failed: why
         self.sample_passes: collections.Counter[int] = collections.Counter()  # calls per batch -> batches
 
     # ---- ordering ------------------------------------------------------------------------------
@@ -179,7 +180,13 @@ class Backend:
         `sample` calls may join other samplers' batches only once it exists."""
 
         def run() -> None:
-            create()
+            try:
+                create()
+            except BaseException as exc:
+                with self._lock:  # its `sample` calls, waiting or to come, get this error
+                    self._failed_samplers[sampler_id] = exc
+                self._flush_samples()
+                raise
             self._ready_samplers.add(sampler_id)
 
         self.calls.submit(run, model_id)
@@ -189,6 +196,9 @@ class Backend:
 
         def run() -> None:
             self._ready_samplers.discard(sampler_id)
+            with self._lock:
+                if self._failed_samplers.pop(sampler_id, None) is not None:
+                    return  # never made: nothing to free
             self.group.close_sampler(sampler_id)
 
         self.calls.submit(run, f"sampler {sampler_id}")
@@ -209,8 +219,18 @@ class Backend:
 
     def _flush_samples(self) -> None:
         with self._lock:
+            failed = [
+                (p, self._failed_samplers[p.sampler_id])
+                for p in self._pending
+                if p.sampler_id in self._failed_samplers
+            ]
             taken = [p for p in self._pending if p.sampler_id in self._ready_samplers]
-            self._pending = [p for p in self._pending if p.sampler_id not in self._ready_samplers]
+            done = {p.sampler_id for p, _ in failed} | self._ready_samplers
+            self._pending = [p for p in self._pending if p.sampler_id not in done]
+        for p, exc in failed:
+            p.future.set_exception(
+                RuntimeError(f"sampler {p.sampler_id!r} could not be created: {type(exc).__name__}: {exc}")
+            )
         if not taken:
             return  # an earlier flush took them
         self._sample_group(taken)
@@ -231,14 +251,14 @@ class Backend:
             p.future.set_result(response)
 
     def _sample_together(self, pending: list[_Pending]) -> list[types.SampleResponse]:
-        """One row per sample; row j of a seeded request is seeded `seed + j` (so its n samples differ and
-        a repeated call repeats them)."""
+        """One row per sample; row j of a seeded request is seeded `sample_seed(seed, j)` (so its n samples
+        differ, a repeated call repeats them, and requests seeded s and s + 1 share no sample)."""
         prompts, which, seeds = [], [], []
         for k, p in enumerate(pending):
             for j in range(p.request.num_samples):
                 prompts.append(p.request.prompt)
                 which.append(k)
-                seeds.append(-1 if p.sampling.seed is None else p.sampling.seed + j)
+                seeds.append(-1 if p.sampling.seed is None else sample_seed(p.sampling.seed, j))
         batch = prompts_batch(prompts, self.world_size)
         padding = len(batch) - len(prompts)  # rows that pad the batch to the workers repeat the last one
         batch.set(keys.API_ADAPTER, torch.tensor(which + which[-1:] * padding, dtype=torch.long))
@@ -313,3 +333,11 @@ class Backend:
         self.group.shutdown()
         for pool in getattr(self, "_pools", {}).values():
             pool.remove()
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """The seed of sample `j` of a request seeded `seed`: a hash of both (62 bits), so a request's samples
+    differ and requests seeded s and s + 1 share none (with `seed + j`, sample 1 of seed 5 was sample 0 of
+    seed 6)."""
+    state = np.random.SeedSequence([seed & (2**64 - 1), j]).generate_state(1, dtype=np.uint64)
+    return int(state[0] >> np.uint64(2))

@@ -40,6 +40,14 @@ def check_request(
     if lengths is None:
         lengths = [declared_length(d.model_input, f"datum {i}") for i, d in enumerate(data)]
     resolved: dict[str, float | str] = {}
+    first_keys = set(data[0].loss_fn_inputs)
+    for i, datum in enumerate(data):  # one column per key: a datum without it would read zeros there
+        if set(datum.loss_fn_inputs) != first_keys:
+            differ = sorted(set(datum.loss_fn_inputs) ^ first_keys)
+            raise ValueError(
+                f"datum {i} and datum 0 differ in loss_fn_inputs ({', '.join(differ)}): every datum of a "
+                "request must carry the same keys (per-datum clip thresholds: give every datum its own)"
+            )
     for i, (datum, length) in enumerate(zip(data, lengths, strict=True)):
         resolved = check_api_loss(loss_fn, set(datum.loss_fn_inputs), dict(config or {}))
         if length is None:
@@ -49,6 +57,12 @@ def check_request(
             check_input_lengths(shapes, model_input_length=length)
         except ValueError as exc:
             raise type(exc)(f"datum {i}: {exc}") from None
+    if loss_fn == "gspo":  # at the call, not mid-pass on a worker (gspo's mean over no token is undefined)
+        for i, datum in enumerate(data):
+            if not datum.loss_fn_inputs["sequence_ratio_mask"].to_numpy().any():
+                raise ValueError(
+                    f"datum {i}: gspo: sequence_ratio_mask marks no token; mark the sampled tokens with 1"
+                )
     needed = API_LOSSES.get(loss_fn).totals_inputs
     if not needed:
         return resolved

@@ -37,6 +37,8 @@ def engine_sampling(params: types.SamplingParams, prompt_length: int, context: i
         else:
             raise ValueError("stop must be strings or token ids, not both")
     max_tokens = params.max_tokens if params.max_tokens is not None else context - prompt_length
+    if max_tokens <= 0 and params.max_tokens is not None:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_tokens <= 0 or prompt_length + max_tokens > context:
         raise ValueError(
             f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) exceed the model's context ({context})"

@@ -163,7 +163,8 @@ class TrainingClient(ResolvedFuture):
         return self._backend.submit(run, model_id)
 
     def load_state(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
-        """The weights of a saved state (the optimizer keeps its own)."""
+        """The weights of a saved state, with a fresh optimizer (tinker's semantics: its moments and step count
+        start over; `load_state_with_optimizer` restores them too)."""
         return self._load(path, with_optimizer=False)
 
     def load_state_with_optimizer(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:

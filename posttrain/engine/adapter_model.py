@@ -140,7 +140,10 @@ class AdapterModel:
     def load(self, path: str | Path, with_optimizer: bool = True) -> None:
         folder = Path(path)
         self.adapter.load_peft(folder)
-        if not with_optimizer:
+        for p in self.adapter.parameters():  # gradients of the weights it had are not these weights'
+            p.grad = None
+        if not with_optimizer:  # tinker's load_state: the weights alone, the optimizer starts afresh
+            self.optimizer.state.clear()
             return
         if not (folder / OPTIMIZER_TENSORS).exists():
             raise ConfigError(f"{folder} holds no optimizer state")

@@ -570,11 +570,16 @@ class TrainEngine:
 
     def load(self, path: str | Path, with_optimizer: bool = True) -> None:
         """Load what `save` wrote (same world size, or any other that DCP can reshard to); without
-        `with_optimizer`, the weights alone (the optimizer keeps its state, e.g. fresh)."""
+        `with_optimizer`, the weights alone and a fresh optimizer (no moments of other weights; tinker's
+        `load_state`)."""
         optimizer = self.optimizer if with_optimizer else None
         load_sharded(self.model, optimizer, self.scheduler, Path(path), lora=self.lora)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         if optimizer is not None:
             self._apply_configured_optimizer()
+        elif self.optimizer is not None:
+            self.optimizer.state.clear()
 
     def _apply_configured_optimizer(self) -> None:
         """After a resume, this run's `optim` settings (lr, betas, eps, weight decay), not the checkpoint's.

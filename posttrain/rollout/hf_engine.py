@@ -52,9 +52,7 @@ class HFRolloutEngine:
         # only SamplingParams shape the distribution: `generate` fills every setting left unset from the
         # directory's generation_config.json (Qwen2.5-Instruct's repetition_penalty 1.05, say), so it is
         # replaced by one that sets nothing but the special tokens
-        self.model.generation_config = GenerationConfig(
-            eos_token_id=self.eos_ids, pad_token_id=self.pad_id
-        )
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
         results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])

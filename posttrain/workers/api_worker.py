@@ -201,7 +201,14 @@ class ApiWorker:
         def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch) -> Any:
             return api_loss(loss, log_probs, mb, outputs) * engine.dp_size, {}
 
-        engine.forward_backward(batch, loss_fn)
+        params = _trained_parameters(engine)
+        before = [None if p.grad is None else p.grad.clone() for p in params]  # nothing to copy before a step
+        try:
+            engine.forward_backward(batch, loss_fn)
+        except BaseException:
+            for p, g in zip(params, before, strict=True):  # no partial gradients of a failed call
+                p.grad = g
+            raise
         return _row_outputs(batch, outputs)
 
     # ---- several adapters in one pass ---------------------------------------------------------
@@ -318,6 +325,14 @@ def api_loss(
     for i, row in enumerate(rows.tolist()):
         outputs[int(row)] = (detached[i, : int(lengths[i])], float(losses[i]))
     return row_loss.sum()
+
+
+def _trained_parameters(engine: TrainEngine | AdapterModel) -> list[torch.nn.Parameter]:
+    """What a model's `forward_backward` accumulates gradients into: its adapter's matrices, or the full
+    model's trainable weights."""
+    if isinstance(engine, AdapterModel):
+        return list(engine.adapter.parameters())
+    return [p for p in engine.model.parameters() if p.requires_grad]
 
 
 def _grads(model: AdapterModel) -> list[torch.Tensor | None]:

@@ -332,8 +332,11 @@ def test_length_mismatch_names_keys_and_lengths():
         check_input_lengths({"target_tokens": (4,), "weights": (4,)}, model_input_length=5)
     with pytest.raises(ValueError, match="scalar"):
         check_input_lengths({"target_tokens": ()})
-    # the top-k form: target_tokens and weights [N, K] share N
-    assert check_input_lengths({"target_tokens": (3, 2), "weights": (3, 2)}) == 3
+    # several targets per position ([N, K]) are refused at the call, not left to fail in the pass
+    with pytest.raises(ValueError, match=r"target_tokens has shape \[3, 2\].*not supported"):
+        check_input_lengths({"target_tokens": (3, 2), "weights": (3, 2)})
+    with pytest.raises(ValueError, match="target_tokens is empty"):
+        check_input_lengths({"target_tokens": (0,), "weights": (0,)})
 
 
 def test_compute_api_loss_checks_before_computing():
