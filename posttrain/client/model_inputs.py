@@ -25,7 +25,7 @@ import torch
 from tinker import types
 
 from posttrain.data.images import ImageRef, image_size, load_image, open_image
-from posttrain.data.mm_dataset import image_token_count, multi_modal_inputs, pixel_bounds
+from posttrain.data.mm_dataset import image_token_count, multi_modal_inputs
 from posttrain.errors import DataError, ModelError
 
 PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # tinker's ImageChunk.format -> the format Pillow reads
@@ -168,21 +168,25 @@ class ModelInputReader:
         check_no_image_token(model_input, image_token, what)
         tokens: list[int] = []
         images: list[dict[str, torch.Tensor]] = []
+        after_image = False  # no text token since the last image
         for j, chunk in enumerate(model_input.chunks):
             where = f"{what}: chunk {j}"
             if isinstance(chunk, types.EncodedTextChunk):
                 tokens.extend(int(t) for t in chunk.tokens)
+                after_image = after_image and not chunk.tokens
             elif isinstance(chunk, types.ImageChunk):
-                if j and isinstance(model_input.chunks[j - 1], types.ImageChunk):
+                if after_image:  # an empty token chunk between two images separates nothing
                     # the model's position ids take one image per run of image tokens: two images back to
                     # back would read as one (a shape error mid-pass, a hang for the other FSDP ranks)
                     raise ValueError(
-                        f"{where}: an ImageChunk right after another; put text between them (the model's "
+                        f"{where}: an ImageChunk right after another with no token between them; put text "
+                        "between them (the model's "
                         "<|vision_end|><|vision_start|> tokens, as its chat template does)"
                     )
                 count, image = self._image(chunk, where, cache)
                 tokens.extend([image_token] * count)
                 images.append(image)
+                after_image = True
             elif isinstance(chunk, types.ImageAssetPointerChunk):
                 raise ValueError(pointer_refusal(chunk, where))
             else:
@@ -206,9 +210,8 @@ class ModelInputReader:
                 length += chunk.expected_tokens
             elif isinstance(chunk, types.ImageChunk):
                 self._image_token(model_input, what)  # a text-only model: the ValueError that names it
-                lo, hi = pixel_bounds(self._processor)
                 try:
-                    width, height = image_size(ImageRef(data=chunk.data), lo, hi, where)
+                    width, height = image_size(ImageRef(data=chunk.data), None, None, where)
                 except DataError as exc:
                     raise ValueError(str(exc)) from None
                 length += image_token_count(self._processor, width, height)
@@ -259,8 +262,7 @@ class ModelInputReader:
                 raise ValueError(
                     f"{where}: the ImageChunk says format={chunk.format!r} but its bytes are {actual}"
                 )
-            lo, hi = pixel_bounds(processor)
-            image = load_image(ref, lo, hi, where)
+            image = load_image(ref, None, None, where)  # resized once, by the processor, as on a client
             count = image_token_count(processor, image.width, image.height)
             return count, multi_modal_inputs(processor, [image], [count], where)
         except DataError as exc:

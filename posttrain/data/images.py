@@ -68,6 +68,8 @@ def parse_image_refs(row: dict, key: str, base_dir: Path, where: str) -> list[Im
 # PNG can declare a canvas that takes gigabytes to decode, before it is resized to the model's bounds.
 # 50M pixels is 150 MB as RGB, far above any vision model's input (Qwen2-VL's max_pixels is ~12.8M).
 MAX_SOURCE_PIXELS = 50_000_000
+# The longest side over the shortest that Qwen2-VL's image processor (smart_resize) takes
+MAX_ASPECT_RATIO = 200
 
 
 def open_image(ref: ImageRef, where: str) -> Image.Image:
@@ -88,6 +90,12 @@ def open_image(ref: ImageRef, where: str) -> Image.Image:
             f"{where}: image {ref.describe()} is {img.width}x{img.height} pixels, more than the "
             f"{MAX_SOURCE_PIXELS:,} decoded before resizing (posttrain.data.images.MAX_SOURCE_PIXELS)"
         )
+    if max(img.width, img.height) > MAX_ASPECT_RATIO * min(img.width, img.height):
+        img.close()
+        raise DataError(
+            f"{where}: image {ref.describe()} is {img.width}x{img.height} pixels, an aspect ratio over the "
+            f"{MAX_ASPECT_RATIO} the vision model's image processor takes"
+        )
     return img
 
 
@@ -97,30 +105,46 @@ def fit_pixels(width: int, height: int, min_pixels: int, max_pixels: int) -> tup
     if min_pixels > max_pixels:
         raise DataError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels})")
     area = width * height
-    if area > max_pixels:
+    if area > max_pixels:  # rounded, not truncated: a thin image keeps its aspect ratio
         scale = math.sqrt(max_pixels / area)
-        width, height = int(width * scale), int(height * scale)
+        width, height = round(width * scale), round(height * scale)
     elif area < min_pixels:
         scale = math.sqrt(min_pixels / area)
         width, height = math.ceil(width * scale), math.ceil(height * scale)
     return max(width, 1), max(height, 1)
 
 
-def image_size(ref: ImageRef, min_pixels: int, max_pixels: int, where: str) -> tuple[int, int]:
+def image_size(ref: ImageRef, min_pixels: int | None, max_pixels: int | None, where: str) -> tuple[int, int]:
     """The (width, height) `load_image` will return, from the header alone."""
     with open_image(ref, where) as img:
+        if min_pixels is None or max_pixels is None:
+            return img.width, img.height
         return fit_pixels(img.width, img.height, min_pixels, max_pixels)
 
 
-def load_image(ref: ImageRef, min_pixels: int, max_pixels: int, where: str) -> Image.Image:
-    """Decode an image as RGB, resized into the pixel bounds (bicubic)."""
+def load_image(ref: ImageRef, min_pixels: int | None, max_pixels: int | None, where: str) -> Image.Image:
+    """Decode an image as RGB (transparent pixels on white, as Hugging Face's image processors do), resized
+    into the pixel bounds (bicubic; verl's dataset pre-resize), or as it is when they are None (the
+    processor's own resize then is the only one, as when a client counts its tokens with the processor)."""
     with open_image(ref, where) as img:
         try:
-            rgb = img.convert("RGB")  # decodes; a truncated file fails here
+            rgb = _rgb(img)  # decodes; a truncated file fails here
         except (OSError, ValueError) as e:
             raise DataError(f"{where}: cannot decode image {ref.describe()}: {e}") from e
+    if min_pixels is None or max_pixels is None:
+        return rgb
     size = fit_pixels(rgb.width, rgb.height, min_pixels, max_pixels)
     return rgb if size == rgb.size else rgb.resize(size, Image.Resampling.BICUBIC)
+
+
+def _rgb(img: Image.Image) -> Image.Image:
+    """RGB, with an image's transparency composited onto white (Pillow's plain conversion drops the alpha
+    channel and shows what the transparent pixels hide, often black)."""
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def split_image_placeholders(

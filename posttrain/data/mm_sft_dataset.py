@@ -101,6 +101,11 @@ class MultimodalSFTDataset:
             _, prompt_ids = render_multimodal_prompt(processor, messages, counts, where)
             response = as_text(get_field(row, response_key, where), response_key, where)
             response_ids = list(tokenizer.encode(response + eos, add_special_tokens=False))
+            if image_token_id in response_ids:  # the model would look for an image there that is not given
+                raise DataError(
+                    f"{where}: field {response_key!r} holds the image token {processor.image_token!r} as text; "
+                    "a response cannot hold an image"
+                )
             ids = prompt_ids + response_ids
             if train_on == "everything":
                 prompt_mask = [int(t != image_token_id) for t in prompt_ids]

@@ -318,6 +318,12 @@ def test_inputs_that_cannot_work_are_refused_at_the_call(lora, service, tiny_mod
         )
     with pytest.raises(ValueError, match=r"prompt: chunk 2: an ImageChunk right after another"):
         lora.save_weights_and_get_sampling_client().sample(adjacent, 1, types.SamplingParams(max_tokens=2))
+    nothing = types.EncodedTextChunk(tokens=[])  # an empty token chunk between them separates nothing
+    hidden = types.ModelInput(
+        chunks=[datum.model_input.chunks[0], red, nothing, red, datum.model_input.chunks[2]]
+    )
+    with pytest.raises(ValueError, match=r"datum 0: chunk 3: an ImageChunk right after another"):
+        lora.forward([types.Datum(model_input=hidden, loss_fn_inputs=datum.loss_fn_inputs)], "cross_entropy")
     # the image token written as text
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     as_text = types.ModelInput(
@@ -454,3 +460,21 @@ def check_shared_pass(
         for row, datum in enumerate(batch[keys.API_ROW].tolist()[: len(data)]):
             n = alone[datum].numel()
             torch.testing.assert_close(shared[keys.API_LOGPROBS][row, :n], alone[datum], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [(300, 200), (640, 480), (123, 457), (1000, 37)])
+def test_an_image_is_as_many_tokens_as_the_models_processor_makes_it(
+    vl_dir: Path, size: tuple[int, int]
+) -> None:
+    """A client counts expected_tokens with the model's processor, which resizes the image once; a second
+    resize before it (into the same bounds) gave other counts for these sizes (15 tokens against 12, ...)."""
+    processor = load_processor(vl_dir)
+    data = image_bytes("red", size)
+    grid = processor.image_processor(images=[Image.open(io.BytesIO(data)).convert("RGB")])["image_grid_thw"]
+    expected = int(torch.as_tensor(grid).prod()) // processor.image_processor.merge_size**2
+    reader = ModelInputReader(str(vl_dir))
+    chunk = types.ModelInput(chunks=[types.ImageChunk(data=data, format="png", expected_tokens=expected)])
+    assert (
+        reader.length(types.ModelInput(chunks=[types.ImageChunk(data=data, format="png")]), "x") == expected
+    )
+    assert len(reader.row(chunk, "x").tokens) == expected  # accepted: the processor's count

@@ -209,3 +209,32 @@ def test_an_image_declaring_too_many_pixels_is_refused_before_decoding() -> None
         DataError, match=r"row 3: image <\d+ bytes> is 8000x7000 pixels, more than the 50,000,000"
     ):
         open_image(ImageRef(data=buf.getvalue()), "row 3")
+
+
+def test_transparent_pixels_are_white_as_the_image_processors_make_them():
+    img = Image.new("RGBA", (20, 20), (0, 0, 0, 0))  # transparent, hiding black
+    ImageDraw.Draw(img).rectangle((5, 5, 14, 14), fill=(255, 0, 0, 255))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    rgb = load_image(ImageRef(data=buf.getvalue()), None, None, "x")
+    assert (
+        rgb.mode == "RGB"
+        and rgb.getpixel((0, 0)) == (255, 255, 255)
+        and rgb.getpixel((10, 10)) == (255, 0, 0)
+    )
+    palette = img.convert("P")  # a palette image with a transparent index
+    buf = io.BytesIO()
+    palette.save(buf, format="PNG", transparency=palette.getpixel((0, 0)))
+    assert load_image(ImageRef(data=buf.getvalue()), None, None, "x").getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_thin_images_keep_their_aspect_and_too_thin_ones_name_themselves():
+    w, h = fit_pixels(3000, 15, 56 * 56, 112 * 112)  # the processor takes up to 200: truncation made it 226
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 1), "red").save(buf, format="PNG")
+    thin = buf.getvalue()
+    assert max(w, h) / min(w, h) <= 200
+    with pytest.raises(
+        DataError, match=r"row 3: image 0: image .* is 300x1 pixels, an aspect ratio over the 200"
+    ):
+        load_image(ImageRef(data=thin), 56 * 56, 112 * 112, "row 3: image 0")

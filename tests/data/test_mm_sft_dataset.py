@@ -102,3 +102,14 @@ def test_a_missing_or_unreadable_image_names_the_row(tmp_path, processor):
         DataError, match=r"f.parquet: row 0: the prompt has 2 <image> placeholders but 1 images"
     ):
         MultimodalSFTDataset(tmp_path / "f.parquet", processor, 64)
+
+
+def test_a_response_holding_the_image_token_is_refused_naming_the_row(tmp_path, processor):
+    """It would become an image token with no image behind it, found only in the middle of training."""
+    rows = [
+        row("<image>how many?", [png((56, 56))]),
+        row("<image>how many?", [png((56, 56))], "3<|image_pad|>"),
+    ]
+    write_rows(tmp_path / "r.parquet", rows)
+    with pytest.raises(DataError, match=r"r.parquet: row 1: field 'extra_info.answer' holds the image token"):
+        MultimodalSFTDataset(tmp_path / "r.parquet", processor, 64)
