@@ -26,16 +26,25 @@ class WorkerError(PosttrainError):
     """A worker raised or died; the message names the role and rank.
 
     `role` and `rank` say which worker (None when the error is not one rank's, e.g. a batch that does not
-    split); `died` is True when its process is gone (killed, crashed), not merely raised.
+    split); `died` is True when its process is gone (killed, crashed), not merely raised; `deterministic` when
+    what it raised is an error of the input or the settings (a ConfigError, DataError, ValueError or
+    TypeError), which the same call would raise again after a restart.
     """
 
     def __init__(
-        self, message: str, *, role: str | None = None, rank: int | None = None, died: bool = False
+        self,
+        message: str,
+        *,
+        role: str | None = None,
+        rank: int | None = None,
+        died: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(message)
         self.role = role
         self.rank = rank
         self.died = died
+        self.deterministic = deterministic
 
 
 class OutOfMemoryError(PosttrainError):

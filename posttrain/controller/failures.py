@@ -11,7 +11,10 @@ import re
 import time
 from typing import Any
 
-from posttrain.errors import WorkerError
+from posttrain.errors import ConfigError, DataError, WorkerError
+
+# what a worker raises for its input or settings: the same call raises it again after a restart
+DETERMINISTIC_ERRORS = (ConfigError, DataError, ValueError, TypeError)
 
 # How long a rank's error waits for news of a dead peer before it is reported as the cause.
 PEER_DEATH_GRACE_S = 3.0
@@ -75,7 +78,13 @@ def rank_failure(
             rank=peer,
             died=True,
         )
-    return WorkerError(f"{role} rank {rank} raised in {method}: {raised_message(exc)}", role=role, rank=rank)
+    cause = getattr(exc, "cause", None) or exc  # Ray's RayTaskError wraps it
+    return WorkerError(
+        f"{role} rank {rank} raised in {method}: {raised_message(exc)}",
+        role=role,
+        rank=rank,
+        deterministic=isinstance(cause, DETERMINISTIC_ERRORS),
+    )
 
 
 def _dead_peer(pending: list[Any], rank_of: dict[Any, int]) -> tuple[int, Exception] | None:

@@ -94,12 +94,21 @@ def run_with_restarts(
     attempt: Callable[[], T], recover: Callable[[WorkerError, int], None], max_restarts: int
 ) -> T:
     """`attempt()` until it returns. After a WorkerError, `recover(error, restarts_so_far)` and attempt again,
-    at most `max_restarts` times; then the error is raised as one line saying that no restarts are left."""
+    at most `max_restarts` times; then the error is raised as one line saying that no restarts are left. A
+    deterministic one (an error of the input or settings a worker raised) is raised at once, saying so."""
     restarts = 0
     while True:
         try:
             return attempt()
         except WorkerError as exc:
+            if exc.deterministic and max_restarts > 0:  # a restart would end in the same error
+                raise WorkerError(
+                    f"{exc} (not restarted: an error of the input or settings, which a restart would raise "
+                    "again)",
+                    role=exc.role,
+                    rank=exc.rank,
+                    deterministic=True,
+                ) from None
             if restarts >= max_restarts:
                 if max_restarts == 0:
                     raise

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from posttrain import cli
-from posttrain.errors import ConfigError, WorkerError
+from posttrain.controller.failures import rank_failure
+from posttrain.errors import ConfigError, DataError, WorkerError
 from posttrain.trainers.checkpoint import CheckpointManager
 from posttrain.trainers.fault import TEST_KILL_ENV, StopSignals, run_with_restarts
 from posttrain.trainers.rl import RLTrainer
@@ -152,6 +153,23 @@ def test_restarts_are_bounded_and_the_last_error_says_so() -> None:
     with pytest.raises(WorkerError, match=r"gone$") as info:
         run_with_restarts(attempt, lambda exc, n: None, max_restarts=0)
     assert (info.value.rank, info.value.died) == (1, True)
+
+
+def test_an_error_of_the_input_is_not_restarted() -> None:
+    """A worker that raised a DataError would raise it again after every restart: reported at once, not after
+    max_restarts restarts from the last checkpoint."""
+    failure = rank_failure("actor", "update", 0, DataError("row 3: no response"), [], {})
+    assert failure.deterministic and not failure.died
+    transient = rank_failure("actor", "update", 0, RuntimeError("Connection closed by peer"), [], {})
+    assert not transient.deterministic  # a collective that failed: a restart may get past it
+    recovered: list[int] = []
+
+    def attempt() -> str:
+        raise failure
+
+    with pytest.raises(WorkerError, match=r"row 3: no response \(not restarted: an error of the input"):
+        run_with_restarts(attempt, lambda exc, n: recovered.append(n), max_restarts=3)
+    assert recovered == []
 
 
 @pytest.mark.parametrize(
