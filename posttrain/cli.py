@@ -148,7 +148,12 @@ def _serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, func, config in (

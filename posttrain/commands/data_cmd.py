@@ -323,20 +323,40 @@ class _SchemaOnlyTokenizer:
 def validate_file(path: Path, build: Callable[[Path], object]) -> tuple[int, list[tuple[int, str]]]:
     """(number of rows, [(row index, reason)]) of `path`, each row checked alone by `build`.
 
-    A file that cannot be read at all (missing, bad extension, broken JSON line) is a DataError."""
+    Each row is written to a one-row file of the source's format (a parquet row keeps its columns' types:
+    image bytes, nested lists) beside the source, so relative image paths resolve as they do for the whole
+    file (in a temporary folder when the source's is not writable). A file that cannot be read at all
+    (missing, bad extension, broken JSON line) is a DataError."""
     from posttrain.data.dataset import as_paths, read_rows
 
-    rows = read_rows(as_paths(path)[0])
+    source = as_paths(path)[0]
+    rows = read_rows(source)
+    parquet = source.suffix == ".parquet"
+    table = None
+    if parquet:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(source)
     bad: list[tuple[int, str]] = []
-    with tempfile.TemporaryDirectory(prefix="posttrain-validate-") as tmp:
-        one = Path(tmp) / "row.jsonl"
+    with tempfile.TemporaryDirectory(prefix=".posttrain-validate-", dir=_writable(source.parent)) as tmp:
+        one = Path(tmp) / ("row.parquet" if parquet else "row.jsonl")
         for index, row in enumerate(rows):
-            one.write_text(json.dumps(row, default=_plain) + "\n", encoding="utf-8")
+            if table is not None:
+                pq.write_table(table.slice(index, 1), one)
+            else:
+                one.write_text(json.dumps(row, default=_plain) + "\n", encoding="utf-8")
             try:
                 build(one)
             except DataError as exc:
                 bad.append((index, str(exc).replace(f"{one}: row 0: ", "").replace(f"{one}: ", "")))
     return len(rows), bad
+
+
+def _writable(folder: Path) -> str | None:
+    """`folder` if a file can be made there, else None (the system's temporary folder)."""
+    import os
+
+    return str(folder) if os.access(folder, os.W_OK) else None
 
 
 def _plain(value: Any) -> Any:

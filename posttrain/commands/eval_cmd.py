@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--k", default="", help="pass@k values, comma-separated (default: 1 and the powers of 2 <= n)"
     )
-    p.add_argument("--max-prompts", type=int, default=0, help="evaluate the first N prompts; 0 = all")
+    p.add_argument(
+        "--max-prompts", type=_non_negative, default=0, help="evaluate the first N prompts; 0 = all"
+    )
     p.add_argument("--max-prompt-length", type=int, default=1024, help="tokens after the chat template")
     p.add_argument("--overlong-prompts", choices=("filter", "error"), default="filter")
     p.add_argument("--max-response-length", type=int, default=512, help="tokens generated per sample")
@@ -241,3 +243,10 @@ def _reward_manager(args: argparse.Namespace) -> Any:
     if args.reward_function:
         return RewardManager(load_reward_function(args.reward_function, args.reward_function_name))
     return RewardManager(None, {"openai/gsm8k": {"method": args.gsm8k_method}})
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = all), got {value}")
+    return value

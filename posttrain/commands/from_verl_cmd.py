@@ -9,6 +9,7 @@ posttrain config before it is printed.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -41,6 +42,8 @@ def run(args: argparse.Namespace) -> None:
     if args.yaml:
         given |= read_yaml(Path(args.yaml))
     if args.script:
+        if not Path(args.script).is_file():
+            raise ConfigError(f"config from-verl --script: file not found: {args.script}")
         given |= parse_overrides(script_arguments(Path(args.script).read_text()))
     given |= parse_overrides(args.overrides)
     if not given:
@@ -73,30 +76,108 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+ENTRY_POINTS = ("main_ppo", "main_dapo")  # verl's trainer and its DAPO recipe's (the same config keys)
+
+
 def script_arguments(text: str) -> list[str]:
-    """The `key=value` arguments of the verl command (after `...main_ppo`) in a launch script."""
+    """The `key=value` arguments of the verl command (after `...main_ppo` or `...main_dapo`) in a launch
+    script. Shell expansions read: `$V`, `${V}`, `${V:-default}`, `${V-default}` and `$((arithmetic))`."""
     env = dict(os.environ)
     joined = re.sub(r"\\\n", " ", text)
     for line in joined.splitlines():
-        tokens = shlex.split(line, comments=True)
+        line = _arithmetic(line, env)
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:
+            continue  # not a line of the command (a heredoc's, say): unbalanced quotes
         if not tokens:
             continue
         if len(tokens) == 1 and re.fullmatch(r"(export\s+)?[A-Za-z_]\w*=.*", line.strip()):
             name, _, value = tokens[0].partition("=")  # a shell variable the command may use
-            env[name] = _expand(value, env)
+            env[name] = _expand(value, env, strict=False)
             continue
         if tokens[0] == "export" and len(tokens) == 2 and "=" in tokens[1]:
             name, _, value = tokens[1].partition("=")
-            env[name] = _expand(value, env)
+            env[name] = _expand(value, env, strict=False)
             continue
-        starts = [i for i, t in enumerate(tokens) if t.endswith("main_ppo") or t.endswith("main_ppo.py")]
+        starts = [i for i, t in enumerate(tokens) if t.removesuffix(".py").endswith(ENTRY_POINTS)]
         if starts:
             return [_expand(t, env) for t in tokens[starts[0] + 1 :] if "=" in t and not t.startswith("-")]
-    raise ConfigError("config from-verl --script: no `... verl.trainer.main_ppo key=value ...` command found")
+    raise ConfigError(
+        "config from-verl --script: no `... verl.trainer.main_ppo key=value ...` (or recipe main_dapo) command found"
+    )
 
 
-def _expand(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: env.get(m.group(1), m.group(0)), value)
+def _expand(value: str, env: dict[str, str], strict: bool = True) -> str:
+    """`value` with the shell's variable expansions done. An unset variable without a default is empty, as in
+    the shell, in an assignment, and an error naming it in the command's arguments (`strict`), where an
+    empty value would silently become a setting."""
+
+    def lookup(name: str, operator: str | None, default: str) -> str:
+        value = env.get(name)
+        if operator == ":-" and not value or operator == "-" and value is None:
+            return _expand(default, env, strict)
+        if value is None and not strict:
+            return ""
+        if value is None:
+            raise ConfigError(
+                f"config from-verl --script: ${name} is not set (in the script or the environment)"
+            )
+        return value
+
+    out, i = [], 0
+    while i < len(value):
+        plain = re.match(r"\$([A-Za-z_]\w*)", value[i:])
+        if value.startswith("${", i):
+            depth, j = 1, i + 2
+            while j < len(value) and depth:  # the matching brace: a default may hold expansions of its own
+                if value[j] == "{" and value[j - 1] == "$":
+                    depth += 1
+                elif value[j] == "}":
+                    depth -= 1
+                j += 1
+            braced = re.fullmatch(r"([A-Za-z_]\w*)(?:(:?-)(.*))?", value[i + 2 : j - 1], re.S)
+            if depth or braced is None:
+                raise ConfigError(f"config from-verl --script: cannot read {value[i:j]!r}")
+            out.append(lookup(braced.group(1), braced.group(2), braced.group(3) or ""))
+            i = j
+        elif plain is not None:
+            out.append(lookup(plain.group(1), None, ""))
+            i += plain.end()
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def _arithmetic(line: str, env: dict[str, str]) -> str:
+    """`line` with each `$((expression))` replaced by its value (integers, + - * / % and parentheses, the
+    shell's integer division), its variables expanded first."""
+
+    def value(m: re.Match[str]) -> str:
+        expression = re.sub(
+            r"\b([A-Za-z_]\w*)\b", lambda v: env.get(v.group(1), v.group(0)), _expand(m.group(1), env)
+        )
+        if not re.fullmatch(r"[\d\s+\-*/%()]+", expression):
+            raise ConfigError(f"config from-verl --script: cannot evaluate $(({m.group(1)}))")
+        return str(_integer(ast.parse(expression.replace("/", "//"), mode="eval").body))
+
+    return re.sub(r"\$\(\((.+?)\)\)", value, line)
+
+
+def _integer(node: ast.expr) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        operand = _integer(node.operand)
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp):
+        ops = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__, ast.FloorDiv: int.__floordiv__,
+               ast.Mod: int.__mod__}  # fmt: skip
+        for kind, op in ops.items():
+            if isinstance(node.op, kind):
+                return op(_integer(node.left), _integer(node.right))
+    raise ConfigError("config from-verl --script: an arithmetic expansion that is not integer arithmetic")
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

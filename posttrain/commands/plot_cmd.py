@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"figures ({', '.join(FIGURE_NAMES)}) or metric keys (`*` patterns too, e.g. 'actor/*'), "
         "each key a figure of its own; unset: every figure",
     )
-    p.add_argument("--dpi", type=int, default=100, help="resolution of the PNGs, dots per inch")
+    p.add_argument("--dpi", type=_positive, default=100, help="resolution of the PNGs, dots per inch")
     p.set_defaults(func=_plot)
 
 
@@ -48,3 +48,10 @@ def _plot(args: argparse.Namespace) -> int:
     if not result.files:
         print("no figure written: none of the asked-for metrics is in these runs")
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

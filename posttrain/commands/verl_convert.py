@@ -63,9 +63,15 @@ def _norm(value: Any) -> Any:
 
 
 def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversion:
-    """posttrain's settings for the verl settings `given` (flattened keys -> values)."""
-    ctx = Context(given, train_rows)
+    """posttrain's settings for the verl settings `given` (flattened keys -> values). A key given as null
+    (verl's `key=null`) is not a setting: verl's code falls back as for an unset key without a default (a
+    micro-batch size, `clip_ratio` for a clip bound), so neither it nor verl's default for it is carried."""
+    nulls = frozenset(k for k, v in given.items() if v is None)
+    given = {k: v for k, v in given.items() if v is not None}
+    ctx = Context(given, train_rows, nulls)
     out = Conversion()
+    for key in sorted(nulls):
+        out.no_effect.append(Skipped(key, None, "null: verl's fallback for an unset key"))
     source: dict[str, str] = {}  # posttrain key -> the verl key that set it
 
     def add(rule_key: str, verl_value: Any, values: dict[str, Any], origin: str, note: str) -> None:
@@ -98,7 +104,12 @@ def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversi
         except Unmappable as exc:
             out.unmapped.append(Skipped(key, value, str(exc)))
     for rule in RULES:
-        if rule.verl in given or not rule.apply_default or rule.verl not in VERL_DEFAULTS:
+        if (
+            rule.verl in given
+            or rule.verl in nulls
+            or not rule.apply_default
+            or rule.verl not in VERL_DEFAULTS
+        ):
             continue
         value = VERL_DEFAULTS[rule.verl]
         try:

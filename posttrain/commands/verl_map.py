@@ -30,7 +30,9 @@ VERL_DEFAULTS: dict[str, Any] = {
     f"{T}n_gpus_per_node": 8, f"{T}nnodes": 1, f"{T}project_name": "verl_examples", f"{T}experiment_name": "gsm8k",
     f"{A}optim.lr_warmup_steps": -1, f"{A}optim.lr_warmup_steps_ratio": 0.0, f"{A}fsdp_config.param_offload": False,
     f"{A}fsdp_config.optimizer_offload": False, f"{A}use_dynamic_bsz": False, f"{A}ppo_max_token_len_per_gpu": 16384,
-    f"{C}ppo_max_token_len_per_gpu": 32768,
+    f"{C}ppo_max_token_len_per_gpu": 32768, f"{R}val_kwargs.do_sample": False, f"{R}val_kwargs.temperature": 0.0,
+    f"{A}clip_ratio_low": 0.2, f"{A}clip_ratio_high": 0.2, f"{A}clip_ratio_c": 3.0,
+    "reward_model.overlong_buffer.enable": False,
 }  # fmt: skip
 
 
@@ -48,6 +50,9 @@ class Context:
 
     given: Mapping[str, Any]
     train_rows: int | None = None
+    nulls: frozenset[str] = (
+        frozenset()
+    )  # keys the command line sets to null: verl's fallback, not its default
 
     def get(self, key: str) -> Any:
         return self.given[key] if key in self.given else VERL_DEFAULTS.get(key)
@@ -147,9 +152,38 @@ def _adv(v: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _clip_ratio(v: Any, ctx: Context) -> dict[str, Any]:
-    return {
-        f"actor.clip_ratio_{side}": v for side in ("low", "high") if f"{A}clip_ratio_{side}" not in ctx.given
-    }
+    """verl reads `clip_ratio` only for a bound set to null (`clip_ratio_low if not None else clip_ratio`);
+    both bounds default to 0.2, so alone it changes nothing."""
+    sides = [side for side in ("low", "high") if f"{A}clip_ratio_{side}" in ctx.nulls]
+    if not sides:
+        raise NoEffect("verl uses clip_ratio only for clip_ratio_low/high set to null; they default to 0.2")
+    return {f"actor.clip_ratio_{side}": v for side in sides}
+
+
+def _val_files(v: Any, ctx: Context) -> dict[str, Any]:
+    """verl validates every row of its val files; posttrain's default takes the first 256 prompts."""
+    return {"data.val_files": [v] if isinstance(v, str) else list(v), "data.val_max_prompts": 0}
+
+
+def _val_temperature(v: Any, ctx: Context) -> dict[str, Any]:
+    if not ctx.get(f"{R}val_kwargs.do_sample"):
+        raise NoEffect("verl decodes validation greedily while val_kwargs.do_sample is false (its default)")
+    return {"rollout.val_temperature": v}
+
+
+def _overlong_buffer(target: str) -> Convert:
+    def convert(v: Any, ctx: Context) -> dict[str, Any]:
+        if not ctx.get("reward_model.overlong_buffer.enable"):
+            raise NoEffect("verl applies the overlong penalty only with overlong_buffer.enable=true")
+        return {target: v}
+
+    return convert
+
+
+def _overlong_enable(v: Any, ctx: Context) -> dict[str, Any]:
+    if v and ctx.get("reward_model.overlong_buffer.len") is None:
+        raise Unmappable("overlong_buffer.enable=true needs overlong_buffer.len (reward.overlong_buffer_len)")
+    raise NoEffect("posttrain applies the overlong penalty when reward.overlong_buffer_len > 0")
 
 
 def _overlong(v: Any, ctx: Context) -> dict[str, Any]:
@@ -304,7 +338,7 @@ RULES: tuple[Rule, ...] = (
     *(rule(f"algorithm.rollout_correction.{k}", f"algorithm.rollout_correction.{k}") for k in (
         "rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type")),
     Rule(f"{D}train_files", ("data.train_files",), _files("data.train_files")),
-    Rule(f"{D}val_files", ("data.val_files",), _files("data.val_files")),
+    Rule(f"{D}val_files", ("data.val_files", "data.val_max_prompts"), _val_files, "every row, as verl (val_max_prompts=0)"),
     rule(f"{D}train_batch_size", "data.train_batch_prompts", "both count prompts"),
     rule(f"{D}max_prompt_length", "data.max_prompt_length"),
     rule(f"{D}max_response_length", "data.max_response_length"),
@@ -334,8 +368,9 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{A}ppo_micro_batch_size", ("actor.micro_batch_size",), _per_worker("actor.micro_batch_size"), "global in verl: / GPUs", False),
     Rule(f"{A}use_dynamic_bsz", ("actor.max_token_len_per_worker",), _dynamic_bsz(A, "actor.max_token_len_per_worker"), "True: the token budget"),
     Rule(f"{A}ppo_max_token_len_per_gpu", ("actor.max_token_len_per_worker",), _token_budget(A, "actor.max_token_len_per_worker"), "with use_dynamic_bsz"),
-    *(rule(f"{A}{k}", f"actor.{k}", apply_default=False) for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")),
-    Rule(f"{A}clip_ratio", ("actor.clip_ratio_low", "actor.clip_ratio_high"), _clip_ratio, "both bounds, unless given", False),
+    *(rule(f"{A}{k}", f"actor.{k}", "verl's default 0.2 / 0.2 / 3.0 for every loss") for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")),
+    *(rule(f"{A}{k}", f"actor.{k}", apply_default=False) for k in ("tau_pos", "tau_neg")),
+    Rule(f"{A}clip_ratio", ("actor.clip_ratio_low", "actor.clip_ratio_high"), _clip_ratio, "a bound set to null only", False),
     *(rule(f"{A}{k}", f"actor.{k}") for k in ("loss_agg_mode", "loss_scale_factor", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")),
     Rule(f"{A}ppo_epochs", ("actor.ppo_epochs", "critic.ppo_epochs"), _actor_and_critic("actor.ppo_epochs", "ppo_epochs", same("actor.ppo_epochs")), "the critic's too, unless given"),
     rule(f"{A}policy_loss.loss_mode", "actor.policy_loss"),
@@ -348,7 +383,7 @@ RULES: tuple[Rule, ...] = (
     rule(f"{R}top_p", "rollout.top_p"),
     Rule(f"{R}top_k", ("rollout.top_k",), _top_k, "-1 (off) = 0"),
     rule(f"{R}max_num_seqs", "rollout.max_batch_size", "sequences decoded together per worker", False),
-    rule(f"{R}val_kwargs.temperature", "rollout.val_temperature"),
+    Rule(f"{R}val_kwargs.temperature", ("rollout.val_temperature",), _val_temperature, "with do_sample=true only"),
     Rule(f"{R}val_kwargs.do_sample", ("rollout.val_temperature",), _val_sample, "False: greedy"),
     Rule(f"{R}val_kwargs.n", (), _val_n, "1 only; pass@k: posttrain eval"),
     rule(f"{C}optim.lr", "critic.optim.lr"),
@@ -366,8 +401,9 @@ RULES: tuple[Rule, ...] = (
     rule(f"{C}ppo_epochs", "critic.ppo_epochs"),
     rule("custom_reward_function.path", "reward.custom_function_path"),
     rule("custom_reward_function.name", "reward.custom_function_name"),
-    rule("reward_model.overlong_buffer.len", "reward.overlong_buffer_len"),
-    rule("reward_model.overlong_buffer.penalty_factor", "reward.overlong_penalty_factor"),
+    Rule("reward_model.overlong_buffer.enable", (), _overlong_enable, "true: the len below"),
+    Rule("reward_model.overlong_buffer.len", ("reward.overlong_buffer_len",), _overlong_buffer("reward.overlong_buffer_len"), "with enable=true only"),
+    Rule("reward_model.overlong_buffer.penalty_factor", ("reward.overlong_penalty_factor",), _overlong_buffer("reward.overlong_penalty_factor"), "with enable=true only"),
     Rule("reward_model.enable", (), _must_be(False, "model-based rewards are not supported: score with a reward function (custom_reward_function.path)", "function rewards, as posttrain"), "False only"),
     Rule("reward_model.reward_manager", (), _must_be(("naive", "dapo"), "posttrain's reward manager is verl's naive one (+ DAPO overlong shaping)", "posttrain's reward manager"), "naive, dapo"),
     rule(f"{T}total_training_steps", "trainer.total_steps"),

@@ -1,4 +1,5 @@
-"""Model FLOPs of a dense decoder-only transformer (Llama/Qwen2 family) and a matmul peak-FLOP/s benchmark.
+"""Model FLOPs of a decoder-only transformer (Llama/Qwen2 family, dense or a mixture of experts: the weights a
+token multiplies) and a matmul peak-FLOP/s benchmark.
 
 The FLOP counts are pure functions of a Hugging Face config dict (`config.json` / `PretrainedConfig.to_dict()`),
 so the trainer's MFU and the benchmarks use one definition. Conventions (PaLM, Chowdhery et al. 2022, App. B):
@@ -41,8 +42,25 @@ def matmul_params(config: Mapping[str, Any], head: str = "lm") -> int:
     plus the output head: `lm` (hidden x vocab, tied or not) or `value` (hidden x 1, a critic's head)."""
     hidden, layers, ffn, heads, kv_heads, head_dim = _dims(config)
     attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * ffn
-    return layers * (attention + mlp) + head_params(config, head)
+    return layers * attention + sum(_mlp_params(config, i) for i in range(layers)) + head_params(config, head)
+
+
+def _mlp_params(config: Mapping[str, Any], layer: int) -> int:
+    """The gated MLP weights a token multiplies in `layer`: the dense MLP (gate, up, down), or in a mixture of
+    experts its top-k experts' (`moe_intermediate_size` wide; Mixtral's `intermediate_size`), the shared
+    expert and its gate (Qwen2-MoE) and the router. Qwen-MoE's dense layers (`mlp_only_layers`, or off
+    `decoder_sparse_step`) count as dense."""
+    hidden, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    step = int(config.get("decoder_sparse_step") or 1)
+    if not experts or layer in (config.get("mlp_only_layers") or []) or (layer + 1) % step:
+        return 3 * hidden * ffn
+    top_k = int(config.get("num_experts_per_tok") or 1)
+    expert_ffn = int(config.get("moe_intermediate_size") or ffn)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return (
+        top_k * 3 * hidden * expert_ffn + 3 * hidden * shared + (hidden if shared else 0) + hidden * experts
+    )
 
 
 def head_params(config: Mapping[str, Any], head: str = "lm") -> int:

@@ -64,3 +64,22 @@ def test_gsm8k_without_src_offline_says_how_to_give_a_local_copy(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "posttrain data gsm8k --src DIR --out OUT" in err and "train.jsonl and test.jsonl" in err
+
+
+def test_validate_reads_image_rows_and_relative_image_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Image bytes in a parquet row, and a JSON row's image path relative to its file, as training reads them
+    (each row used to be copied to a temporary JSON file: bytes failed, relative paths pointed elsewhere)."""
+    assert main(["data", "shapes", "--out", str(tmp_path / "shapes"), "--n-train", "3", "--n-test", "1"]) == 0
+    capsys.readouterr()
+    assert main(["data", "validate", str(tmp_path / "shapes" / "train.parquet")]) == 0
+    assert "3 rows, 0 bad" in capsys.readouterr().out
+    from PIL import Image
+
+    Image.new("RGB", (28, 28), "red").save(tmp_path / "red.png")
+    row = {**make_row(0), "images": ["red.png"]}
+    row["prompt"] = [{"role": "user", "content": "<image>What color?"}]
+    path = write_rows(tmp_path / "rel.jsonl", [row])
+    assert main(["data", "validate", str(path)]) == 0
+    assert not list(tmp_path.glob(".posttrain-validate-*"))  # the one-row files are gone

@@ -64,3 +64,24 @@ def test_eval_lengths_over_the_model_context(
     assert main([*argv, "--max-response-length", "1000000"]) == 2
     err = capsys.readouterr().err
     assert "exceed the model's context" in err and "lower one of them" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--log-level", "loud", "config", "show", "train"], "invalid choice: 'LOUD'"),
+        (["eval", "--model", "m", "--data", "d.parquet", "--max-prompts", "-1"], "must be >= 0"),
+        (["plot", "runs/x", "--dpi", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_missing_verl_script_names_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "from-verl", "--script", str(tmp_path / "run.sh")]) == 2
+    assert "--script: file not found" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from posttrain.commands.verl_convert import Conversion, convert, migration_markd
 from posttrain.commands.verl_map import RULES
 from posttrain.config.load import check_override_keys, load_config
 from posttrain.config.schema import RLConfig
+from posttrain.errors import ConfigError
 
 EXAMPLES = Path(__file__).parent / "verl_examples"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "migration_from_verl.md"
@@ -75,10 +76,14 @@ def test_units_and_conflicts() -> None:
     assert out["actor.micro_batch_size"] == 16  # verl's global micro-batch over 8 GPUs
     result = convert({**base, "actor_rollout_ref.actor.ppo_micro_batch_size": 100})
     assert "does not split over 8 GPUs" in result.unmapped[0].reason
+    # verl reads clip_ratio only for a bound set to null (both default to 0.2)
     out = settings(
         convert({"actor_rollout_ref.actor.clip_ratio": 0.3, "actor_rollout_ref.actor.clip_ratio_high": 0.28})
     )
-    assert out["actor.clip_ratio_low"] == 0.3 and out["actor.clip_ratio_high"] == 0.28
+    assert out["actor.clip_ratio_low"] == 0.2 and out["actor.clip_ratio_high"] == 0.28
+    clip = {"actor_rollout_ref.actor.clip_ratio": 0.3, "actor_rollout_ref.actor.clip_ratio_low": None}
+    out = settings(convert(clip))
+    assert out["actor.clip_ratio_low"] == 0.3 and out["actor.clip_ratio_high"] == 0.2
     result = convert(
         {
             "actor_rollout_ref.actor.fsdp_config.param_offload": True,
@@ -141,3 +146,58 @@ def test_ulysses_sequence_parallel_size_maps_to_one_setting_for_every_role() -> 
     assert out["model.sequence_parallel_size"] == 2
     result = convert({f"actor_rollout_ref.actor.{sp}": 2, f"critic.{sp}": 4})
     assert any("differs from the actor's" in s.reason for s in result.unmapped)
+
+
+def test_what_verl_does_by_default_is_what_the_converted_run_does() -> None:
+    """verl's defaults where a converted line used to change the run: greedy validation on every val row,
+    clip bounds 0.2 / 0.2 for every loss (gspo's included), no overlong penalty unless enabled."""
+    base = {"algorithm.adv_estimator": "grpo", "trainer.total_training_steps": 10}
+    result = convert(
+        {**base, "actor_rollout_ref.rollout.val_kwargs.temperature": 0.6, "data.val_files": "v.parquet"}
+    )
+    out = settings(result)
+    assert "rollout.val_temperature" not in out or out["rollout.val_temperature"] == 0.0  # do_sample false
+    assert out["data.val_max_prompts"] == 0  # every row, as verl
+    sampled = {
+        "actor_rollout_ref.rollout.val_kwargs.do_sample": True,
+        "actor_rollout_ref.rollout.val_kwargs.temperature": 0.6,
+    }
+    assert settings(convert({**base, **sampled}))["rollout.val_temperature"] == 0.6
+    out = settings(convert({**base, "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}))
+    assert out["actor.clip_ratio_low"] == 0.2 and out["actor.clip_ratio_high"] == 0.2  # not gspo's 3e-4
+    dapo = {"reward_model.reward_manager": "dapo", "reward_model.overlong_buffer.len": 128}
+    assert "reward.overlong_buffer_len" not in settings(convert({**base, **dapo}))  # enable defaults to false
+    enabled = settings(convert({**base, **dapo, "reward_model.overlong_buffer.enable": True}))
+    assert enabled["reward.overlong_buffer_len"] == 128
+    for key in ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.rollout.top_k"):
+        result = convert({**base, key: None})  # a null is verl's fallback, not a value to convert
+        assert [s.verl_key for s in result.no_effect if s.verl_value is None] == [key]
+    for config in (
+        convert(
+            {**base, "actor_rollout_ref.rollout.val_kwargs.temperature": 0.6, "data.val_files": "v.parquet"}
+        ),
+        convert({**base, **dapo, "reward_model.overlong_buffer.enable": True}),
+    ):
+        load_config(RLConfig, "rl", config.overrides())
+
+
+def test_scripts_with_shell_defaults_and_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NNODES", raising=False)
+    monkeypatch.setenv("HOME", "/home/me")
+    script = """
+NNODES=${NNODES:-4}
+DATA=${DATA_HOME:-"${HOME}/verl"}
+max_response_length=$((1024 * 2 + 2))
+python3 -m recipe.dapo.main_dapo \\
+    data.max_response_length=${max_response_length} \\
+    actor_rollout_ref.model.path="${DATA}/models/m" \\
+    trainer.nnodes="${NNODES}"
+"""
+    given = parse_overrides(script_arguments(script))
+    assert given == {
+        "data.max_response_length": 2050,
+        "actor_rollout_ref.model.path": "/home/me/verl/models/m",
+        "trainer.nnodes": 4,
+    }
+    with pytest.raises(ConfigError, match=r"\$MISSING is not set"):
+        script_arguments("python3 -m verl.trainer.main_ppo data.train_files=$MISSING/x.parquet\n")

@@ -125,3 +125,25 @@ def test_measure_matmul_flops_is_positive_and_restores_threads() -> None:
     flops = measure_matmul_flops(seconds=0.05, size=256, threads=1)
     assert 1e6 < flops < 1e15
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("shared", [0, 24], ids=["qwen2_moe_no_shared", "qwen2_moe_shared_expert"])
+def test_a_mixture_of_experts_counts_the_weights_a_token_multiplies(shared: int) -> None:
+    """Top-k of the routed experts, the shared expert and its gate, the router (not a dense MLP of
+    intermediate_size, which a Qwen2-MoE layer does not have: MFU read 24% high on tiny-moe)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        hidden_size=16, intermediate_size=40, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=shared, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=50, tie_word_embeddings=True, mlp_only_layers=[1],
+    )  # fmt: skip
+    model = Qwen2MoeForCausalLM(config)
+    active = 0
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or "embed_tokens" in name or (not shared and "shared_expert" in name):
+            continue
+        routed = ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+        active += p.numel() * config.num_experts_per_tok // config.num_experts if routed else p.numel()
+    active += config.hidden_size * config.vocab_size  # the tied head
+    assert matmul_params(config.to_dict()) == active
