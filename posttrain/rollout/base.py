@@ -107,6 +107,18 @@ class RolloutEngine(Protocol):
         ...
 
 
+def eos_token_ids(generation_eos: int | Sequence[int] | None, tokenizer_eos: int | None) -> list[int]:
+    """The tokens that end a response: the model's generation_config eos (one id or several) and the
+    tokenizer's eos, together (a chat model's config may name <|endoftext|> and its tokenizer <|im_end|>)."""
+    ids: set[int] = set()
+    for source in (generation_eos, tokenizer_eos):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
 def context_error(prompt_tokens: int, max_tokens: int, max_context: int) -> str:
     """The error of a request longer than the model's context (`max_position_embeddings` of its config)."""
     return (

@@ -20,6 +20,7 @@ from posttrain.rollout.base import (
     GenerationResult,
     SamplingParams,
     context_error,
+    eos_token_ids,
     stop_string_prefix,
     text_before_stop,
 )
@@ -42,10 +43,8 @@ class HFRolloutEngine:
         self.max_batch_size = max_batch_size
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = sorted(
-            {eos} if isinstance(eos, int) else set(eos or []) | {self.tokenizer.eos_token_id}
-        )
+        # the same stop tokens as the native engine (an int in generation_config used to leave out the tokenizer's)
+        self.eos_ids = eos_token_ids(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )

@@ -44,6 +44,7 @@ from posttrain.rollout.base import (
     GenerationResult,
     SamplingParams,
     context_error,
+    eos_token_ids,
     text_before_stop,
 )
 from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, sliding_window, supports
@@ -130,13 +131,7 @@ class NativeRolloutEngine:
         self.adapters = router
 
     def _eos_ids(self) -> list[int]:
-        ids: set[int] = set()
-        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(source)
-        return sorted(ids)
+        return eos_token_ids(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:

@@ -188,3 +188,10 @@ def test_hf_engine_samples_only_as_sampling_params_say(tiny_model_dir: Path, tmp
     hot = SamplingParams(max_tokens=1, temperature=5.0, seed=0)  # nearly flat over 1024 tokens
     first = HFRolloutEngine(str(tiny_model_dir)).generate([ps[0]] * 300, hot)
     assert len({r.token_ids[0] for r in first}) > 50  # no top-50 cut
+
+
+def test_both_engines_stop_at_the_configs_and_the_tokenizers_eos() -> None:
+    from posttrain.rollout.base import eos_token_ids
+
+    assert eos_token_ids(151643, 151645) == [151643, 151645]  # an int in generation_config: both still stop
+    assert eos_token_ids([1, 2], 2) == [1, 2] and eos_token_ids(None, 7) == [7]
