@@ -386,12 +386,16 @@ class RLTrainer:
         extra = [keys.REF_LOG_PROB] if self.cfg.actor.use_kl_loss else []
         update_keys = [k for k in UPDATE_KEYS if k in batch.keys()] + extra + self._replayed
         return actor_update(
-            actor, batch.select(update_keys, self.image_keys), self.loss, self.cfg.actor, self._temp
-        )
+            actor, batch.select(update_keys, self.image_keys), self.loss, self.cfg.actor, self._temp,
+            balance=self.cfg.trainer.balance_batch,
+        )  # fmt: skip
 
     def update_critic(self, batch: Batch) -> Metrics:
         assert self.critic is not None
-        return critic_update(self.critic, batch.select(CRITIC_KEYS, []), self.critic_loss, self.cfg.critic)
+        return critic_update(
+            self.critic, batch.select(CRITIC_KEYS, []), self.critic_loss, self.cfg.critic,
+            balance=self.cfg.trainer.balance_batch,
+        )  # fmt: skip
 
     def batch_metrics(self, batch: Batch) -> Metrics:
         return batch_metrics(batch, self.loader.epoch)

@@ -27,20 +27,32 @@ CRITIC_KEYS = [*FORWARD_KEYS, keys.RESPONSE_MASK, keys.VALUES, keys.RETURNS]
 
 
 def minibatch_updates(
-    batch: Batch, mini_batch_size: int, epochs: int, prefix: str, train: Callable[[Batch], Metrics]
+    batch: Batch,
+    mini_batch_size: int,
+    epochs: int,
+    prefix: str,
+    train: Callable[[Batch], Metrics],
+    balance_workers: int = 1,
 ) -> Metrics:
     """`epochs` passes over mini-batches of `mini_batch_size` samples (0 = the whole batch).
 
     Each mini-batch carries its global token and sequence counts in meta, so the loss is normalised over
-    the mini-batch whatever the micro-batching and world size. Metrics are averaged over the optimizer
-    steps (`*_max` metrics: the maximum) and prefixed with the role unless already named.
+    the mini-batch whatever the micro-batching and world size. With `balance_workers` > 1 (trainer.
+    balance_batch) each mini-batch's rows are reordered so the group's `balance_workers` data-parallel ranks
+    get near-equal tokens of it: a mini-batch is what a rank's share is cut from, so the whole batch's order
+    (balanced for the forward passes) would not balance it. Metrics are averaged over the optimizer steps
+    (`*_max` metrics: the maximum) and prefixed with the role unless already named.
     """
     mini = mini_batch_size or len(batch)
     sums: Metrics = {}
     maxima: Metrics = {}
     count = 0
+    mini_batches = [
+        balance_across_workers(mb, balance_workers)[0] if balance_workers > 1 else mb
+        for mb in batch.split(mini)
+    ]
     for _ in range(epochs):
-        for mb in batch.split(mini):
+        for mb in mini_batches:
             mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
             mb.meta[keys.GLOBAL_SEQS] = global_totals(mb[keys.RESPONSE_MASK])[1]  # rows with a valid token
             for k, v in train(mb).items():
@@ -54,7 +66,12 @@ def minibatch_updates(
 
 
 def actor_update(
-    actor: ActorGroup, batch: Batch, loss: LossSpec, actor_cfg: ActorConfig, temperature: float
+    actor: ActorGroup,
+    batch: Batch,
+    loss: LossSpec,
+    actor_cfg: ActorConfig,
+    temperature: float,
+    balance: bool = False,
 ) -> Metrics:
     """The actor's update on `batch` (the columns it sends): `actor.ppo_epochs` passes over mini-batches of
     `actor.mini_batch_size` samples, one forward/backward with `loss` and one optimizer step each."""
@@ -62,16 +79,22 @@ def actor_update(
     def train(mb: Batch) -> Metrics:
         return {**actor.forward_backward(mb, loss, temperature=temperature), **actor.optim_step()}
 
-    return minibatch_updates(batch, actor_cfg.mini_batch_size, actor_cfg.ppo_epochs, "actor", train)
+    workers = actor.data_parallel_size if balance else 1
+    return minibatch_updates(batch, actor_cfg.mini_batch_size, actor_cfg.ppo_epochs, "actor", train, workers)
 
 
-def critic_update(critic: CriticGroup, batch: Batch, loss: LossSpec, critic_cfg: CriticConfig) -> Metrics:
+def critic_update(
+    critic: CriticGroup, batch: Batch, loss: LossSpec, critic_cfg: CriticConfig, balance: bool = False
+) -> Metrics:
     """The critic's update on `batch` (CRITIC_KEYS): its own epochs over its own mini-batches."""
 
     def train(mb: Batch) -> Metrics:
         return {**critic.forward_backward(mb, loss), **critic.optim_step()}
 
-    return minibatch_updates(batch, critic_cfg.mini_batch_size, critic_cfg.ppo_epochs, "critic", train)
+    workers = critic.data_parallel_size if balance else 1
+    return minibatch_updates(
+        batch, critic_cfg.mini_batch_size, critic_cfg.ppo_epochs, "critic", train, workers
+    )
 
 
 def balance_across_workers(batch: Batch, workers: int) -> tuple[Batch, Metrics]:
