@@ -59,7 +59,7 @@ from posttrain.trainers.updates import (
     balance_across_workers,
     critic_update,
 )
-from posttrain.trainers.validation import SAMPLES_DIR, validate
+from posttrain.trainers.validation import SAMPLES_DIR, pad_rows, validate
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.process import seed_everything
 
@@ -316,7 +316,11 @@ class RLTrainer:
         actor, _ = self._running()
         forward_batch = batch.select(FORWARD_KEYS, self.image_keys)
         if self.groups is not None and self.groups.ref is not None:
-            return self.groups.ref.forward(forward_batch, temperature=self._temp)
+            # the producer's batches hold any number of rows (streamed groups): padded to the reference's
+            # data-parallel groups, which split a batch evenly, and the padding's log-probs dropped
+            ref = self.groups.ref
+            padded = pad_rows(forward_batch, ref.data_parallel_size)
+            return ref.forward(padded, temperature=self._temp).index(slice(0, len(batch)))
         return actor.forward(forward_batch, model="ref", temperature=self._temp)
 
     def _async_step_batch(self, rollout: Rollout) -> tuple[Batch, dict[str, float]]:

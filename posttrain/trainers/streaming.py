@@ -212,7 +212,7 @@ class StreamingProducer(WeightHandOver[Any]):
             self.ledger.drawn(before, self.loader.state_dict(), uids)
             skipped = [u for u in uids if u in self._skip]
             self.ledger.settle(skipped)
-        self._skip.difference_update(skipped)
+            self._skip.difference_update(skipped)
         for i, uid in enumerate(uids):
             if uid not in skipped:
                 self._prompts.append(batch.index([i]))
@@ -293,9 +293,11 @@ class StreamingProducer(WeightHandOver[Any]):
 
     @property
     def trained_loader_state(self) -> dict[str, Any]:
-        """The dataloader's part of a checkpoint (`DrawLedger.resume_state`)."""
+        """The dataloader's part of a checkpoint (`DrawLedger.resume_state`), with the prompts a resume settled
+        whose draws this producer has not reached yet (they come after its position: skipped there too)."""
         with self._cond:
-            return self.ledger.resume_state(self.loader.state_dict())
+            state = self.ledger.resume_state(self.loader.state_dict())
+            return {**state, "settled": [*state["settled"], *sorted(self._skip)]}
 
     def stop(self) -> None:
         """Stop the thread (a collect in flight ends within COLLECT_WAIT_S); the loader goes back to the oldest

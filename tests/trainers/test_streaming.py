@@ -296,6 +296,29 @@ def test_a_resumed_producer_skips_settled_prompts() -> None:
     assert not {"0-1", "0-2"} & set(batch[keys.UID])
 
 
+def test_a_second_resume_still_skips_the_first_resumes_settled_prompts() -> None:
+    """Settled prompts of draws the resumed producer has not reached yet belong in its own checkpoint too,
+    or a second resume trains them again."""
+    cfg = config("async_rl.staleness=1", "async_rl.streaming=true")
+    first = StreamingProducer(cfg, FakePool(), loader(), SamplingParams(max_tokens=12), 0, PAD, ["0-21"])
+    try:
+        first.take_batch(0, score)
+    finally:
+        first.stop()
+    state = first.trained_loader_state
+    assert "0-21" in state["settled"]  # its draw (prompts 0-20..0-23) was never reached
+    pool, data = FakePool(), loader()
+    data.load_state_dict({"epoch": state["epoch"], "position": state["position"]})
+    second = StreamingProducer(cfg, pool, data, SamplingParams(max_tokens=12), 0, PAD, state["settled"])
+    try:
+        for version in range(5):
+            second.take_batch(version, score)
+            second.hand_weights(version + 1, version + 1)
+    finally:
+        second.stop()
+    assert "0-21" not in pool.submitted and {"0-20", "0-22"} <= set(pool.submitted)
+
+
 class DyingDispatcher:
     """Two ranks; the first stream_collect finds rank 1 dead."""
 
