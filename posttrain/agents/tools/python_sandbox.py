@@ -72,6 +72,7 @@ from posttrain.errors import ConfigError
 
 NOBODY_UID = 65534
 SETUP_FAILED = 120  # the supervisor's exit code when the file system or the limits could not be set up
+SETUP_FAILED_TEXT = "sandbox setup failed:"  # what it prints first then (sandbox_init.py)
 WORKDIR = "/sandbox"  # the code's working directory inside the sandbox: its only writable place
 SUPERVISOR = (Path(__file__).parent / "sandbox_init.py").read_text(encoding="utf-8")  # run as pid 1
 NAMESPACES = ("user", "mnt", "net", "pid", "ipc")
@@ -414,7 +415,8 @@ def run_status(result: RunResult, tool: PythonSandboxTool) -> str:
     code = result.returncode
     if code is None or code == 0:
         return ""
-    if code == SETUP_FAILED:
+    if code == SETUP_FAILED and result.output.lstrip().startswith(SETUP_FAILED_TEXT):
+        # the supervisor's own failure; a program that exits 120 itself is that program's exit status
         raise ToolError("python: the sandbox could not be set up: " + result.output.strip()[-300:])
     if code > 128 and code - 128 in signal.Signals._value2member_map_:
         sig = signal.Signals(code - 128)

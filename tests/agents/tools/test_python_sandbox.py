@@ -60,6 +60,8 @@ def test_the_codes_errors_are_its_output(tool: PythonSandboxTool) -> None:
     assert 'File "main.py", line 2' in out and "ZeroDivisionError: division by zero" in out
     assert out.endswith("[exit status 1]")
     assert run(tool, "import sys; sys.exit(3)").endswith("[exit status 3]")
+    # the supervisor's setup-failure status, exited by the program itself: still the program's exit status
+    assert run(tool, "import sys; sys.exit(120)").endswith("[exit status 120]")
     assert "SyntaxError" in run(tool, "def (:")
     # through the runner the model sees the same text, and the call counts as failed (no tool-use bonus for
     # code that crashes, tool_errors counts it); the program printing is a success
