@@ -56,8 +56,8 @@ from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.errors import ConfigError
 from posttrain.rollout.base import SamplingParams
+from posttrain.trainers.generation import sample_rows
 from posttrain.trainers.partial_rollout import sample_in_chunks
-from posttrain.trainers.validation import sample_rows
 
 log = logging.getLogger(__name__)
 

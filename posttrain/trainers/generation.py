@@ -19,10 +19,24 @@ from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.rollout.base import SamplingParams
 from posttrain.trainers.rewarding import RewardStage
-from posttrain.trainers.validation import sample_rows
 from posttrain.workers.sampling import concat_padded
 
 log = logging.getLogger(__name__)
+
+
+def pad_rows(batch: Batch, multiple: int) -> Batch:
+    """Repeat the last row until the length divides `multiple` (equal shards for every rank)."""
+    extra = (-len(batch)) % multiple
+    if extra == 0:
+        return batch
+    return Batch.concat([batch, batch.index([len(batch) - 1] * extra)])
+
+
+def sample_rows(rollout: Rollout, rows: Batch, sampling: SamplingParams) -> Batch:
+    """`rollout.sample` of any number of rows: padded to a multiple of the group's workers (`pad_rows`), the
+    padding's responses dropped (a group splits a batch evenly, and a continuation or a greedy pass holds
+    whatever number of rows it holds)."""
+    return rollout.sample(pad_rows(rows, rollout.world_size), sampling).index(slice(0, len(rows)))
 
 
 def sample_and_score(

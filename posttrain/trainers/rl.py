@@ -33,7 +33,7 @@ from posttrain.trainers.checkpoint import CheckpointManager, DriverState
 from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.compat import check_resumable
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
-from posttrain.trainers.generation import generate_step_batch
+from posttrain.trainers.generation import generate_step_batch, pad_rows
 from posttrain.trainers.on_policy_distill import distill_advantages
 from posttrain.trainers.prompt_data import prompt_data
 from posttrain.trainers.rewarding import RewardStage
@@ -59,7 +59,7 @@ from posttrain.trainers.updates import (
     balance_across_workers,
     critic_update,
 )
-from posttrain.trainers.validation import SAMPLES_DIR, pad_rows, validate
+from posttrain.trainers.validation import SAMPLES_DIR, validate
 from posttrain.workers.losses import LossSpec
 from posttrain.workers.process import seed_everything
 

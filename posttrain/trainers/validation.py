@@ -14,25 +14,11 @@ from posttrain.data.dataloader import CollateFn, IndexedDataset
 from posttrain.data.dataset import collate_prompts
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking.samples import write_samples
+from posttrain.trainers.generation import sample_rows
 from posttrain.trainers.rewarding import RewardStage
 
 CORRECT_SCORE = 1.0  # a response scoring at least this is a correct answer (val/acc)
 SAMPLES_DIR = "samples"  # in the run directory: each validation's val_step_<N>.jsonl and .html
-
-
-def pad_rows(batch: Batch, multiple: int) -> Batch:
-    """Repeat the last row until the length divides `multiple` (equal shards for every rank)."""
-    extra = (-len(batch)) % multiple
-    if extra == 0:
-        return batch
-    return Batch.concat([batch, batch.index([len(batch) - 1] * extra)])
-
-
-def sample_rows(rollout: Rollout, rows: Batch, sampling: SamplingParams) -> Batch:
-    """`rollout.sample` of any number of rows: padded to a multiple of the group's workers (`pad_rows`), the
-    padding's responses dropped (a group splits a batch evenly, and a continuation or a greedy pass holds
-    whatever number of rows it holds)."""
-    return rollout.sample(pad_rows(rows, rollout.world_size), sampling).index(slice(0, len(rows)))
 
 
 def validate(
