@@ -68,9 +68,10 @@ from posttrain.models.vl import vision_tower, vision_tower_trained
 
 log = logging.getLogger(__name__)
 
-# Metrics that are a micro-batch's part of the mini-batch's loss (normalised by the mini-batch's totals, as the
-# loss is): summed over micro-batches like `loss`; averaged, they read the loss divided by the micro-batches
-SUMMED_METRICS = frozenset({"actor/pg_loss", "critic/vf_loss"})
+# A loss function's metric named `<name>:sum` (tinker's convention) is a micro-batch's part of a total (a
+# part of the mini-batch's loss, normalised by its totals as the loss is): summed over the micro-batches and
+# reported as `<name>`; `*_max` metrics stay maxima; the rest are averaged over the micro-batches.
+SUM_SUFFIX = ":sum"
 
 
 class TrainEngine:
@@ -512,8 +513,9 @@ class TrainEngine:
                         "_max"
                     ):  # a maximum stays a maximum; a loss part adds up; the rest is averaged
                         totals[k] = max(totals.get(k, float("-inf")), float(v))
-                    elif k in SUMMED_METRICS:
-                        totals[k] = totals.get(k, 0.0) + float(v)
+                    elif k.endswith(SUM_SUFFIX):
+                        name = k.removesuffix(SUM_SUFFIX)
+                        totals[name] = totals.get(name, 0.0) + float(v)
                     else:
                         totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
         finally:

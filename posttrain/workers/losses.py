@@ -125,7 +125,9 @@ def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
             **totals,
         )
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = float(loss.detach())  # rank-averaged by the group: the true loss
+        # the micro-batch's part of the mini-batch's loss: the engine adds the parts up (SUM_SUFFIX), and the
+        # group averages the ranks' sums, which is the true loss
+        metrics["actor/pg_loss:sum"] = float(loss.detach())
         if on_policy and keys.ROLLOUT_LOG_PROBS in mb:
             diff = (log_probs.detach() - mb[keys.ROLLOUT_LOG_PROBS]).abs() * mask
             metrics["rollout/logprob_diff_max"] = float(diff.max())
@@ -155,7 +157,7 @@ def value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
         per_token, metrics = clipped_value_loss(values, mb[keys.VALUES], mb[keys.RETURNS], mask, **options)
         loss = aggregate_loss(per_token, mask, agg_mode, dp_size=dp_size, **_totals(mb, mask))
         metrics = {f"critic/{k}": v for k, v in metrics.items()}
-        metrics["critic/vf_loss"] = float(loss.detach())
+        metrics["critic/vf_loss:sum"] = float(loss.detach())  # a part of the mini-batch's loss (SUM_SUFFIX)
         return loss, metrics
 
     return loss_fn

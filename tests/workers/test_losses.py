@@ -52,7 +52,7 @@ def test_ppo_applies_the_rollout_correction_and_aggregation_once() -> None:
     loss, metrics = loss_fn(LOG_PROBS, None, _batch())
     # per-token losses [-1.2, 0.8, -1.1, 3.0] times weights [0.5, 1, 2, 2] = [-0.6, 0.8, -2.2, 6.0]; mean 1.0
     assert loss.item() == pytest.approx(1.0)
-    assert metrics["actor/pg_loss"] == pytest.approx(1.0)
+    assert metrics["actor/pg_loss:sum"] == pytest.approx(1.0)
     assert metrics["actor/rollout_is_mean"] == pytest.approx(5.5 / 4)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 4)  # the policy loss's metrics, prefixed
 
@@ -114,7 +114,7 @@ def test_value_loss_is_aggregated_by_the_entry() -> None:
     loss_fn = build_loss(LossSpec("value", {"cliprange_value": 0.5, "loss_agg_mode": "token-sum"}), 1)
     loss, metrics = loss_fn(torch.tensor([[1.0, 0.0, 5.0]]), None, mb)
     assert loss.item() == pytest.approx(1.625)
-    assert metrics["critic/vf_loss"] == pytest.approx(1.625)
+    assert metrics["critic/vf_loss:sum"] == pytest.approx(1.625)
     assert metrics["critic/vf_clipfrac"] == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"loss 'value' takes no option 'clip_ratio'"):
         build_loss(LossSpec("value", {"clip_ratio": 0.2}), 1)
