@@ -13,21 +13,29 @@ from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.trainers.sft import SFTTrainer
 
 
-def test_sft_lowers_nll_and_exports(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
-    cfg = load_config(
+def sft_config(model: Path, data: dict, run: Path, *extra: str) -> SFTConfig:
+    """SFT on the arithmetic task's train split, validated on its test split."""
+    return load_config(
         SFTConfig,
         "sft",
         [
-            f"model.path={tiny_model_dir}",
-            f"data.train_files=[{arithmetic_data['train']}]",
-            f"data.val_files=[{arithmetic_data['test']}]",
-            f"trainer.run_dir={tmp_path}",
-            "trainer.total_steps=30",
-            "trainer.val_every=15",
-            "optim.batch_size=32",
-            "optim.micro_batch_size=16",
+            f"model.path={model}",
+            f"data.train_files=[{data['train']}]",
+            f"data.val_files=[{data['test']}]",
+            f"trainer.run_dir={run}",
+            *extra,
         ],
     )
+
+
+def test_sft_lowers_nll_and_exports(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
+    extra = (
+        "trainer.total_steps=30",
+        "trainer.val_every=15",
+        "optim.batch_size=32",
+        "optim.micro_batch_size=16",
+    )
+    cfg = sft_config(tiny_model_dir, arithmetic_data, tmp_path, *extra)
     trainer = SFTTrainer(cfg)
     trainer.fit()
     vals = [
@@ -69,20 +77,9 @@ def test_validation_with_fewer_rows_than_workers_pads_them(
     nll = {}
     for name, extra in (("one", []), ("two", ["trainer.backend=ray", "trainer.n_workers_per_node=2"])):
         run = tmp_path / name
-        cfg = load_config(
-            SFTConfig,
-            "sft",
-            [
-                f"model.path={tiny_model_dir}",
-                f"data.train_files=[{arithmetic_data['train']}]",
-                f"data.val_files=[{arithmetic_data['test']}]",
-                f"trainer.run_dir={run}",
-                "trainer.total_steps=1",
-                "data.val_max_prompts=1",
-                "optim.batch_size=4",
-                "trainer.threads_per_worker=1",
-                *extra,
-            ],
+        one_step = ("trainer.total_steps=1", "data.val_max_prompts=1", "optim.batch_size=4")
+        cfg = sft_config(
+            tiny_model_dir, arithmetic_data, run, *one_step, "trainer.threads_per_worker=1", *extra
         )
         trainer = SFTTrainer(cfg)
         trainer.fit()
