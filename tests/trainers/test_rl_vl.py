@@ -143,7 +143,8 @@ class EngineActor:
     """The actor group's update verbs on one in-process engine; records each mini-batch it is given. No
     optimizer step, so every mini-batch is scored by the weights the reference log-probs were computed with."""
 
-    data_parallel_size = 2  # the group the rows are balanced for: each mini-batch is balanced over 2 ranks too
+    # the group the rows are balanced for: each mini-batch is balanced over its 2 ranks too
+    data_parallel_size = 2
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
