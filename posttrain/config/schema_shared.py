@@ -38,6 +38,12 @@ class LoraConfig:
     # or dotted suffix, e.g. [gate_up_proj, down_proj] for Qwen2-MoE / Qwen3-MoE; () = none
     target_parameters: tuple[str, ...] = ()
 
+    @property
+    def adapts_output_head(self) -> bool:
+        """Whether the adapters adapt the output projection (`lm_head`): then a tied model's head must be
+        untied wherever the adapter is merged or copied (the head changes, the embeddings must not)."""
+        return self.rank > 0 and "lm_head" in self.target_modules
+
 
 @dataclass(frozen=True)
 class OptimConfig:

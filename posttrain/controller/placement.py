@@ -246,7 +246,7 @@ def rollout_spec(cfg: RLConfig, threads: int) -> RolloutSpec:
         seed=cfg.trainer.seed,
         threads=threads,
         record_routing=cfg.actor.router_replay.mode == "R3",
-        adapted_head=cfg.model.lora.rank > 0 and "lm_head" in cfg.model.lora.target_modules,
+        adapted_head=cfg.model.lora.adapts_output_head,
     )
 
 

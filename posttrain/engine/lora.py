@@ -207,7 +207,7 @@ def export_peft_model(
     from posttrain.models import load_causal_lm
 
     base = load_causal_lm(base_path, dtype=dtype)
-    if "lm_head" in lora.target_modules:
+    if lora.adapts_output_head:
         untie_output_embeddings(base)
     model = get_peft_model(base, peft_config(lora, base))
     missing, unexpected = model.load_state_dict(adapter_state, strict=False)

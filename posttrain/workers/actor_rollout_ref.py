@@ -76,7 +76,7 @@ class ActorRolloutRefWorker:
             if spec.with_rollout
             else None
         )
-        if self.rollout is not None and "lm_head" in spec.engine.lora.target_modules and self.lora:
+        if self.rollout is not None and spec.engine.lora.adapts_output_head:
             untie_rollout_head(self.rollout)  # the merged head changes; the embeddings must not
 
     # ---- health --------------------------------------------------------------------------------
