@@ -126,10 +126,15 @@ class Api:
         out-of-range seq_id is a 400. Checked before anything is charged, so a retry costs no tokens."""
         if seq_id is None:
             raise HTTPException(400, f"{kind} needs a seq_id")
+        earlier = self.seen(model.model_id, seq_id)
+        return None if earlier is None else {"request_id": earlier, "model_id": model.model_id}
+
+    def seen(self, key: str, seq_id: int) -> str | None:
+        """The request id a training model's or sampling session's `seq_id` was first given (None: new); an
+        out-of-range seq_id is a 400."""
         if not 0 <= seq_id < MAX_SEQ_ID:
             raise HTTPException(400, f"seq_id {seq_id} is outside 0..2**62")
-        earlier = self.state.sequencer.seen(model.model_id, seq_id)
-        return None if earlier is None else {"request_id": earlier, "model_id": model.model_id}
+        return self.state.sequencer.seen(key, seq_id)
 
     def in_order(
         self,

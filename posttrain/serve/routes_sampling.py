@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from posttrain.client.sampling import context_length
-from posttrain.serve.api import MAX_SEQ_ID, Api, as_json
+from posttrain.serve.api import Api, as_json
 from posttrain.serve.futures import failed
 from posttrain.serve.journal import SamplerRow
 from posttrain.serve.state import Sampler
@@ -67,9 +67,7 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         # from here to `remember` nothing awaits: a retry of this seq_id (the SDK's, after a lost answer) gets
         # this request's id, sampled once and charged once
         if body.seq_id is not None:
-            if not 0 <= body.seq_id < MAX_SEQ_ID:
-                raise HTTPException(400, f"seq_id {body.seq_id} is outside 0..2**62")
-            earlier = state.sequencer.seen(body.sampling_session_id, body.seq_id)
+            earlier = api.seen(body.sampling_session_id, body.seq_id)
             if earlier is not None:
                 return _sample_answer(earlier, body.num_samples)
         max_tokens = body.sampling_params.max_tokens
