@@ -109,7 +109,7 @@ class NativeRolloutEngine:
         self.max_context = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         self.window = sliding_window(self.model.config)  # within it, full attention is the same attention
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_token_ids(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )
@@ -129,9 +129,6 @@ class NativeRolloutEngine:
         """LoRA adapters over this engine's model (`router`, e.g. a `MultiLora(engine.model)`), picked per
         request by `GenerationRequest.adapter`; requests without one sample the base weights."""
         self.adapters = router
-
-    def _eos_ids(self) -> list[int]:
-        return eos_token_ids(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
