@@ -7,11 +7,15 @@ held back for a short grace period while the other ranks' results come in.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
+import traceback
 from typing import Any
 
 from posttrain.errors import ConfigError, DataError, WorkerError
+
+log = logging.getLogger(__name__)
 
 # what a worker raises for its input or settings: the same call raises it again after a restart
 DETERMINISTIC_ERRORS = (ConfigError, DataError, ValueError, TypeError)
@@ -52,10 +56,39 @@ def death_reason(exc: Exception) -> str:
 
 
 def raised_message(exc: Any) -> str:
-    """`Type: last line` of the exception a rank raised (Ray wraps it in a RayTaskError)."""
-    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[-1] if lines else repr(cause)}"
+    """`Type: message` of the exception a rank raised (Ray wraps it in a RayTaskError): the first line of
+    its message, where the cause is stated (a CUDA error's later lines are generic advice), marked `[...]`
+    when more lines follow; the last line of a wrapper without its cause (a traceback ends with the error)."""
+    cause = exc.cause if hasattr(exc, "cause") else exc  # a RayTaskError wraps it (or lost it: None)
+    if cause is None:
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        return f"{type(exc).__name__}: {lines[-1] if lines else repr(exc)}"
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    if not lines:
+        return f"{type(cause).__name__}: {cause!r}"
+    more = " [...]" if len(lines) > 1 else ""
+    return f"{type(cause).__name__}: {lines[0].strip()}{more}"
+
+
+def raised_in(role: str, method: str, rank: int, exc: BaseException) -> WorkerError:
+    """A rank's own exception as a `WorkerError`: deterministic (not worth a restart) when it is an error of
+    the call's input or settings. Its full text, a remote traceback included, goes to the log first: the
+    error keeps one line."""
+    log.warning("%s rank %d raised in %s:\n%s", role, rank, method, _full_text(exc))
+    cause = getattr(exc, "cause", None) or exc  # Ray's RayTaskError wraps it
+    return WorkerError(
+        f"{role} rank {rank} raised in {method}: {raised_message(exc)}",
+        role=role,
+        rank=rank,
+        deterministic=isinstance(cause, DETERMINISTIC_ERRORS),
+    )
+
+
+def _full_text(exc: BaseException) -> str:
+    """A RayTaskError's text holds the remote traceback; a local exception's traceback is formatted."""
+    if getattr(exc, "cause", None) is not None:
+        return str(exc)
+    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 def rank_failure(
@@ -78,13 +111,7 @@ def rank_failure(
             rank=peer,
             died=True,
         )
-    cause = getattr(exc, "cause", None) or exc  # Ray's RayTaskError wraps it
-    return WorkerError(
-        f"{role} rank {rank} raised in {method}: {raised_message(exc)}",
-        role=role,
-        rank=rank,
-        deterministic=isinstance(cause, DETERMINISTIC_ERRORS),
-    )
+    return raised_in(role, method, rank, exc)
 
 
 def _dead_peer(pending: list[Any], rank_of: dict[Any, int]) -> tuple[int, Exception] | None:

@@ -40,6 +40,8 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
     import ray
 
     if ray.is_initialized():
+        if not address:  # Ray already running in this process: local mode still means loopback only
+            check_loopback(started_here=False)
         return
     if address:
         ray.init(address=address, log_to_driver=True)
@@ -47,14 +49,27 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
     ray.init(
         num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=str(tmp)
     )
+    check_loopback(started_here=True)
+    log.info("started local Ray (loopback only) in %s", tmp)
+
+
+def check_loopback(started_here: bool) -> None:
+    """Refuse a local-mode run on a Ray whose nodes listen beyond 127.0.0.1 (shut down if started here)."""
+    import ray
+
     nodes = node_addresses()
-    if any(ip != "127.0.0.1" for ip in nodes):
+    if all(ip == "127.0.0.1" for ip in nodes):
+        return
+    if started_here:
         ray.shutdown()
         raise ConfigError(
             f"local Ray bound to {nodes}, not 127.0.0.1: Ray was imported before posttrain could set "
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; set it in the environment, or give ray.address"
         )
-    log.info("started local Ray (loopback only) in %s", tmp)
+    raise ConfigError(
+        f"Ray is already running in this process with nodes on {nodes}, not 127.0.0.1 only: local mode (no "
+        "ray.address) is loopback-only; give ray.address to use that cluster, or stop it first"
+    )
 
 
 def node_addresses() -> list[str]:

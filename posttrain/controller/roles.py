@@ -30,7 +30,7 @@ from posttrain.data.batch import Batch
 from posttrain.errors import WorkerError
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
-from posttrain.workers.losses import LossSpec
+from posttrain.workers.losses import LossSpec, with_totals
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ class ActorGroup(RoleGroup):
         )
 
     def forward_backward(self, batch: Batch, loss: LossSpec, *, temperature: float = 1.0) -> Metrics:
+        batch = with_totals(batch, loss.name)  # the loss's normalisers, from the whole mini-batch
         return self._metrics_dp("forward_backward", batch, loss, temperature=temperature)
 
     def optim_step(self) -> Metrics:
@@ -320,7 +321,7 @@ class CriticGroup(RoleGroup):
         return self._batch_dp("forward", batch)
 
     def forward_backward(self, batch: Batch, loss: LossSpec) -> Metrics:
-        return self._metrics_dp("forward_backward", batch, loss)
+        return self._metrics_dp("forward_backward", with_totals(batch, loss.name), loss)
 
     def optim_step(self) -> Metrics:
         return self._metrics("optim_step")

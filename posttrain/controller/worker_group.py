@@ -12,13 +12,14 @@ same interface, for tests and the degenerate single-process case. A worker error
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from posttrain.controller.failures import rank_failure
+from posttrain.controller.failures import raised_in, rank_failure
 from posttrain.controller.pause_points import pause_if_asked
 from posttrain.controller.resource_pool import PoolSpec, ResourcePool
 from posttrain.data.batch import Batch
@@ -31,18 +32,21 @@ START_TIMEOUT_S = 300.0
 
 
 def _split_args(
-    args: Sequence[Any], kwargs: dict[str, Any], world_size: int, replicas: int = 1
+    args: Sequence[Any], kwargs: dict[str, Any], world_size: int, replicas: int = 1, role: str = "worker"
 ) -> list[tuple[list[Any], dict[str, Any]]]:
     """Per-rank (args, kwargs): each Batch is chunked into `world_size / replicas` equal parts, part i going
-    to the `replicas` consecutive ranks from i * replicas (a sequence-parallel group); everything else copied."""
+    to the `replicas` consecutive ranks from i * replicas (a sequence-parallel group); everything else copied.
+    A Batch that does not split evenly is the caller's error, the same after any restart (deterministic)."""
     parts_count = world_size // replicas
     for value in [*args, *kwargs.values()]:
         if isinstance(value, Batch) and len(value) % parts_count:
             groups = f"{parts_count} data-parallel groups" if replicas > 1 else f"{parts_count} workers"
             raise WorkerError(
-                f"a batch of {len(value)} rows cannot be split evenly across {groups}; "
+                f"{role}: a batch of {len(value)} rows cannot be split evenly across {groups}; "
                 "make batch sizes divisible by the number of workers (by the data-parallel size with "
-                "sequence parallelism)"
+                "sequence parallelism)",
+                role=role,
+                deterministic=True,
             )
     per_rank: list[tuple[list[Any], dict[str, Any]]] = [([], {}) for _ in range(world_size)]
     for value in args:
@@ -63,7 +67,8 @@ def gather(results: list[Any]) -> Any:
         return Batch.concat(results)
     if results and all(isinstance(r, dict) for r in results):
         merged: dict[str, float] = {}
-        for key in results[0]:
+        # every rank's keys (a metric only some ranks report, e.g. from rows only they held, is kept)
+        for key in dict.fromkeys(key for r in results for key in r):
             values = [r[key] for r in results if key in r]
             if all(isinstance(v, int | float) for v in values):
                 merged[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
@@ -98,10 +103,11 @@ class LocalWorkerGroup:
             raise WorkerError(f"{self.role} rank 0 failed to start: {type(exc).__name__}: {exc}") from exc
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The worker's `method`; an exception becomes a `WorkerError` classified as on Ray (`raised_in`)."""
         try:
             return gather([getattr(self.worker, method)(*args, **kwargs)])
         except Exception as exc:
-            raise WorkerError(f"{self.role} rank 0 raised in {method}: {type(exc).__name__}: {exc}") from exc
+            raise raised_in(self.role, method, 0, exc) from exc
 
     def call_data_parallel(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.call(method, *args, **kwargs)  # one rank: one data-parallel group of one
@@ -258,14 +264,15 @@ class RayWorkerGroup:
     def _get(self, refs: list[Any], method: str, timeout_s: float | None = None) -> list[Any]:
         """Results in rank order; the first failure (whichever rank) is raised at once, naming the rank."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RayError, RayTaskError
 
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         timeout = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout  # one deadline for the whole call, not one per rank
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 ranks = sorted(rank_of[r] for r in pending)
                 raise WorkerError(
@@ -278,6 +285,13 @@ class RayWorkerGroup:
                 results[rank] = ray.get(done[0])
             except (RayTaskError, RayActorError) as exc:
                 raise rank_failure(self.role, method, rank, exc, pending, rank_of) from None
+            except RayError as exc:  # the object store, scheduling, a lost object: Ray's own failure
+                raise WorkerError(
+                    f"{self.role} rank {rank}: Ray failed during {method}: {type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                    role=self.role,
+                    rank=rank,
+                ) from exc
         return results
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -305,11 +319,17 @@ class RayWorkerGroup:
                 shared[id(value)] = ray.put(value)
             return shared[id(value)]
 
-        per_rank = _split_args(args, kwargs, self.world_size, replicas)
-        refs = [
-            w.call.remote(method, *[once(v) for v in a], **{key: once(v) for key, v in k.items()})
-            for w, (a, k) in zip(self.workers, per_rank, strict=True)
-        ]
+        per_rank = _split_args(args, kwargs, self.world_size, replicas, self.role)
+        try:
+            refs = [
+                w.call.remote(method, *[once(v) for v in a], **{key: once(v) for key, v in k.items()})
+                for w, (a, k) in zip(self.workers, per_rank, strict=True)
+            ]
+        except ray.exceptions.RayError as exc:  # e.g. the object store is full (the arguments of `method`)
+            raise WorkerError(
+                f"{self.role}: Ray could not send {method}'s arguments: {type(exc).__name__}: {exc}",
+                role=self.role,
+            ) from exc
         return gather(self._get(refs, method)[::replicas])
 
     def ping(self) -> list[dict[str, Any]]:

@@ -34,6 +34,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def loopback_interface() -> str | None:
+    """The name of this host's loopback network interface (`lo` on Linux, `lo0` on macOS), if it has one."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def keep_on_loopback(master_addr: str) -> None:
+    """A group whose rendezvous is on 127.0.0.1 (one machine) keeps its collective traffic there too: gloo and
+    NCCL otherwise bind to the address the hostname resolves to, often the machine's LAN address. An
+    interface the user chose (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) is kept."""
+    if not master_addr.startswith("127."):
+        return
+    interface = loopback_interface()
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
 def resolve_device(device: str) -> torch.device:
     """`auto` is cuda when available, else cpu; asking for cuda without one is an error."""
     if device == "auto":
@@ -55,6 +73,7 @@ def init_distributed(info: DistInfo) -> tuple[DeviceMesh, torch.device]:
     if not dist.is_initialized():
         port = info.master_port or free_port(info.master_addr)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        keep_on_loopback(info.master_addr)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{info.master_addr}:{port}",

@@ -153,6 +153,18 @@ def check_device_and_model(model: ModelConfig, trainer: Any) -> None:
             "would run on CPU; give each worker a GPU share (e.g. trainer.gpus_per_worker=1) or set "
             "trainer.device=cpu"
         )
+    gpus = trainer.gpus_per_worker
+    if (
+        trainer.backend == "ray"
+        and trainer.device != "cpu"
+        and 0 < gpus < 1
+        and trainer.n_workers_per_node > 1
+    ):
+        raise ConfigError(
+            f"trainer.gpus_per_worker={gpus:g} with trainer.n_workers_per_node={trainer.n_workers_per_node}: "
+            "Ray packs fractional GPU shares onto one GPU, so ranks of one process group would share a device "
+            "(NCCL refuses that); give each worker a whole GPU (trainer.gpus_per_worker=1), or one worker per node"
+        )
     if model.vision_tower != "auto" and model.path and not is_vision_language(model.path):
         raise ConfigError(
             f"model.vision_tower={model.vision_tower} is set, but model.path={model.path} is a text-only model "

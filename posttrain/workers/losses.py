@@ -71,9 +71,40 @@ def _check_options(owner: str, options: Mapping[str, Any], valid: Mapping[str, A
         )
 
 
-def _totals(mb: Batch, mask: torch.Tensor) -> dict[str, Any]:
-    """The mini-batch totals from meta; without them, this micro-batch's own, counted as the trainer counts
-    (`global_totals`: valid tokens, rows with a valid token)."""
+# the mask each built-in loss normalises by: `with_totals` counts the mini-batch's tokens and rows on it
+LOSS_MASKS = {"ppo": keys.RESPONSE_MASK, "value": keys.RESPONSE_MASK, "cross_entropy": keys.LOSS_MASK}
+
+
+def with_totals(batch: Batch, loss: str) -> Batch:
+    """`batch` with the mini-batch totals its loss normalises by (`global_tokens`, `global_seqs` in meta,
+    counted as `global_totals` counts: valid tokens, rows with a valid token), unless already set. A role
+    group calls it on the whole mini-batch before splitting it over ranks and micro-batches, so that a direct
+    `forward_backward` call normalises as the trainers' do. The caller's batch is not changed."""
+    mask_key = LOSS_MASKS.get(loss)
+    if (
+        mask_key is None
+        or mask_key not in batch
+        or {keys.GLOBAL_TOKENS, keys.GLOBAL_SEQS} <= batch.meta.keys()
+    ):
+        return batch
+    tokens, seqs = global_totals(batch[mask_key])
+    out = Batch(batch.tensors, dict(batch.non_tensors), dict(batch.meta))
+    out.meta.setdefault(keys.GLOBAL_TOKENS, float(tokens))
+    out.meta.setdefault(keys.GLOBAL_SEQS, seqs)
+    return out
+
+
+def _totals(mb: Batch, mask: torch.Tensor, dp_size: int) -> dict[str, Any]:
+    """The mini-batch totals from meta (`with_totals`). Without them, on one rank, this micro-batch's own
+    (exact when it is the whole mini-batch: an engine called directly); on several ranks that would scale
+    each rank's gradient by its own counts, so it is refused."""
+    missing = [key for key in (keys.GLOBAL_TOKENS, keys.GLOBAL_SEQS) if key not in mb.meta]
+    if missing and dp_size > 1:
+        raise ConfigError(
+            f"forward_backward on {dp_size} data-parallel ranks needs the mini-batch totals in batch.meta "
+            f"({', '.join(missing)} missing): call it through the role group, which counts them "
+            "(workers.losses.with_totals), or set them as trainers/updates.py does"
+        )
     tokens, seqs = global_totals(mask)
     return {
         "global_tokens": mb.meta.get(keys.GLOBAL_TOKENS, float(tokens)),
@@ -107,7 +138,7 @@ def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(log_probs.dtype)
-        totals = _totals(mb, mask)
+        totals = _totals(mb, mask, dp_size)
         on_policy = keys.OLD_LOG_PROBS not in mb  # one optimizer step per batch: these are the old ones
         old_log_probs = log_probs.detach() if on_policy else mb[keys.OLD_LOG_PROBS]
         loss, metrics = compute_policy_loss(
@@ -155,7 +186,7 @@ def value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
     def loss_fn(values: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(values.dtype)
         per_token, metrics = clipped_value_loss(values, mb[keys.VALUES], mb[keys.RETURNS], mask, **options)
-        loss = aggregate_loss(per_token, mask, agg_mode, dp_size=dp_size, **_totals(mb, mask))
+        loss = aggregate_loss(per_token, mask, agg_mode, dp_size=dp_size, **_totals(mb, mask, dp_size))
         metrics = {f"critic/{k}": v for k, v in metrics.items()}
         metrics["critic/vf_loss:sum"] = float(loss.detach())  # a part of the mini-batch's loss (SUM_SUFFIX)
         return loss, metrics
@@ -170,7 +201,7 @@ def cross_entropy_loss(options: dict[str, Any], dp_size: int) -> LossFn:
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.LOSS_MASK].to(log_probs.dtype)
-        totals = _totals(mb, mask)
+        totals = _totals(mb, mask, dp_size)
         loss = aggregate_loss(-log_probs, mask, "token-mean", dp_size=dp_size, **totals)
         return loss, {"sft/nll": float(masked_mean(-log_probs.detach(), mask))}
 

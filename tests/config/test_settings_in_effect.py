@@ -107,6 +107,14 @@ def test_a_cuda_run_on_ray_without_a_gpu_share_is_refused() -> None:
         check_settings_in_effect(_rl("trainer.device=cuda", "trainer.gpus_per_worker=0"))
 
 
+def test_fractional_gpu_shares_of_one_process_group_on_a_node_are_refused() -> None:
+    # Ray would pack both ranks onto one GPU; NCCL refuses two ranks on one device at start-up
+    shared = ("trainer.device=cuda", "trainer.gpus_per_worker=0.5", "trainer.n_workers_per_node=2")
+    with pytest.raises(ConfigError, match="trainer.gpus_per_worker=0.5 with trainer.n_workers_per_node=2"):
+        check_settings_in_effect(_rl(*shared, "data.train_batch_prompts=2"))
+    check_settings_in_effect(_rl("trainer.device=cuda", "trainer.gpus_per_worker=0.5"))  # one per node: fine
+
+
 def test_critic_warmup_shortens_the_actors_schedule() -> None:
     """The actor trains total_steps - critic_warmup steps: its cosine schedule must end at the last one."""
     from posttrain.trainers.setup import actor_spec

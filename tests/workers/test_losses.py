@@ -10,7 +10,7 @@ import torch
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.errors import ConfigError
-from posttrain.workers.losses import LOSSES, LossSpec, build_loss
+from posttrain.workers.losses import LOSSES, LossSpec, build_loss, with_totals
 
 # One row, five tokens, the fifth padding; old log-probs 0, so the ratios are exp(log_prob). The PPO losses
 # per token are [-1.2, 0.8, -1.1, 3.0] (see tests/algorithms/test_policy_loss.py).
@@ -127,3 +127,29 @@ def test_cross_entropy_takes_no_options() -> None:
     assert metrics["sft/nll"] == pytest.approx(1.5)
     with pytest.raises(ConfigError, match=r"loss 'cross_entropy' takes no option 'loss_agg_mode'"):
         build_loss(LossSpec("cross_entropy", {"loss_agg_mode": "token-sum"}), 1)
+
+
+def test_on_several_ranks_missing_totals_are_refused_not_replaced_by_a_micro_batchs_own() -> None:
+    # each rank normalising by its own micro-batch would scale the gradient by ranks x micro-batches
+    with pytest.raises(ConfigError, match="2 data-parallel ranks needs the mini-batch totals"):
+        build_loss(LossSpec("ppo"), dp_size=2)(LOG_PROBS, None, _batch())
+    with pytest.raises(ConfigError, match="global_seqs missing"):
+        build_loss(LossSpec("ppo"), dp_size=2)(LOG_PROBS, None, _batch(global_tokens=8))
+
+
+def test_a_group_counts_the_totals_of_the_whole_mini_batch_for_its_loss() -> None:
+    batch = Batch.from_dict(
+        {
+            keys.RESPONSE_MASK: torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]),
+            keys.LOSS_MASK: torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]),
+        }
+    )
+    counted = with_totals(batch, "ppo")
+    assert (counted.meta[keys.GLOBAL_TOKENS], counted.meta[keys.GLOBAL_SEQS]) == (3.0, 2)
+    assert batch.meta == {}  # the caller's batch is left as it was
+    sft = with_totals(batch, "cross_entropy")  # SFT's loss counts its own mask
+    assert (sft.meta[keys.GLOBAL_TOKENS], sft.meta[keys.GLOBAL_SEQS]) == (1.0, 1)
+    given = Batch.from_dict(
+        {keys.RESPONSE_MASK: torch.ones(1, 2)}, meta={"global_tokens": 7, "global_seqs": 5}
+    )
+    assert with_totals(given, "value").meta == {"global_tokens": 7, "global_seqs": 5}  # set ones are kept
