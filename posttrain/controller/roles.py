@@ -258,6 +258,9 @@ class RolloutGroup(RoleGroup):
             return out
 
     def _guarded(self, retry: bool, method: str, *args: Any) -> Any:
+        """`method` on the group; a death restarts the group in place, then the call is repeated (`retry`) or
+        covered by the restart (a weight load: the restart's reload, whose metrics are returned; a submit:
+        the re-issue)."""
         with self._lock:
             while True:
                 try:
@@ -265,30 +268,42 @@ class RolloutGroup(RoleGroup):
                 except WorkerError as exc:
                     if not exc.died:
                         raise
-                    self._restart(exc)
+                    reloaded = self._restart(exc)
                     if not retry:
-                        return None
+                        return reloaded
 
-    def _restart(self, exc: WorkerError) -> None:
-        if self.restarts >= self.max_restarts:
-            if self.max_restarts == 0:
-                raise exc
-            raise WorkerError(
-                f"{exc} (after {self.restarts} in-place restart(s) of the rollout pool; "
-                f"trainer.max_restarts={self.max_restarts})",
-                role=exc.role,
-                rank=exc.rank,
-                died=exc.died,
-            ) from None
-        self.restarts += 1
-        message = (
-            f"{exc}; restarting the {self.role} workers in place ({self.restarts} of {self.max_restarts})"
-        )
-        log.warning(message)
-        print(message, file=sys.stderr, flush=True)
+    def _restart(self, exc: WorkerError) -> Metrics:
+        """Restart the group in place, reload its weights and re-issue its outstanding streamed rows; a death
+        during that is restarted again, within the same budget. Returns the reload's metrics."""
+        while True:
+            if self.restarts >= self.max_restarts:
+                if self.max_restarts == 0:
+                    raise exc
+                raise WorkerError(
+                    f"{exc} (after {self.restarts} in-place restart(s) of the rollout pool; "
+                    f"trainer.max_restarts={self.max_restarts})",
+                    role=exc.role,
+                    rank=exc.rank,
+                    died=exc.died,
+                ) from None
+            self.restarts += 1
+            message = (
+                f"{exc}; restarting the {self.role} workers in place ({self.restarts} of {self.max_restarts})"
+            )
+            log.warning(message)
+            print(message, file=sys.stderr, flush=True)
+            try:
+                return self._start_again()
+            except WorkerError as again:
+                if not again.died:
+                    raise
+                exc = again
+
+    def _start_again(self) -> Metrics:
         self.dispatcher.restart()
+        reloaded: Metrics = {}
         if self._weights is not None:
-            self.dispatcher.call("load_weights", self._weights)
+            reloaded = self._as_metrics("load_weights", self.dispatcher.call("load_weights", self._weights))
         lost = [
             (s.rows.index([i in s.outstanding for i in map(int, s.rows[STREAM_ID])]), s)
             for s in self._streamed
@@ -296,6 +311,7 @@ class RolloutGroup(RoleGroup):
         for rows, sub in lost:
             if len(rows):
                 self.dispatcher.call("stream_submit", self._fill(rows), sub.sampling)
+        return reloaded
 
     def _fill(self, rows: Batch) -> Batch:
         """`rows` plus copies marked `stream_id` -1 up to a multiple of the world size (the split is even)."""

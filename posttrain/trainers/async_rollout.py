@@ -21,12 +21,14 @@ Correct by construction (the one-step-off-policy scheme of verl, generalised to 
   only if weights were not published, e.g. `sync_every` > 1 with the gate of a past version) is dropped and
   counted or regenerated with the current weights (`async_rl.on_stale`);
 - the off-policy gap is corrected by the rollout-correction modes (`algorithm.rollout_correction`): the
-  behaviour log-probs are the rollout's, the old ones are recomputed by the actor before each update.
+  behaviour log-probs are the rollout's; the old ones are the update's own when there is one step per batch
+  (`actor.reuse_log_probs_on_policy`), else recomputed by the actor before the update.
 
 Runs with k >= 1 are not bit-reproducible by default: which version a batch is sampled with depends on
 timing (a slow producer samples later, with newer weights). `async_rl.deterministic` fixes the schedule:
-the trainer publishes version v only after batch v + k - 1 (the last one due to be sampled with version
-v - 1) was generated, so batch i is sampled with exactly version max(0, i - k) (the trainer may wait for the producer; validation's sampling,
+the trainer hands version v over only after every batch that the previous handed version h may sample
+(up to index h + k) was generated with it, so batch i is sampled with exactly version max(0, i - k) (with
+`sync_every` = s: the newest multiple of s at or below i - k) (the trainer may wait for the producer; validation's sampling,
 which shares the pool's random stream, must be greedy or off for a run to repeat exactly).
 
 With the reference on workers of its own (`resources.ref`, e.g. the rollout's pool), the producer thread also
@@ -149,6 +151,15 @@ def check_async_config(cfg: RLConfig) -> None:
         for name, used in _UNSUPPORTED_PARTIAL.items():
             if used(cfg):
                 raise ConfigError(f"async_rl.partial_rollout does not support {name}")
+    correction = cfg.algorithm.rollout_correction
+    if a.staleness and not (correction.rollout_is or correction.rollout_rs or correction.bypass_mode):
+        log.warning(
+            "async_rl.staleness=%d without a rollout correction (algorithm.rollout_correction.rollout_is, "
+            "rollout_rs or bypass_mode all off): samples up to %d versions old are trained as if on-policy; "
+            "e.g. algorithm.rollout_correction.rollout_is=token corrects them by truncated importance weights",
+            a.staleness,
+            a.staleness,
+        )
 
 
 @dataclass
@@ -317,12 +328,14 @@ class RolloutProducer(WeightHandOver[Callable[[], object]]):
 
     # ---- trainer side --------------------------------------------------------------------------
     def wait_before_publish(self, version: int) -> None:
-        """Deterministic mode: block until every batch due to be sampled with the previous version (up to
-        index version + k - 1) has been generated; a no-op otherwise."""
+        """Deterministic mode: before `version` is handed over, block until every batch that the previous
+        handed version h may sample (indices up to h + k) has been generated with it; a no-op otherwise.
+        With weights every update (h = version - 1) batch i samples version max(0, i - k); every `sync_every`
+        = s updates, the newest multiple of s at or below i - k (e.g. k = 2, s = 2: 0, 0, 0, 2, 2, 4, 4)."""
         if not self.deterministic:
             return
         with self._cond:
-            while self._produced < version + self.k and self._error is None and not self._stop:
+            while self._produced <= self._handed + self.k and self._error is None and not self._stop:
                 self._cond.wait(timeout=1.0)
 
     def take(self, version: int) -> tuple[Rollouts, dict[str, float]]:

@@ -402,7 +402,9 @@ class RLTrainer:
         )  # fmt: skip
 
     def batch_metrics(self, batch: Batch) -> Metrics:
-        return batch_metrics(batch, self.loader.epoch)
+        # asynchronous: the producer draws ahead; the epoch is that of the last batch trained
+        epoch = self.loader.epoch if self.producer is None else self.producer.trained_loader_state["epoch"]
+        return batch_metrics(batch, int(epoch))
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:

@@ -121,12 +121,20 @@ class PerfMeter:
         step_s = timings["timing/step"]
         gen_tokens = gen_metrics.get("throughput/gen_tokens_total", float(batch[keys.RESPONSE_MASK].sum()))
         work = self.phase_work(batch, gen_tokens, timings)
+        asynchronous = any(name.startswith("async/") for name in gen_metrics)
+        if asynchronous:
+            # generation ran on the rollout pool beside the update: the trainer's `timing/gen` is its wait for
+            # a batch, and the trainer workers' peak is not what generated; the producer's own time is used
+            work.pop("gen", None)
+            gen_seconds = gen_metrics.get("async/gen_seconds", 0.0)
         out = {"throughput/tokens_per_s": float(batch[keys.ATTENTION_MASK].sum()) / step_s}
         for name, seconds in timings.items():
             if name != "timing/step":
                 out[f"timing_share/{name.removeprefix('timing/')}"] = seconds / step_s
         for phase, (tokens, _) in work.items():
             out[f"throughput/{phase}_tokens_per_s"] = tokens / timings[f"timing/{phase}"]
+        if asynchronous and gen_seconds > 0:
+            out["throughput/gen_tokens_per_s"] = gen_tokens / gen_seconds
         peak = self.peak_flops_per_worker * self.n_workers
         if peak > 0:
             out["perf/peak_flops_per_worker"] = self.peak_flops_per_worker

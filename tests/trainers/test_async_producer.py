@@ -207,3 +207,72 @@ def test_the_runs_last_weights_reach_the_sampler_whatever_sync_every() -> None:
         assert pool.version == 3
     finally:
         producer.stop()
+
+
+@pytest.mark.parametrize(("sync_every", "expected"), [(1, [0, 0, 0, 1, 2, 3]), (2, [0, 0, 0, 2, 2, 4])])
+def test_the_deterministic_schedule_follows_the_versions_handed_over(
+    sync_every: int, expected: list[int]
+) -> None:
+    """k=2: batch i samples the newest handed version at or below i - k. With weights every 2 updates the
+    versions 1, 3 never reach the pool: waiting for batch `version + k - 1` (sampled with version - 1) would
+    wait forever."""
+    from posttrain.trainers.async_driver import publish_weights
+
+    cfg = RLConfig()
+    cfg = replace(
+        cfg,
+        rollout=replace(cfg.rollout, n=1),
+        async_rl=replace(cfg.async_rl, staleness=2, sync_every=sync_every, deterministic=True),
+    )
+    producer = RolloutProducer(
+        cfg, SlowPool(delay_s=0.01), Prompts(), SamplingParams(max_tokens=4), 0, pad_id=0
+    )  # type: ignore[arg-type]
+
+    class Actor:
+        def rollout_weights(self) -> dict:
+            return {}
+
+    class Pool:
+        def load_weights(self, weights: dict) -> dict:
+            return {}
+
+    versions: list[int] = []
+    done = threading.Event()
+
+    def train() -> None:
+        for version in range(len(expected)):
+            item, _ = producer.take(version)
+            versions.append(item.version)
+            publish_weights(cfg.async_rl, version + 1, Actor(), Pool(), producer, lambda: None)  # type: ignore[arg-type]
+        done.set()
+
+    trainer = threading.Thread(target=train, daemon=True)
+    try:
+        trainer.start()
+        assert done.wait(timeout=30), f"the trainer stopped after the versions {versions}"
+        assert versions == expected
+    finally:
+        producer.stop()
+
+
+def test_stale_samples_without_a_rollout_correction_are_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from posttrain.trainers.async_rollout import check_async_config
+
+    cfg = RLConfig()
+    split = replace(cfg.resources, rollout="gen")
+    uncorrected = replace(cfg, resources=split, async_rl=replace(cfg.async_rl, staleness=2))
+    with caplog.at_level("WARNING"):
+        check_async_config(uncorrected)
+    assert "async_rl.staleness=2 without a rollout correction" in caplog.text
+    caplog.clear()
+    corrected = replace(
+        uncorrected,
+        algorithm=replace(
+            cfg.algorithm, rollout_correction=replace(cfg.algorithm.rollout_correction, rollout_is="token")
+        ),
+    )
+    with caplog.at_level("WARNING"):
+        check_async_config(corrected)
+    assert "rollout correction" not in caplog.text

@@ -394,3 +394,30 @@ def test_the_reference_log_probs_computed_as_groups_complete_stay_with_their_row
     assert all(c % N == 0 for c in calls), "whole groups per call"
     assert sum(calls) >= sum(len(b) for b in batches)
     assert all("async/ref_s" in m for m in metrics)
+
+
+class DiesOnLoads(DyingDispatcher):
+    """The first `deaths` weight loads find rank 1 dead (the restart's own reload included)."""
+
+    def __init__(self, deaths: int) -> None:
+        super().__init__()
+        self.deaths = deaths
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((method, None))
+        if method == "load_weights" and self.deaths:
+            self.deaths -= 1
+            raise WorkerError("rollout rank 1 died during load_weights", role="rollout", rank=1, died=True)
+        return {"rollout/load_s": 0.5}
+
+
+@pytest.mark.parametrize("deaths", [1, 2])
+def test_a_rank_dying_in_a_weight_load_is_restarted_and_the_load_succeeds(deaths: int) -> None:
+    # the restart reloads the same weights: the load's metrics are the reload's (not a failed call), and a
+    # death during the restart itself is restarted again within the budget
+    dispatcher = DiesOnLoads(deaths)
+    group = RolloutGroup(dispatcher)  # type: ignore[arg-type]
+    group.enable_restarts(2)
+    assert group.load_weights({"w": torch.ones(1)}) == {"rollout/load_s": 0.5}
+    assert group.restarts == deaths
+    assert [m for m, _ in dispatcher.calls].count("restart") == deaths

@@ -68,6 +68,23 @@ def test_metrics_of_a_known_step() -> None:
     assert m["perf/peak_flops_per_worker"] == 1e6
 
 
+def test_asynchronous_generation_is_timed_by_the_producer_and_left_out_of_the_trainers_mfu() -> None:
+    # k >= 1: timing/gen is the trainer's short wait for a batch generated on the rollout pool meanwhile
+    attention = torch.ones(2, 4, dtype=torch.long)
+    batch = Batch.from_dict({keys.ATTENTION_MASK: attention, keys.RESPONSE_MASK: attention[:, 2:].float()})
+    meter = PerfMeter(MODEL, None, 1, 1, False, 1, 1e6, 1)
+    timings = {"timing/gen": 0.001, "timing/update_actor": 1.0, "timing/step": 1.5}
+    gen = {"throughput/gen_tokens_total": 4.0, "async/gen_seconds": 2.0, "async/staleness": 1.0}
+    m = meter.metrics(batch, timings, gen)
+    assert m["throughput/gen_tokens_per_s"] == 4.0 / 2.0, "the producer's generation time, not the wait"
+    assert "perf/mfu/gen" not in m
+    work = meter.phase_work(batch, 4.0, timings)
+    assert set(work) == {"gen", "update_actor"}
+    assert m["perf/mfu"] == pytest.approx(work["update_actor"][1] / (1.5 * 1e6)), (
+        "the trainer's own work only"
+    )
+
+
 def test_phases_that_did_not_run_are_not_logged_and_no_peak_means_no_mfu() -> None:
     attention = torch.ones(2, 4, dtype=torch.long)
     batch = Batch.from_dict({keys.ATTENTION_MASK: attention, keys.RESPONSE_MASK: attention[:, 2:].float()})
