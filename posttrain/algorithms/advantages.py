@@ -61,7 +61,10 @@ def required_inputs(name: str) -> frozenset[str]:
 
 
 def group_index(group_ids: GroupIds) -> tuple[torch.Tensor, int]:
-    """Map arbitrary hashable group ids to dense ints 0..G-1 (first-seen order); returns (index (B,), G)."""
+    """Map arbitrary hashable group ids to dense ints 0..G-1 (first-seen order); returns (index (B,), G).
+    A tensor (or array) of ids is compared by value (its elements would hash by identity)."""
+    if hasattr(group_ids, "tolist"):
+        group_ids = group_ids.tolist()
     dense: dict[Hashable, int] = {}
     index = [dense.setdefault(g, len(dense)) for g in group_ids]
     return torch.tensor(index, dtype=torch.long), len(dense)

@@ -163,7 +163,8 @@ def _log_ratio(lp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
 def _thresholds(
     inputs: Mapping[str, Tensor], like: Tensor, clip_low_threshold: float, clip_high_threshold: float
 ) -> tuple[Tensor, Tensor]:
-    """Per-token (low, high) ratio bounds: a datum's `clip_*_threshold` input where given, else the config."""
+    """Per-token (low, high) ratio bounds: a datum's `clip_*_threshold` input where given, else the config
+    (a request's inverted bounds are refused before it reaches here: `client.batching.check_request`)."""
     bounds = []
     for key, value in zip(CLIP_KEYS, (clip_low_threshold, clip_high_threshold), strict=True):
         bounds.append(_input(inputs, key, like) if key in inputs else torch.full_like(like, value))
@@ -197,7 +198,9 @@ def api_importance_sampling(lp: Tensor, inputs: Mapping[str, Tensor]) -> tuple[T
 
         loss_i = -exp(lp_i - q_i) * A_i
 
-    Unclipped; its gradient is -ratio * A * grad(lp). No config.
+    The ratio is not clipped; its gradient is -ratio * A * grad(lp). Only the log-ratio is bounded, to
+    [-20, 20] (a ratio within e^+-20 ~ 5e8, so that exp stays finite): beyond it the value is capped and the
+    gradient 0, a token whose sampler and learner disagree that much carrying no signal. No config.
     """
     ratio = _log_ratio(lp, inputs).exp()
     return -(ratio * _input(inputs, "advantages", lp)), {}

@@ -64,10 +64,12 @@ class FixedKLController:
         """No-op: the coefficient is fixed."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self._value}
+        return {"kind": "fixed", "value": self._value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._value = _loaded_value(state, "FixedKLController")
+        """Checked, but the configured coefficient stays: a fixed coefficient never moved, so a checkpoint's
+        can differ only when the config changed it (or the run was adaptive), and then the config wins."""
+        _loaded_value(state, "FixedKLController")
 
     def __repr__(self) -> str:
         return f"FixedKLController(value={self._value})"
@@ -111,10 +113,14 @@ class AdaptiveKLController:
         self._value *= 1.0 + error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self._value}
+        return {"kind": "adaptive", "value": self._value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._value = _loaded_value(state, "AdaptiveKLController")
+        """The coefficient the controller had reached; a checkpoint of a fixed coefficient (a run switched to
+        adaptive on resume) is not a reached value: the configured init_coef stays."""
+        value = _loaded_value(state, "AdaptiveKLController")
+        if state.get("kind", "adaptive") == "adaptive":
+            self._value = value
 
     def __repr__(self) -> str:
         return (

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 from tinker import types
 
-from posttrain.algorithms.api_losses import API_LOSSES, check_api_loss, check_input_lengths, request_config
+from posttrain.algorithms.api_losses import (
+    API_LOSSES,
+    CLIP_KEYS,
+    check_api_loss,
+    check_input_lengths,
+    request_config,
+)
 from posttrain.client.model_inputs import InputRow, declared_length, text_row
 from posttrain.data import keys
 from posttrain.data.batch import Batch
@@ -57,6 +63,7 @@ def check_request(
             check_input_lengths(shapes, model_input_length=length)
         except ValueError as exc:
             raise type(exc)(f"datum {i}: {exc}") from None
+    _check_clip_thresholds(data, loss_fn, resolved)
     if loss_fn == "gspo":  # at the call, not mid-pass on a worker (gspo's mean over no token is undefined)
         for i, datum in enumerate(data):
             if not datum.loss_fn_inputs["sequence_ratio_mask"].to_numpy().any():
@@ -234,3 +241,27 @@ def sampled_sequences(out: Batch, rows: range, request_id: str) -> list[types.Sa
             )
         )
     return sequences
+
+
+def _check_clip_thresholds(data: Sequence[types.Datum], loss_fn: str, config: Mapping[str, object]) -> None:
+    """Per-datum ratio bounds (`clip_low_threshold` / `clip_high_threshold` inputs, the other bound from the
+    config) must not be inverted: torch.clamp would give the high bound at every such token, silently."""
+    defaults = API_LOSSES.get(loss_fn).config
+    for i, datum in enumerate(data):
+        given = {
+            k: datum.loss_fn_inputs[k].to_numpy().reshape(-1) for k in CLIP_KEYS if k in datum.loss_fn_inputs
+        }
+        if not given:
+            continue
+        length = len(next(iter(given.values())))
+        low, high = (
+            given[key] if key in given else np.full(length, float(config.get(key, defaults.get(key)) or 0.0))  # type: ignore[arg-type]
+            for key in CLIP_KEYS
+        )
+        inverted = np.nonzero(low > high)[0]
+        if inverted.size:
+            t = int(inverted[0])
+            raise ValueError(
+                f"datum {i}: clip_low_threshold {float(low[t]):g} > clip_high_threshold {float(high[t]):g} at "
+                f"token {t}: the low ratio bound must not exceed the high one"
+            )

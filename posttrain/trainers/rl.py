@@ -91,7 +91,12 @@ class RLTrainer:
         self.reuse_update_log_probs = reuses_update_log_probs(cfg)
         self.loss = LossSpec("ppo", policy_loss_options(cfg.actor, cfg.algorithm))
         self.critic_loss = LossSpec(
-            "value", {"cliprange_value": cfg.critic.cliprange_value, "loss_agg_mode": cfg.actor.loss_agg_mode}
+            "value",
+            {
+                "cliprange_value": cfg.critic.cliprange_value,
+                "loss_agg_mode": cfg.actor.loss_agg_mode,
+                "loss_scale_factor": cfg.actor.loss_scale_factor,
+            },
         )
         self.advantage_fn = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.run_dir = Path(cfg.trainer.run_dir)

@@ -21,6 +21,7 @@ from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.engine_config import DTYPES, EngineConfig
 from posttrain.engine.train_engine import TrainEngine
+from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.losses import LossSpec, build_loss
@@ -87,7 +88,7 @@ class ActorRolloutRefWorker:
     def sample(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """Generate one response per row; returns [prompt | response] tensors and the response text."""
         if self.rollout is None:
-            raise RuntimeError("this worker was built without a rollout engine")
+            raise ConfigError("this worker was built without a rollout engine")
         return sample_batch(self.rollout, batch, sampling)
 
     # ---- forward / backward --------------------------------------------------------------------
@@ -106,7 +107,7 @@ class ActorRolloutRefWorker:
             return Batch.from_dict({keys.OLD_LOG_PROBS: self.actor.compute_log_prob(batch, temperature)})
         if model == "ref":
             if not self.spec.with_ref:
-                raise RuntimeError("this worker was built without a reference model (with_ref=False)")
+                raise ConfigError("this worker was built without a reference model (with_ref=False)")
             if self.lora:
                 ref = self.actor.compute_log_prob(batch, temperature, disable_adapter=True)
             else:
@@ -114,7 +115,7 @@ class ActorRolloutRefWorker:
             return Batch.from_dict({keys.REF_LOG_PROB: ref})
         if model == "teacher":
             if self.teacher is None:
-                raise RuntimeError("this worker was built without a teacher model (teacher=None)")
+                raise ConfigError("this worker was built without a teacher model (teacher=None)")
             return Batch.from_dict({keys.TEACHER_LOG_PROB: self.teacher.compute_log_prob(batch, temperature)})
         raise ValueError(f"forward: unknown model '{model}'; valid: actor, ref, teacher")
 

@@ -19,6 +19,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.fsdp import reshard_all
 from posttrain.engine.train_engine import TrainEngine
+from posttrain.errors import ConfigError
 from posttrain.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 
@@ -41,7 +42,7 @@ class DistillWorker(ActorRolloutRefWorker):
         (then `optim_step`); metrics are this rank's token means: `distill/jsd` and the full-vocabulary
         `distill/kl_to_teacher` = KL(student || teacher), and `actor/router_aux_loss` for a MoE student."""
         if self.teacher is None:
-            raise RuntimeError("gkd needs a teacher (ActorRolloutRefSpec.teacher)")
+            raise ConfigError("gkd needs a teacher (ActorRolloutRefSpec.teacher)")
         if self.rollout is not None:
             self.rollout.sleep()
         engine, model = self.actor, self.actor.model

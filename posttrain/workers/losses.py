@@ -179,14 +179,19 @@ def ppo_loss(options: dict[str, Any], dp_size: int) -> LossFn:
 
 @register_loss("value")
 def value_loss(options: dict[str, Any], dp_size: int) -> LossFn:
-    """The critic's clipped value loss (its own option: cliprange_value), aggregated under loss_agg_mode."""
+    """The critic's clipped value loss (its own option: cliprange_value), aggregated under loss_agg_mode with
+    its `loss_scale_factor` (the constant of seq-mean-token-sum-norm; None: the response width), as the
+    policy loss is."""
     agg_mode = str(options.pop("loss_agg_mode", "token-mean"))
+    scale = options.pop("loss_scale_factor", None)
+    width = None if scale is None else float(scale)
     _check_options("loss 'value'", options, {"loss_agg_mode": None, **own_options(clipped_value_loss)})
 
     def loss_fn(values: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
         mask = mb[keys.RESPONSE_MASK].to(values.dtype)
         per_token, metrics = clipped_value_loss(values, mb[keys.VALUES], mb[keys.RETURNS], mask, **options)
-        loss = aggregate_loss(per_token, mask, agg_mode, dp_size=dp_size, **_totals(mb, mask, dp_size))
+        totals = _totals(mb, mask, dp_size)
+        loss = aggregate_loss(per_token, mask, agg_mode, dp_size=dp_size, width=width, **totals)
         metrics = {f"critic/{k}": v for k, v in metrics.items()}
         metrics["critic/vf_loss:sum"] = float(loss.detach())  # a part of the mini-batch's loss (SUM_SUFFIX)
         return loss, metrics

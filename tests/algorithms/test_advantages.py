@@ -96,6 +96,14 @@ def test_no_gradient_and_any_hashable_ids():
     assert advantages[:, 0].tolist() == pytest.approx([0.70710572, -0.70710572], abs=1e-6)
 
 
+def test_group_ids_in_a_tensor_are_compared_by_value():
+    # a 0-d tensor hashes by identity: without converting, every row would be a group of its own
+    index, n_groups = group_index(torch.tensor([0, 0, 1, 1]))
+    assert index.tolist() == [0, 0, 1, 1] and n_groups == 2
+    index, n_groups = group_index(np.array(["a", "b", "a"], dtype=object))
+    assert index.tolist() == [0, 1, 0] and n_groups == 2
+
+
 def test_group_index_first_seen_order():
     index, n_groups = group_index(["x", "y", "x", "z"])
     assert index.tolist() == [0, 1, 0, 2] and n_groups == 3

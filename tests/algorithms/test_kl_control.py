@@ -15,9 +15,27 @@ def test_fixed_controller_never_moves():
     assert isinstance(ctrl, FixedKLController)
     ctrl.update(current_kl=10.0, n_steps=1000)
     assert ctrl.value == 0.05
-    restored = FixedKLController(1.0)
+    restored = FixedKLController(0.05)
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == 0.05
+
+
+def test_on_resume_a_changed_config_wins_over_the_checkpoints_coefficient():
+    # a fixed coefficient never moved: a different one in the checkpoint means the config changed it, or the
+    # run was adaptive before; either way the configured value is the one asked for now
+    changed = FixedKLController(0.2)
+    changed.load_state_dict(FixedKLController(0.05).state_dict())
+    assert changed.value == 0.2
+    drifted = AdaptiveKLController(0.1, target_kl=1.0, horizon=10)
+    drifted.update(1.5, n_steps=1)
+    switched = FixedKLController(0.01)
+    switched.load_state_dict(drifted.state_dict())
+    assert switched.value == 0.01
+    adaptive = AdaptiveKLController(0.3, target_kl=1.0, horizon=10)  # switched from fixed to adaptive
+    adaptive.load_state_dict(FixedKLController(0.05).state_dict())
+    assert adaptive.value == 0.3
+    adaptive.load_state_dict({"value": 0.4})  # a checkpoint from before `kind` was saved: adaptive's own
+    assert adaptive.value == 0.4
 
 
 def test_adaptive_controller_trajectory():

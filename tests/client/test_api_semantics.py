@@ -90,6 +90,23 @@ def test_a_requests_datums_carry_the_same_loss_inputs(
         tc.forward_backward([plain, bounded], "ppo")
 
 
+def test_inverted_per_datum_clip_bounds_are_refused(
+    service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    """torch.clamp(ratio, low, high) with low > high gives `high` everywhere: a silent, wrong loss."""
+    tc = service.create_lora_training_client(str(tiny_model_dir), rank=2, seed=0)
+    datum = rl_datum(tc.get_tokenizer(), "2+2=4", 1.0)
+    n = len(datum.loss_fn_inputs["target_tokens"].to_numpy())
+    bounds = torch.tensor([0.9] * (n - 1) + [1.5])  # the high bound: the config's 1.2
+    datum.loss_fn_inputs["clip_low_threshold"] = types.TensorData.from_torch(bounds)
+    with pytest.raises(
+        ValueError, match=f"datum 0: clip_low_threshold 1.5 > clip_high_threshold 1.2 at token {n - 1}"
+    ):
+        tc.forward_backward([datum], "ppo")
+    datum.loss_fn_inputs["clip_low_threshold"] = types.TensorData.from_torch(torch.full((n,), 0.9))
+    tc.forward_backward([datum], "ppo").result()  # within bounds: accepted
+
+
 def test_malformed_inputs_are_errors_at_the_call(service: tinker.ServiceClient, tiny_model_dir: Path) -> None:
     tc = service.create_lora_training_client(str(tiny_model_dir), rank=2, seed=0)
     empty = types.Datum(

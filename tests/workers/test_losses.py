@@ -118,6 +118,13 @@ def test_value_loss_is_aggregated_by_the_entry() -> None:
     assert metrics["critic/vf_clipfrac"] == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"loss 'value' takes no option 'clip_ratio'"):
         build_loss(LossSpec("value", {"clip_ratio": 0.2}), 1)
+    # seq-mean-token-sum-norm divides the token sum 1.625 by the configured constant, as the policy loss does
+    norm = {"cliprange_value": 0.5, "loss_agg_mode": "seq-mean-token-sum-norm"}
+    by_width, _ = build_loss(LossSpec("value", norm), 1)(torch.tensor([[1.0, 0.0, 5.0]]), None, mb)
+    by_factor, _ = build_loss(LossSpec("value", {**norm, "loss_scale_factor": 13.0}), 1)(
+        torch.tensor([[1.0, 0.0, 5.0]]), None, mb
+    )
+    assert (by_width.item(), by_factor.item()) == pytest.approx((1.625 / 3, 1.625 / 13))
 
 
 def test_cross_entropy_takes_no_options() -> None:
