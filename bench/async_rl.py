@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import LONG_ADDITION_SFT, RESULTS, machine_info, write_result
+from common import LONG_ADDITION_SFT, RESULTS, machine_info, recipe_tag, write_result
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
@@ -104,13 +104,16 @@ def prepare(
     tail" then has no long responses."""
     tag = f"-{sft_steps}" if sft_steps != SFT_MAX_STEPS else ""
     tag += f"-lr{sft_lr:g}" if sft_lr is not None else ""
-    model, data, sft = work / f"model-{preset}", work / f"data-{case}", work / f"sft-{preset}-{case}{tag}"
+    # each cache is named by what made it: a changed task or recipe makes a new one
+    task = {"tail_prob": TAIL_PROB, "tail_digits": TAIL_DIGITS} if case == "tail" else {}
+    data = work / f"data-{case}-{recipe_tag(task, 2000, 64, 5, 9)}"
+    recipe = recipe_tag(LONG_ADDITION_SFT, MAX_RESPONSE[case], MAX_PROMPT, data.name)
+    model, sft = work / f"model-{preset}", work / f"sft-{preset}-{case}{tag}-{recipe}"
     if not (model / "config.json").exists():
         make_tiny_model(preset, model, long_addition.corpus(10000, seed=0))
     if not (data / "test.parquet").exists():
-        extra = {"tail_prob": TAIL_PROB, "tail_digits": TAIL_DIGITS} if case == "tail" else {}
         long_addition.write_long_addition_dataset(
-            data, n_train=2000, n_test=64, min_digits=5, max_digits=9, **extra
+            data, n_train=2000, n_test=64, min_digits=5, max_digits=9, **task
         )
     files = {"train": data / "train.parquet", "test": data / "test.parquet"}
     if not (sft / "hf" / "config.json").exists():

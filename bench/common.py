@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -28,6 +29,12 @@ LONG_ADDITION_SFT = [
 ]  # fmt: skip
 
 
+def recipe_tag(*recipe: Any) -> str:
+    """A short hash of everything a cached artefact (a warm start, a dataset, a run) was made with, for its
+    directory name: a changed recipe then makes a new one instead of silently reusing the old."""
+    return hashlib.sha1(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
 def machine_info(threads: int) -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -37,18 +44,25 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
+MEASURED_CODE = [
+    "posttrain",
+    "bench",
+    "recipes",
+    ":!bench/results",
+]  # what a bench runs (results: its output)
+
+
 def code_commit() -> str:
-    """The commit the benchmarked code is at, `+dirty` when posttrain/ or bench/ (results apart: a bench run
-    writes them) have uncommitted changes
-    (so README figures can be labelled with the code they came from); `unknown` outside a git checkout."""
-    root = Path(__file__).resolve().parents[1]
+    """The commit the benchmarked code is at, `+dirty` when what a bench runs (posttrain/, bench/, recipes/;
+    new files included) has uncommitted changes, so README figures can be labelled with the code they came
+    from; `unknown` outside a git checkout."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "posttrain", "bench", ":!bench/results"],
-            cwd=root,
+            ["git", "status", "--porcelain", "--untracked-files=normal", *MEASURED_CODE],
+            cwd=ROOT,
             capture_output=True,
             text=True,
             check=True,
@@ -58,9 +72,25 @@ def code_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+# The code when the bench started: its worker processes import the working tree as it is when they start, so
+# a commit or an edit during a long run mixes code into its figures (`write_result` then says so).
+CODE_AT_START = code_commit()
+
+
+def run_code() -> str:
+    """The code a run measured: the commit at its start, marked when the code changed before it ended."""
+    now = code_commit()
+    return (
+        CODE_AT_START
+        if now == CODE_AT_START
+        else f"{CODE_AT_START} (changed during the run: {now} at the end)"
+    )
+
+
 def write_result(filename: str, result: dict[str, Any]) -> Path:
-    """Write `result` to bench/results/`filename`, with the code's commit (`code`) unless it has one."""
-    result.setdefault("code", code_commit())
+    """Write `result` to bench/results/`filename`, with the code it measured (`code`, `run_code`) unless it
+    has one."""
+    result.setdefault("code", run_code())
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / filename
     path.write_text(json.dumps(result, indent=1))

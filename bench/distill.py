@@ -41,7 +41,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import POSTTRAIN, RESULTS, code_commit, held_out_accuracy, machine_info, write_result
+from common import (
+    CODE_AT_START,
+    POSTTRAIN,
+    RESULTS,
+    held_out_accuracy,
+    machine_info,
+    recipe_tag,
+    write_result,
+)
 from common import run_posttrain as run
 
 SAMPLES_PER_STEP = 32 * 8  # the demo's data.train_batch_prompts x rollout.n
@@ -92,8 +100,11 @@ def prepare(work: Path, teacher_nll: float, threads: int) -> dict[str, Any]:
     if not (data / "test.parquet").exists():
         write_arithmetic_dataset(data, **TASK)
     overrides = [*TEACHER_SFT, f"trainer.stop_at_val_nll={teacher_nll}"]
-    teacher_hf = sft(teacher, data, work / f"teacher-sft-nll{teacher_nll}", overrides, threads)
-    student_hf = sft(student, data, work / "student-sft", list(SFT_OVERRIDES), threads)
+    # each warm start is named by its whole recipe: a changed one makes a new warm start, not a stale reuse
+    teacher_hf = sft(teacher, data, work / f"teacher-sft-{recipe_tag(overrides, TASK)}", overrides, threads)
+    student_hf = sft(
+        student, data, work / f"student-sft-{recipe_tag(SFT_OVERRIDES, TASK)}", list(SFT_OVERRIDES), threads
+    )
     return {
         "data": data,
         "teacher": teacher_hf,
@@ -109,7 +120,10 @@ def rl_run(
     """One `posttrain train` run from the student's warm start: its validation curve (cached)."""
     from posttrain.demo import RL_OVERRIDES
 
-    run_dir = work / f"{kind}-seed{seed}-steps{steps}-lr{lr:g}"
+    run_dir = (
+        work
+        / f"{kind}-seed{seed}-steps{steps}-lr{lr:g}-{recipe_tag(RL_OVERRIDES, val_every, str(prep['student']), str(prep['teacher']) if kind == 'distill' else None)}"
+    )
     if not (run_dir / "done").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
@@ -148,6 +162,7 @@ def gkd_run(prep: dict[str, Any], work: Path, seed: int, points: list[int], args
     curve = [{"step": 0, "samples": 0, "val_acc": prep["student_acc"]}]
     for steps in points:
         tag = f"seed{seed}-steps{steps}-lr{args.gkd_lr:g}-lmbda{args.gkd_lmbda:g}-beta{args.gkd_beta:g}"
+        tag += f"-{recipe_tag(str(prep['teacher']), str(prep['student']))}"  # the teacher distilled from
         run_dir = work / f"gkd-{tag}"
         if not (run_dir / "hf" / "config.json").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -231,7 +246,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    code = code_commit()
+    code = CODE_AT_START
     prep = prepare(work, args.teacher_nll, args.threads)
     start, teacher = prep["student_acc"], prep["teacher_acc"]
     half = start + (teacher - start) / 2

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import RESULTS, machine_info, write_result
+from common import RESULTS, machine_info, recipe_tag, write_result
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig, SFTConfig
@@ -48,7 +48,8 @@ ALGORITHMS = ("ppo", "grpo", "dapo")
 
 
 def warm_start(work: Path) -> tuple[Path, list[str]]:
-    model, data, sft = work / "model", work / "data", work / "sft"
+    model, data = work / "model", work / "data"
+    sft = work / f"sft-{recipe_tag(SFT_OVERRIDES, TASK)}"  # a changed recipe makes a new warm start
     if not (model / "config.json").exists():
         make_tiny_model("tiny", model, corpus(20000, seed=0))
     if not (data / "test.parquet").exists():

@@ -11,8 +11,8 @@ held-out problems and no stage trains on a problem it is scored on.
   before and after (`posttrain eval`, the rule scorer), and against a control trained on the same pairs with
   the sft term alone. Target: +10 points.
 - **rm**: `posttrain rm` (Bradley-Terry) on the train pairs; held-out pairwise accuracy. Target: >= 85%. The
-  reward model starts from the RM base: the same SFT recipe on the same train problems run to its end (800
-  steps, no early stop) instead of the warm start (from the warm start: 84.4% after 2,000 steps, and GRPO on
+  reward model starts from the RM base: the same SFT recipe on the same train problems run to its end
+  (`posttrain.demo.SFT_OVERRIDES`' total_steps, no early stop; the recorded runs used the earlier 800-step recipe) instead of the warm start (from the warm start: 84.4% after 2,000 steps, and GRPO on
   those reward models fell 37.9% -> 17.1%; they rank the right answer first among it and its 14 nearest slips
   on 11-17% of held-out problems, and GRPO converges to the slips they prefer).
 - **grpo_rm**: `posttrain train` (GRPO, the demo's settings, 2 FSDP workers on Ray) from the warm start with
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import POSTTRAIN, RESULTS, code_commit, held_out_accuracy, machine_info, write_result
+from common import CODE_AT_START, POSTTRAIN, RESULTS, held_out_accuracy, machine_info, write_result
 from common import run_posttrain as run
 
 STAGES = ("dpo", "rm", "grpo_rm", "grpo_rm_ensemble")
@@ -87,8 +87,8 @@ RM_OVERRIDES = [
 ]
 GRPO_RM_STEPS = 200
 ENSEMBLE_COMBINE = "mean"  # grpo_rm_ensemble: the reward models of the rm stage's seeds, their mean score
-# the reward models' starting weights: the warm start's SFT recipe on the same train problems run to its end (800
-# steps) instead of stopping at held-out NLL 0.7 (validation only watches, every 100 steps). From the warm start,
+# the reward models' starting weights: the warm start's SFT recipe on the same train problems run to its end (its
+# total_steps; 800 in the earlier recipe the recorded runs used) instead of stopping at held-out NLL 0.7 (validation only watches, every 100 steps). From the warm start,
 # 2,000 steps reached 84.4% held-out pairwise accuracy (83.3 / 85.9 / 84.0) and GRPO on them fell 37.9% -> 17.1%
 RM_BASE_OVERRIDES = ["trainer.stop_at_val_nll=0", "trainer.val_every=100"]  # after the demo's SFT_OVERRIDES
 NEAR_SLIPS = (1, 2, 3, 9, 10, 11, 20)  # the answer +- these: the slips a policy's near misses make
@@ -137,7 +137,8 @@ def warm_start(work: Path) -> dict[str, Path]:
     if not (paths["pairs"] / "test.parquet").exists():
         # same seed and sizes as the task: the same problems per split
         write_arithmetic_pairs(paths["pairs"], **TASK, rejected_per_problem=REJECTED_PER_PROBLEM)
-    if not (paths["sft"] / "hf" / "config.json").exists():
+    sft_settings = {"sft": SFT_OVERRIDES, "task": TASK}  # the warm start is re-made when its recipe changes
+    if not cached(paths["sft"], sft_settings, paths["sft"] / "hf" / "config.json"):
         cfg = load_config(
             SFTConfig,
             "sft",
@@ -150,6 +151,7 @@ def warm_start(work: Path) -> dict[str, Path]:
             ],
         )
         SFTTrainer(cfg).fit()
+        mark_done(paths["sft"], sft_settings)
     return paths
 
 
@@ -211,11 +213,13 @@ def sampled_pairs(paths: dict[str, Path], work: Path) -> Path:
 
 
 def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int, loss: str, name: str) -> dict[str, Any]:
+    from posttrain.demo import SFT_OVERRIDES
+
     run_dir = work / f"{name}-seed{seed}"
-    ran = not (run_dir / "hf" / "config.json").exists()
+    # everything the run depends on: a cached run made with other settings is run again
+    settings = {"loss": loss, "overrides": DPO_OVERRIDES, "sft": SFT_OVERRIDES, "samples": SAMPLES_PER_PROMPT}
+    ran = not cached(run_dir, settings, run_dir / "hf" / "config.json")
     if ran:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir(parents=True)
         run(
             [
                 *POSTTRAIN,
@@ -229,6 +233,7 @@ def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int, loss: str, 
             ],
             run_dir / "run.log",
         )
+        mark_done(run_dir, settings)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     pref = [r["val/rewards_accuracy"] for r in rows if "val/rewards_accuracy" in r]
     return {
@@ -241,7 +246,9 @@ def dpo(paths: dict[str, Path], work: Path, seed: int, threads: int, loss: str, 
 
 def rm_settings() -> dict[str, Any]:
     """What a reward model of this script depends on (its run, and the GRPO runs on it, are cached by it)."""
-    return {"rm": RM_OVERRIDES, "base": RM_BASE_OVERRIDES}
+    from posttrain.demo import SFT_OVERRIDES
+
+    return {"rm": RM_OVERRIDES, "base": {"sft": SFT_OVERRIDES, "overrides": RM_BASE_OVERRIDES}}
 
 
 def rm(paths: dict[str, Path], work: Path, seed: int, threads: int) -> dict[str, Any]:
@@ -533,7 +540,7 @@ def main() -> None:
         for runs in results.values():
             for r in runs:
                 r.setdefault("sft_start_val_acc", before.get("sft_start_val_acc"))
-    code = code_commit()
+    code = CODE_AT_START  # the code this invocation runs (its runs' subprocesses import the working tree)
     from posttrain.demo import SFT_OVERRIDES
 
     settings = {  # what this invocation runs; each run keeps its own copy, as stages not re-run keep theirs
@@ -562,11 +569,11 @@ def main() -> None:
                 out["ensemble"] = ensemble or None
             out["sft_start_val_acc"] = start
             earlier = before_runs.get(seed, {})
-            if out.pop("ran", True) or "code" not in earlier or earlier.get("settings") != settings[stage]:
-                out["code"] = code  # stages not re-run keep their own runs' code and settings (below)
+            if out.pop("ran", True):
+                out["code"], out["settings"] = code, settings[stage]
+            else:  # a cached run, made with these settings (`cached`): the code it ran with, never today's
+                out["code"] = earlier.get("code", "unknown (a cached run of an earlier invocation)")
                 out["settings"] = settings[stage]
-            else:  # a cached run (its settings unchanged): the code and settings it ran with
-                out["code"], out["settings"] = earlier["code"], earlier.get("settings", settings[stage])
             if stage == "rm":  # computed now, on the run's reward model
                 out["near_slip_top1_code"] = code
             print("  " + json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)

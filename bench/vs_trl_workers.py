@@ -8,13 +8,12 @@ Each worker prints its framework's own log and writes its per-step figures as JS
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import resource
 import time
 from pathlib import Path
 
-from common import LONG_ADDITION_SFT, LONG_SFT_STOP_NLL
+from common import LONG_ADDITION_SFT, LONG_SFT_STOP_NLL, recipe_tag
 
 
 def peak_rss_mb() -> float:
@@ -53,16 +52,15 @@ def prepare_worker(spec: dict) -> dict:
     task = spec["task"]
     root = Path(spec["work"]) / (spec["preset"] if task == "arithmetic" else f"{spec['preset']}-{task}")
     extra = list(spec.get("sft_overrides", []))
-    tag = "-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
-    if task != "arithmetic":
-        tag = f"-nll{LONG_SFT_STOP_NLL}{tag}"
-    model, data, sft = root / "model", root / "data", root / f"sft{spec['sft_steps']}{tag}"
     if task == "arithmetic":
         corpus = arithmetic.corpus(20000, seed=0)
         recipe = [o for o in SFT_OVERRIDES if not o.startswith("trainer.total_steps=")]
     else:
         corpus = long_addition.corpus(10000, seed=0)
         recipe = LONG_ADDITION_SFT
+    # the warm start is named by its whole recipe (a changed one makes a new warm start, not a stale reuse)
+    tag = "-" + recipe_tag(recipe, extra, LONG_SFT_STOP_NLL if task != "arithmetic" else None)
+    model, data, sft = root / "model", root / "data", root / f"sft{spec['sft_steps']}{tag}"
     if not (model / "config.json").exists():
         make_tiny_model(spec["preset"], model, corpus)
     if not (data / "test.parquet").exists():
