@@ -10,13 +10,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.engine_config import EngineConfig
 from posttrain.engine.train_engine import TrainEngine
 from posttrain.workers.losses import LossSpec, build_loss
-from posttrain.workers.process import prepare_worker_process, rank_seed
+from posttrain.workers.process import ProcessRNG, prepare_worker_process, rank_seed
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ class CriticWorker:
 
     def save_state(self, path: str) -> None:
         self.engine.save(Path(path) / "critic")
+        # its process's random streams too (its own process on Ray), so that a resumed run repeats
+        torch.save(ProcessRNG().state_dict(), Path(path) / "critic" / f"rng_rank{self.rank}.pt")
 
     def load_state(self, path: str) -> None:
         self.engine.load(Path(path) / "critic")
+        rng_file = Path(path) / "critic" / f"rng_rank{self.rank}.pt"
+        if rng_file.exists():  # absent in checkpoints written before the critic saved it
+            ProcessRNG().load_state_dict(torch.load(rng_file, weights_only=False))

@@ -65,6 +65,8 @@ class ProcessRNG:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
+            # every visible GPU's stream (dropout, sampling on the device); None on a CPU-only process
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "generator": self.generator.get_state() if self.generator is not None else None,
         }
 
@@ -72,6 +74,8 @@ class ProcessRNG:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
+        if state.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
         # checkpoints written before this class named the generator after its owner
         generator = state.get("generator", state.get("rollout", state.get("sampler")))
         if self.generator is not None and generator is not None:
