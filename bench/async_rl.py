@@ -169,7 +169,7 @@ def run(
     RLTrainer(cfg).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in rows if "timing/step" in r][1:]
-    samples = sum(8 * 4 for _ in steady)
+    samples = sum(r["batch/samples"] for r in steady)  # counted, not assumed (streaming may drop some)
     seconds = sum(r["timing/step"] for r in steady)
     out = {
         "samples_per_s": samples / seconds,
@@ -181,7 +181,7 @@ def run(
         "reward": statistics.fmean(r["reward/mean"] for r in steady),
         "response_length": statistics.fmean(r["response_length/mean"] for r in steady),
         "response_length_max": max(r["response_length/max"] for r in steady),
-        "samples_trained": 8 * 4 * steps,
+        "samples_trained": sum(r["batch/samples"] for r in rows if "batch/samples" in r),
         "val_acc_after": [r["val/acc"] for r in rows if "val/acc" in r][-1],
         "val_acc_curve": [[r["step"], r["val/acc"]] for r in rows if "val/acc" in r],
     }

@@ -245,6 +245,8 @@ class RolloutProducer(WeightHandOver[Callable[[], object]]):
         self._load_s = 0.0  # producer seconds loading weights (since the last take)
         self._weights = None
         self._handed = start_version
+        # batches 0 .. total_steps - 1: none is generated past the run
+        self.total_steps = cfg.trainer.total_steps
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -256,12 +258,17 @@ class RolloutProducer(WeightHandOver[Callable[[], object]]):
                 waited = time.perf_counter()
                 while True:  # gate: batch `index` trains at version `index`; its weights must be >= index - k
                     with self._cond:
-                        while not self._stop and self.published < index - self.k and self._weights is None:
+                        # past the run's last batch it only loads weights (the final validation's) until stopped
+                        while (
+                            not self._stop
+                            and self._weights is None
+                            and (index >= self.total_steps or self.published < index - self.k)
+                        ):
                             self._cond.wait(timeout=1.0)
                         if self._stop:
                             return
                     self._load_handed_weights()
-                    if self.published >= index - self.k:
+                    if index < self.total_steps and self.published >= index - self.k:
                         break
                 with self._cond:
                     self._idle += time.perf_counter() - waited
@@ -334,8 +341,9 @@ class RolloutProducer(WeightHandOver[Callable[[], object]]):
         = s updates, the newest multiple of s at or below i - k (e.g. k = 2, s = 2: 0, 0, 0, 2, 2, 4, 4)."""
         if not self.deterministic:
             return
+        due = min(self._handed + self.k, self.total_steps - 1)  # the last batch the run has
         with self._cond:
-            while self._produced <= self._handed + self.k and self._error is None and not self._stop:
+            while self._produced <= due and self._error is None and not self._stop:
                 self._cond.wait(timeout=1.0)
 
     def take(self, version: int) -> tuple[Rollouts, dict[str, float]]:

@@ -60,6 +60,7 @@ def batch_metrics(batch: Batch, epoch: int) -> Metrics:
         "response_length/min": float(lengths.min()),
         "response_length/clip_frac": float((batch[keys.STOP_REASON] == "length").mean()),
         "throughput/gen_tokens": gen_tokens,
+        "batch/samples": float(len(batch)),  # the samples this step trains on (streaming may drop some)
         "epoch": float(epoch),
     }
 

@@ -276,3 +276,26 @@ def test_stale_samples_without_a_rollout_correction_are_warned_about(
     with caplog.at_level("WARNING"):
         check_async_config(corrected)
     assert "rollout correction" not in caplog.text
+
+
+def test_no_batch_is_generated_past_the_runs_last_step_and_the_final_weights_still_load() -> None:
+    cfg = RLConfig()
+    cfg = replace(
+        cfg,
+        rollout=replace(cfg.rollout, n=1),
+        async_rl=replace(cfg.async_rl, staleness=2),
+        trainer=replace(cfg.trainer, total_steps=3),
+    )
+    pool = SlowPool(delay_s=0.01)
+    producer = RolloutProducer(cfg, pool, Prompts(), SamplingParams(max_tokens=4), 0, pad_id=0)  # type: ignore[arg-type]
+    loaded: list[int] = []
+    try:
+        for version in range(3):
+            producer.take(version)
+        time.sleep(0.3)  # time enough for more batches, were they made
+        assert len(pool.calls) == 3, "batches 0-2 only: the run trains 3 steps"
+        producer.hand_weights(3, lambda: loaded.append(3))  # the final weights, for the last validation
+        producer.settle_weights()
+        assert loaded == [3] and producer.published == 3
+    finally:
+        producer.stop()

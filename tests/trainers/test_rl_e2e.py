@@ -71,6 +71,7 @@ def test_grpo_two_ray_workers_checkpoint_and_resume(
         assert r["actor/grad_norm"] > 0
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert 1 <= r["response_length/min"] <= r["response_length/mean"] <= r["response_length/max"] <= 6
+        assert r["batch/samples"] == 4 * 4, "the samples trained (data.train_batch_prompts x rollout.n)"
     assert sum(r["reward/errors"] for r in train_rows) > 0, "the raising scorer was counted"
     assert list((run / "tensorboard").iterdir()), "tensorboard events written"
 
