@@ -41,6 +41,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+# RMS norms computing x * rsqrt(mean(x^2) + eps) * weight (in float32, then cast back: equal in float32)
+_PLAIN_RMS_NORMS = frozenset(
+    f"{name}RMSNorm"
+    for name in ("Qwen2", "Qwen3", "Llama", "Mistral", "Qwen2Moe", "Qwen3Moe", "Qwen2VL", "Qwen2_5_VL")
+)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)`, through torch's fused `F.rms_norm` for a float32 input to one of the plain RMS norms above
+    (one kernel instead of the module's six element-wise ops: ~10% of a small model's decoding step, the
+    same values); any other norm or dtype runs the module itself."""
+    if x.dtype == torch.float32 and type(norm).__name__ in _PLAIN_RMS_NORMS:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
 def text_model(model: nn.Module) -> nn.Module | None:
     """The decoder stack (embed_tokens, layers, norm, rotary_emb) of a causal LM or of a vision-language model."""
     inner = getattr(model, "model", None)
@@ -138,7 +154,7 @@ class DecoderRunner:
         k = attn.k_proj(h).view(batch, width, self.n_kv, self.head_dim)
         v = attn.v_proj(h).view(batch, width, self.n_kv, self.head_dim).transpose(1, 2)
         if self.qk_norm:  # Qwen3: RMS norm over each head's dimensions, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -178,14 +194,14 @@ class DecoderRunner:
         cos, sin = self.base.rotary_emb(h, positions if rope_positions is None else rope_positions)
         for i, layer in enumerate(self.base.layers):
             residual = h
-            x = layer.input_layernorm(h)
+            x = rms_norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer.self_attn, x, cos, sin)
             cache.k[i, slots, :, :width] = k[rows]  # type: ignore[index]
             cache.v[i, slots, :, :width] = v[rows]  # type: ignore[index]
             out = self._attend(q, k, v, mask).transpose(1, 2).reshape(batch, width, -1)
             h = residual + layer.self_attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = self.base.norm(h[torch.arange(batch, device=device), lengths - 1])
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        last = rms_norm(self.base.norm, h[torch.arange(batch, device=device), lengths - 1])
         return self.model.lm_head(last)
 
     @torch.no_grad()
@@ -216,7 +232,7 @@ class DecoderRunner:
         cos, sin = self.base.rotary_emb(h, rope[:, None])
         for i, layer in enumerate(self.base.layers):
             residual = h
-            x = layer.input_layernorm(h)
+            x = rms_norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer.self_attn, x, cos, sin)
             cache.k[i, slots, :, positions] = k[:, :, 0]  # type: ignore[index]
             cache.v[i, slots, :, positions] = v[:, :, 0]  # type: ignore[index]
@@ -226,5 +242,5 @@ class DecoderRunner:
                 keys, values = cache.k[i, slots, :, :span], cache.v[i, slots, :, :span]  # type: ignore[index]
             out = self._attend(q, keys, values, mask).transpose(1, 2).reshape(batch, 1, -1)
             h = residual + layer.self_attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.lm_head(self.base.norm(h[:, 0]))
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        return self.model.lm_head(rms_norm(self.base.norm, h[:, 0]))
