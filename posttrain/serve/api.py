@@ -20,6 +20,7 @@ from posttrain.serve.schema import Bodies
 from posttrain.serve.state import ServerState
 
 MAX_SEQ_ID = 2**62  # seq_ids are journaled as SQLite integers
+RETRIED_STATUSES = (408, 409, 429)  # what the SDK sends again, with the same seq_id (besides 5xx)
 
 
 def as_json(model: Any) -> dict[str, Any]:
@@ -135,6 +136,25 @@ class Api:
         if not 0 <= seq_id < MAX_SEQ_ID:
             raise HTTPException(400, f"seq_id {seq_id} is outside 0..2**62")
         return self.state.sequencer.seen(key, seq_id)
+
+    def refused_in_order(
+        self, model: TrainingModel, seq_id: int | None, tenant: str, kind: str, refusal: HTTPException
+    ) -> HTTPException:
+        """The refusal to raise for a training request whose seq_id the client has already spent: the SDK
+        takes a seq_id before sending and never sends it again after a 4xx it does not retry, so the seq_id
+        is consumed here (journaled, its answer the refusal) and the model's later requests are not parked
+        behind it forever. A refusal the SDK retries with the same seq_id (408, 409, 429) consumes nothing."""
+        if refusal.status_code in RETRIED_STATUSES or seq_id is None or self.seen(model.model_id, seq_id):
+            return refusal
+        state, model_id = self.state, model.model_id
+        request = state.futures.open(tenant, kind, model_id)
+        state.sequencer.remember(model_id, seq_id, request.request_id)
+
+        def refuse() -> Any:
+            raise ValueError(f"{kind} refused ({refusal.status_code}): {refusal.detail}")
+
+        state.futures.attach(request, state.sequencer.submit(model_id, seq_id, refuse), as_json)
+        return refusal
 
     def in_order(
         self,

@@ -9,8 +9,9 @@ applied once), and hands out request ids whose results the SDK fetches from `ret
 polling (protobuf for forward/backward and sample results, JSON otherwise). What it must remember is
 journaled (journal.py), so a restarted server goes on where it was (recovery.py).
 
-Endpoints the protocol has and this server does not implement (billing, telemetry, external weight copies,
-custom-loss graphs, session search...) answer 501 naming the endpoint. This module holds the service,
+Endpoints the protocol has and this server does not implement (billing, external weight copies, custom-loss
+graphs, session search...) answer 501 naming the endpoint, marked not to be retried; the SDK's telemetry
+(on by default) is accepted and counted. This module holds the service,
 session and futures endpoints and the server's upkeep; routes_training.py and routes_sampling.py the rest.
 """
 
@@ -178,12 +179,27 @@ def make_app(state: ServerState) -> FastAPI:
             return Response(content=answer, media_type=PROTO)
         return answer
 
+    # ---- the SDK's telemetry ----------------------------------------------------------------
+    @app.post("/api/v1/telemetry", openapi_extra=bodies.json(types.TelemetrySendRequest))
+    async def telemetry(request: Request) -> dict:
+        """The SDK's events about itself (sent every 10 s unless TINKER_TELEMETRY=0): accepted, counted in
+        /metrics as requests of this endpoint, and logged at debug level. Refused, the SDK would log a
+        warning with a traceback at every flush and hold its exit up to 30 s trying again."""
+        tenant = await api.tenant(request)
+        body: types.TelemetrySendRequest = await api.body(request, types.TelemetrySendRequest)
+        log.debug("telemetry from tenant %s: %d event(s)", tenant, len(body.events))
+        return {"status": "accepted"}
+
     # ---- the rest of the protocol ------------------------------------------------------------
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
     async def not_implemented(rest: str, request: Request) -> JSONResponse:
+        """501, naming the endpoint; `x-should-retry: false` so that the SDK's HTTP layer reports it at once
+        instead of retrying a server error ten times."""
         await api.tenant(request)
         return JSONResponse(
-            {"detail": f"/api/v1/{rest} is not implemented by posttrain serve"}, status_code=501
+            {"detail": f"/api/v1/{rest} is not implemented by posttrain serve"},
+            status_code=501,
+            headers={"x-should-retry": "false"},
         )
 
     bodies.install(app)

@@ -88,7 +88,10 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         if earlier is not None:  # a retry: answered with the first delivery's id, charged nothing
             return earlier
         inputs = {f"datum {i}": d.model_input for i, d in enumerate(call.data)}
-        api.tokens(tenant, await api.input_tokens(inputs, api.base_dir(model.base_name)))
+        try:
+            api.tokens(tenant, await api.input_tokens(inputs, api.base_dir(model.base_name)))
+        except HTTPException as refusal:  # the SDK has spent the seq_id: consumed, or later calls would wait
+            raise api.refused_in_order(model, call.seq_id, tenant, kind, refusal) from None
 
         def start(client: TrainingClient) -> Any:
             verb = client.forward if call.forward_only else client.forward_backward
@@ -131,7 +134,10 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         body: types.SaveWeightsForSamplerRequest = await api.body(request, types.SaveWeightsForSamplerRequest)
         model = state.model(body.model_id, tenant)
         if body.kind != "snapshot":
-            raise HTTPException(400, f"sampler weights of kind {body.kind!r} are not supported (snapshot is)")
+            refusal = HTTPException(
+                400, f"sampler weights of kind {body.kind!r} are not supported (snapshot is)"
+            )
+            raise api.refused_in_order(model, body.seq_id, tenant, "save_weights_for_sampler", refusal)
 
         def start(client: TrainingClient) -> Any:
             if body.path is not None:
@@ -149,15 +155,19 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
     async def load_weights(request: Request) -> dict:
         tenant = await api.tenant(request)
         body: types.LoadWeightsRequest = await api.body(request, types.LoadWeightsRequest)
-        state.check_path(body.path, tenant, "weights")
         if body.model_id is not None:  # onto an existing model, in its sequence
             model = state.model(body.model_id, tenant)
+            try:
+                state.check_path(body.path, tenant, "weights")
+            except HTTPException as refusal:
+                raise api.refused_in_order(model, body.seq_id, tenant, "load_weights", refusal) from None
 
             def start(client: TrainingClient) -> Any:
                 load = client.load_state_with_optimizer if body.optimizer else client.load_state
                 return load(body.path)
 
             return api.in_order(model, body.seq_id, tenant, "load_weights", start, as_json)
+        state.check_path(body.path, tenant, "weights")
         if body.session_id is None or body.model_seq_id is None:
             raise HTTPException(400, "load_weights needs model_id + seq_id, or session_id + model_seq_id")
         state.session(body.session_id, tenant)

@@ -84,6 +84,27 @@ def test_keys_health_schema_and_unimplemented_endpoints(server: Running) -> None
     with server.client(ALICE) as alice:
         answer = alice.post("/api/v1/copy_weights", json={})
         assert answer.status_code == 501 and "copy_weights" in answer.json()["detail"]
+        assert answer.headers["x-should-retry"] == "false"  # the SDK would retry a 5xx ten times
+
+
+def test_the_sdks_telemetry_is_accepted_and_counted(server: Running) -> None:
+    """On by default in every SDK process (every 10 s): refused, it warns with a traceback at each flush."""
+    from tinker import types
+    from tinker.types.generic_event import GenericEvent
+
+    event = GenericEvent(
+        event="GENERIC_EVENT", event_id="e1", event_name="test", event_session_index=0, severity="INFO",
+        timestamp="2026-11-29T00:00:00Z",
+    )  # fmt: skip
+    body = types.TelemetrySendRequest(
+        events=[event], platform="linux", sdk_version="0.38.0", session_id="s", process_uuid="p"
+    )
+    with server.client(ALICE) as alice, server.client(None) as anonymous:
+        answer = alice.post("/api/v1/telemetry", json=body.model_dump(mode="json", exclude_none=True))
+        assert answer.status_code == 200 and types.TelemetryResponse(**answer.json()).status == "accepted"
+        assert anonymous.post("/api/v1/telemetry", json={}).status_code == 401
+        metrics = alice.get("/metrics").text
+        assert 'endpoint="/api/v1/telemetry",status="200"' in metrics
 
 
 def wait(client, request_id: str) -> dict:  # noqa: ANN001

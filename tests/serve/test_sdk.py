@@ -8,7 +8,9 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +74,24 @@ def test_another_tenant_reaches_nothing_of_alice(server: Running, alice_run: dic
         own = alice.post("/api/v1/create_session", json=SESSION)
         load["session_id"] = own.json()["session_id"]
         assert alice.post("/api/v1/load_weights", json=load).status_code == 200
+
+
+def test_after_a_refused_request_the_sdks_next_calls_still_run(server: Running) -> None:
+    """The SDK takes a seq_id before it sends and does not send it again after a 413 or a 400: the server
+    consumes it with the refusal, so the model's later requests (save_state among them) are not parked behind
+    a seq_id that will never come."""
+    state: Any = server.state
+    limits = state.limits
+    state.limits = replace(limits, tokens_per_request=100)  # 40 datums of ~8 tokens are over it
+    try:
+        env = {**os.environ, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": ALICE, "TINKER_TELEMETRY": "0"}
+        done = subprocess.run(
+            [sys.executable, "-W", "ignore", str(Path(__file__).with_name("sdk_refusal_script.py")), server.model_name],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        state.limits = limits
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "tokens_per_request" in out["big"] and "inflight" in out["inflight"], out
+    assert math.isfinite(out["loss"]) and out["saved"].endswith("/after-refusals")
