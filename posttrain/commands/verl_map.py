@@ -404,7 +404,7 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_model.overlong_buffer.enable", (), _overlong_enable, "true: the len below"),
     Rule("reward_model.overlong_buffer.len", ("reward.overlong_buffer_len",), _overlong_buffer("reward.overlong_buffer_len"), "with enable=true only"),
     Rule("reward_model.overlong_buffer.penalty_factor", ("reward.overlong_penalty_factor",), _overlong_buffer("reward.overlong_penalty_factor"), "with enable=true only"),
-    Rule("reward_model.enable", (), _must_be(False, "model-based rewards are not supported: score with a reward function (custom_reward_function.path)", "function rewards, as posttrain"), "False only"),
+    Rule("reward_model.enable", (), _must_be(False, "verl's reward model is not converted: posttrain's is reward.model.path (a sequence classifier, e.g. what posttrain rm writes), set by hand", "function rewards, as posttrain"), "False only"),
     Rule("reward_model.reward_manager", (), _must_be(("naive", "dapo"), "posttrain's reward manager is verl's naive one (+ DAPO overlong shaping)", "posttrain's reward manager"), "naive, dapo"),
     rule(f"{T}total_training_steps", "trainer.total_steps"),
     Rule(f"{T}total_epochs", ("trainer.total_steps",), _epochs, "epochs x (train rows // train_batch_size)"),

@@ -21,6 +21,7 @@ from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config, load_text_config
+from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES
 from posttrain.tracking import check_backends
@@ -136,10 +137,12 @@ def data_parallel_size(model: ModelConfig, world_size: int) -> int:
     return world_size // max(1, model.sequence_parallel_size)
 
 
-def check_context(cfg: RLConfig) -> None:
-    """The longest sequence a rollout can ask for against the model's context (max_position_embeddings), so
-    that it fails here, naming the keys, instead of in the first generation after the model loads."""
-    context = getattr(load_text_config(cfg.model.path), "max_position_embeddings", None)
+def check_context(cfg: RLConfig, path: str | None = None) -> None:
+    """The longest sequence a rollout can ask for against the context (max_position_embeddings) of the model
+    at `path` (default: the policy's), so that it fails here, naming the keys, instead of in the first
+    generation or the critic's first pass after the model loads."""
+    path = path or cfg.model.path
+    context = getattr(load_text_config(path), "max_position_embeddings", None)
     if cfg.agent.enable:
         keys, longest = "agent.max_total_tokens", cfg.agent.max_total_tokens
     else:
@@ -148,9 +151,21 @@ def check_context(cfg: RLConfig) -> None:
     if isinstance(context, int) and longest > context:
         raise ConfigError(
             f"{keys} = {longest} tokens exceeds the model's context of {context} positions "
-            f"(max_position_embeddings in {cfg.model.path}/config.json): lower it, or use a model with a longer "
+            f"(max_position_embeddings in {path}/config.json): lower it, or use a model with a longer "
             "context (make-model --preset tiny-32k / small-32k for the built-in ones)"
         )
+
+
+def check_critic_model(cfg: RLConfig) -> None:
+    """A critic on a model of its own (`critic.model_path`) reads the policy's token ids: the directory must
+    exist, share the policy's tokenizer (another one would score the wrong tokens, silently, whenever its
+    vocabulary is as large) and hold the longest sequence."""
+    path = cfg.critic.model_path
+    if not cfg.critic.enable or not path:
+        return
+    check_model_dir(path)
+    check_same_tokenizer(cfg.model.path, path, key="critic (critic.model_path)")
+    check_context(cfg, path)
 
 
 def check_vision_language_model(model: ModelConfig) -> None:
@@ -208,6 +223,7 @@ def check_rl_config(cfg: RLConfig) -> None:
         check_rl_vision_language(cfg)
     check_pixel_bounds(cfg.data, cfg.model.path)
     check_context(cfg)
+    check_critic_model(cfg)
     check_model_options(
         cfg.model,
         max(
@@ -240,10 +256,6 @@ def check_rl_config(cfg: RLConfig) -> None:
         raise ConfigError(f"unknown rollout.name '{cfg.rollout.name}'; valid: {', '.join(ROLLOUT_ENGINES)}")
     if cfg.rollout.max_batch_size <= 0:
         raise ConfigError(f"rollout.max_batch_size must be > 0, got {cfg.rollout.max_batch_size}")
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
-        raise ConfigError(
-            "algorithm.adv_estimator=grpo needs rollout.n >= 2 (advantages are relative to a group)"
-        )
     check_placement(cfg)
     samples = cfg.data.train_batch_prompts * cfg.rollout.n
     mini = cfg.actor.mini_batch_size or samples
@@ -296,7 +308,9 @@ def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
         )
     if cfg.critic.enable and "values" not in params:
         raise ConfigError(f"critic.enable=true but algorithm.adv_estimator={name} does not use values")
-    if name in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+    # pure distillation (task_reward_coef 0) uses no task advantage: a group of one is fine there
+    task_advantage = not (cfg.distill.teacher_path and cfg.distill.task_reward_coef == 0)
+    if name in GROUP_ESTIMATORS and cfg.rollout.n < 2 and task_advantage:
         raise ConfigError(
             f"algorithm.adv_estimator={name} needs rollout.n >= 2 (advantages are relative to a group)"
         )
@@ -325,6 +339,21 @@ def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:
         raise ConfigError(
             f"algorithm.gdpo_reward_keys is set, but adv_estimator={name} does not use it (gdpo does)"
         )
+    if algo.gdpo_reward_keys:  # gdpo's advantage is built from the components, not the token-level reward
+        unused = [
+            (cfg.reward.overlong_buffer_len > 0, f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len}"),
+            (algo.use_kl_in_reward, "algorithm.use_kl_in_reward=true"),
+            (algo.dynamic_sampling, "algorithm.dynamic_sampling=true (it filters on the score, not the components)"),
+            (cfg.agent.enable, "agent.enable=true (episodes keep the score only, not the components)"),
+            (not cfg.reward.custom_function_path, "no reward.custom_function_path (the built-in scorers "
+             "return one score, no components)"),
+        ]  # fmt: skip
+        named = [why for used, why in unused if used]
+        if named:
+            raise ConfigError(
+                f"algorithm.gdpo_reward_keys (gdpo's advantage from the reward function's components) with "
+                f"{'; '.join(named)}: not supported, it would be ignored or fail at the first step"
+            )
     if algo.gdpo_reward_weights and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
         raise ConfigError(
             f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} values for "

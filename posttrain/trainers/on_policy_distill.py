@@ -44,6 +44,30 @@ def check_distill_rl_config(cfg: RLConfig) -> None:
         raise ConfigError(f"distill.micro_batch_size must be > 0, got {d.micro_batch_size}")
     if cfg.agent.enable:
         raise ConfigError("distill.teacher_path with agent.enable: agent episodes are not distilled yet")
+    if cfg.async_rl.staleness:  # the reverse KL must be the current student's, not a k-versions-old sampler's
+        raise ConfigError(
+            "distill.teacher_path with async_rl.staleness >= 1: the distillation advantage would use the "
+            "sampler's log-probs, up to async_rl.staleness versions old, as the student's"
+        )
+    if d.task_reward_coef == 0:  # the task advantage is multiplied by 0: what only shapes it does nothing
+        a, r = cfg.algorithm, cfg.reward
+        ignored = [
+            (a.use_kl_in_reward, "algorithm.use_kl_in_reward=true (a KL penalty in the task reward)"),
+            (r.overlong_buffer_len > 0, f"reward.overlong_buffer_len={r.overlong_buffer_len}"),
+            (a.dynamic_sampling, "algorithm.dynamic_sampling=true (filters groups on the task reward)"),
+            (cfg.critic.enable, "critic.enable=true (a value model of the task reward)"),
+            (
+                a.adv_estimator == "remax",
+                "algorithm.adv_estimator=remax (a greedy baseline of the task reward)",
+            ),
+            (bool(r.model.path), f"reward.model.path={r.model.path}"),
+        ]
+        named = [why for used, why in ignored if used]
+        if named:
+            raise ConfigError(
+                f"{'; '.join(named)}: with distill.task_reward_coef=0 the task advantage is not used, so "
+                "this would be computed and ignored; set distill.task_reward_coef > 0, or unset it"
+            )
 
 
 def distill_advantages(

@@ -93,6 +93,18 @@ def unused_rl_settings(cfg: RLConfig) -> list[Finding]:
         )
     if cfg.trainer.max_restarts == 0:
         off(cfg.trainer, "trainer", "trainer.max_restarts=0 (no restarts)", fields=("restart_wait_s",))
+    if not algo.dynamic_sampling:
+        off(algo, "algorithm", "algorithm.dynamic_sampling=false", fields=("max_gen_rounds",))
+    if correction.bypass_mode:
+        off(
+            actor,
+            "actor",
+            "algorithm.rollout_correction.bypass_mode=true (the rollout's log-probs are the old ones: no pass)",
+            fields=("reuse_log_probs_on_policy",),
+        )
+    if not (cfg.trainer.val_every or cfg.trainer.val_before_train):
+        off(cfg.rollout, "rollout", "no validation (trainer.val_every=0, val_before_train=false)",
+            fields=("val_temperature",))  # fmt: skip
     found += unused_shared_settings(cfg.model, cfg.ray, cfg.trainer, default_trainer=type(cfg.trainer)())
     return found
 

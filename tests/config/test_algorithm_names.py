@@ -56,6 +56,7 @@ def test_gdpo_with_and_without_reward_components() -> None:
         "algorithm.adv_estimator=gdpo",
         "algorithm.gdpo_reward_keys=[format,accuracy]",
         "algorithm.gdpo_reward_weights=[0.5,1.0]",
+        "reward.custom_function_path=my_reward.py",
     )
     _start_up_checks(cfg)
     batch = Batch.from_dict(
@@ -87,9 +88,30 @@ def test_gdpo_with_and_without_reward_components() -> None:
                 "algorithm.adv_estimator=gdpo",
                 "algorithm.gdpo_reward_keys=[a,b]",
                 "algorithm.gdpo_reward_weights=[1.0]",
+                "reward.custom_function_path=my_reward.py",
             ],
             "has 1 values for 2 algorithm.gdpo_reward_keys",
         ),
+        # gdpo's advantage comes from the components: what shapes the token-level reward would be ignored
+        *[
+            (
+                ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a]", *extra],
+                message,
+            )
+            for extra, message in [
+                (
+                    ["reward.overlong_buffer_len=4", "reward.custom_function_path=r.py"],
+                    "overlong_buffer_len=4",
+                ),
+                (["algorithm.use_kl_in_reward=true", "reward.custom_function_path=r.py"], "use_kl_in_reward"),
+                (
+                    ["algorithm.dynamic_sampling=true", "reward.custom_function_path=r.py"],
+                    "filters on the score",
+                ),
+                (["agent.enable=true", "reward.custom_function_path=r.py"], "episodes keep the score only"),
+                ([], "no reward.custom_function_path"),
+            ]
+        ],
         # the estimator is registered, but its per-token inputs come from an engine pass posttrain lacks
         (
             ["algorithm.adv_estimator=optimal_token_baseline"],

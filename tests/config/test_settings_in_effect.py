@@ -28,6 +28,18 @@ def _rl(*overrides: str) -> RLConfig:
     [
         (["algorithm.kl_coef=0.5"], r"algorithm.kl_coef=0.5 is set, but algorithm.use_kl_in_reward=false"),
         (
+            ["algorithm.max_gen_rounds=3"],
+            r"algorithm.max_gen_rounds=3 is set, but algorithm.dynamic_sampling=false",
+        ),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true", "actor.reuse_log_probs_on_policy=false"],
+            r"actor.reuse_log_probs_on_policy=False is set, but algorithm.rollout_correction.bypass_mode=true",
+        ),
+        (
+            ["trainer.val_every=0", "trainer.val_before_train=false", "rollout.val_temperature=0.7"],
+            r"rollout.val_temperature=0.7 is set, but no validation",
+        ),
+        (
             ["algorithm.kl_ctrl_type=adaptive", "algorithm.kl_target=3.0"],
             r"algorithm.kl_ctrl_type=adaptive, algorithm.kl_target=3.0 are set, but algorithm.use_kl_in_reward",
         ),

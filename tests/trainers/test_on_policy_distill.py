@@ -10,7 +10,7 @@ import pytest
 
 from posttrain.config.load import load_config
 from posttrain.config.schema import RLConfig
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, ModelError
 from posttrain.models import make_tiny_model
 from posttrain.trainers.rl import RLTrainer
 from tests.trainers.test_rl_e2e import rl_overrides
@@ -74,3 +74,58 @@ def test_distill_keys_without_a_teacher_are_refused(
     )
     with pytest.raises(ConfigError, match="distill.kl_coef=0.5 set but distill.teacher_path is empty"):
         RLTrainer(load_config(RLConfig, "rl", overrides))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # the task advantage is multiplied by distill.task_reward_coef = 0: what only shapes it is refused
+        (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward=true .*task_reward_coef=0"),
+        (["reward.overlong_buffer_len=2"], "overlong_buffer_len=2.*task_reward_coef=0"),
+        (["algorithm.dynamic_sampling=true"], "dynamic_sampling=true .*task_reward_coef=0"),
+        (["algorithm.adv_estimator=gae", "critic.enable=true"], "critic.enable=true .*task_reward_coef=0"),
+        # asynchronous: the distillation advantage would take the stale sampler's log-probs as the student's
+        (
+            ["distill.task_reward_coef=1.0", "async_rl.staleness=1", "trainer.backend=ray", "resources.rollout=gen",
+             "+resources.pools.gen.n_workers_per_node=1"],
+            "async_rl.staleness >= 1: the distillation advantage would use the sampler's log-probs",
+        ),
+    ],
+)  # fmt: skip
+def test_distillation_refuses_what_it_would_ignore(
+    tiny_model_dir: Path,
+    teacher_dir: Path,
+    arithmetic_data: dict,
+    tmp_path: Path,
+    extra: list[str],
+    message: str,
+) -> None:
+    cfg = distill_config(tiny_model_dir, teacher_dir, arithmetic_data, tmp_path / "run", *extra)
+    with pytest.raises(ConfigError, match=message):
+        RLTrainer(cfg)
+
+
+def test_pure_distillation_needs_no_group_of_samples(
+    tiny_model_dir: Path, teacher_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """With task_reward_coef 0 no group advantage is used: rollout.n=1 is not refused as grpo's would be."""
+    from posttrain.trainers.checks import check_rl_config
+
+    cfg = distill_config(tiny_model_dir, teacher_dir, arithmetic_data, tmp_path / "run", "rollout.n=1")
+    check_rl_config(cfg)
+
+
+def test_a_critic_of_another_model_is_checked_at_start(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """The critic reads the policy's token ids: another tokenizer would score the wrong tokens, silently."""
+    from posttrain.trainers.checks import check_rl_config
+
+    other = make_tiny_model("tiny", tmp_path / "other", ["Zebra crossing " * 9] * 50, seed=0)
+    base = rl_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run", "trainer.backend=local")
+    critic = [*base, "algorithm.adv_estimator=gae", "critic.enable=true"]
+    with pytest.raises(ConfigError, match=r"critic \(critic.model_path\)"):
+        check_rl_config(load_config(RLConfig, "rl", [*critic, f"critic.model_path={other}"]))
+    with pytest.raises(ModelError, match="model directory not found"):
+        check_rl_config(load_config(RLConfig, "rl", [*critic, f"critic.model_path={tmp_path / 'missing'}"]))
+    check_rl_config(load_config(RLConfig, "rl", [*critic, f"critic.model_path={tiny_model_dir}"]))
