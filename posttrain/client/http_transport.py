@@ -399,10 +399,12 @@ class Sender:
 class ModelSequence:
     """One training model's requests, sent one at a time in call order, each with the next seq_id.
 
-    The server starts a model's requests in seq_id order and waits for a missing one, so the numbering must
-    have no gaps: a request it refused outright (a non-retryable 4xx, answered before sequencing) leaves
-    its seq_id to the next request; one that got no answer after every retry may or may not have arrived,
-    so the sequence stops there with an error naming it rather than hang or apply something twice."""
+    The server starts a model's requests in seq_id order and waits for a missing one. As tinker's SDK does,
+    a seq_id is spent once its request was answered, whatever the answer: the server consumes the seq_id of
+    a request it refused with a 4xx that is not retried, and skips one missing for longer than its
+    `seq_gap_seconds` (a 429 retried until the client gave up). A request that got no answer after every
+    retry may or may not have arrived, so the sequence stops there with an error naming it rather than hang
+    or apply something twice."""
 
     def __init__(self, conn: Connection, model_id: str) -> None:
         self._conn = conn
@@ -436,7 +438,8 @@ class ModelSequence:
         try:
             answer = await self._conn.post(endpoint, body(seq_id))
         except ApiStatusError:
-            raise  # refused before the server sequenced it: the next request takes this seq_id
+            self._next_seq = seq_id + 1  # answered (refused): spent, as the SDK spends it
+            raise
         except HttpApiError as exc:
             self._broken = (
                 f"model {self.model_id}: request seq_id {seq_id} ({endpoint}) got no answer ({exc}); the "

@@ -113,8 +113,17 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.post("/api/v1/client/config")
     async def client_config(request: Request) -> dict:
+        """The SDK's flags. It cuts a forward_backward into chunks of at most `fwdbwd_max_chunk_bytes_count`
+        estimated bytes, each a request of its own; every token of a model input counts at least 4 bytes,
+        so chunks of 4 x tokens_per_request bytes are never refused by that limit (the SDK's default, 5 MB,
+        holds ~311k tokens of a typical datum)."""
         await api.tenant(request)
-        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": False, "use_pyqwest_transport": False}
+        return {
+            "pjwt_auth_enabled": False,
+            "parallel_fwdbwd_chunks": False,
+            "use_pyqwest_transport": False,
+            "fwdbwd_max_chunk_bytes_count": min(5_000_000, 4 * state.limits.tokens_per_request),
+        }
 
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request) -> dict:
@@ -150,7 +159,12 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request) -> dict:
+        """Finish a session (its samplers are released). Finishing one of the tenant's sessions that already
+        finished (twice, or after it expired) answers as the first time: the SDK's `close()` raises otherwise."""
         tenant = await api.tenant(request)
+        finished = state.finished_sessions.get(session_id)
+        if finished is not None and finished[0] == tenant:
+            return {}
         state.session(session_id, tenant)
         state.finish_session(session_id, f"session {session_id!r} was finished by its client")
         return {}

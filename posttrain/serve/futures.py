@@ -258,6 +258,21 @@ class _ModelQueue:
     next_seq: int = 1
     parked: dict[int, tuple[Start, concurrent.futures.Future[Any]]] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id of its first delivery
+    waiting_since: float | None = None  # monotonic time the first parked request began to wait for next_seq
+
+
+def _take_ready(queue: _ModelQueue) -> list[tuple[Start, concurrent.futures.Future[Any]]]:
+    """The parked requests that can start now (from next_seq on, without a gap); the clock of the wait for
+    the next missing one starts when one is parked behind it (the caller holds the lock)."""
+    ready = []
+    while queue.next_seq in queue.parked:
+        ready.append(queue.parked.pop(queue.next_seq))
+        queue.next_seq += 1
+    if not queue.parked:
+        queue.waiting_since = None
+    elif ready or queue.waiting_since is None:
+        queue.waiting_since = time.monotonic()
+    return ready
 
 
 class Sequencer:
@@ -314,12 +329,32 @@ class Sequencer:
                 outer.set_exception(ValueError(f"seq_id {seq_id} of {model_id} was already used"))
                 return outer
             queue.parked[seq_id] = (start, outer)
-            while queue.next_seq in queue.parked:
-                ready.append(queue.parked.pop(queue.next_seq))
-                queue.next_seq += 1
+            ready = _take_ready(queue)
         for begin, future in ready:  # in order, outside the lock (starting only queues the work)
             chain(begin, future)
         return outer
+
+    def skip_gaps(self, older_than_s: float) -> list[tuple[str, int]]:
+        """Give up on seq_ids that requests have waited for longer than `older_than_s`: the SDK spends a
+        seq_id before sending, and after a 429 it retried for its whole window (300 s) it never sends it
+        again, so its model's later requests would wait forever. The sequence moves on to the lowest parked
+        seq_id; the missing one, should it come after all, is refused as already used. Returns the (model,
+        first skipped seq_id) pairs."""
+        now, skipped, ready = time.monotonic(), [], []
+        with self._lock:
+            for model_id, queue in self._models.items():
+                if (
+                    not queue.parked
+                    or queue.waiting_since is None
+                    or now - queue.waiting_since < older_than_s
+                ):
+                    continue
+                skipped.append((model_id, queue.next_seq))
+                queue.next_seq = min(queue.parked)
+                ready += _take_ready(queue)
+        for begin, future in ready:
+            chain(begin, future)
+        return skipped
 
     def fail_parked(self, exc: BaseException) -> int:
         """Fail every request waiting for a lower seq_id (at shutdown: the missing one will not come)."""

@@ -3,7 +3,8 @@
 Upkeep (a task on the event loop, every quarter second when adapters may go idle, else every second):
 finished results leave memory after `future_ttl_seconds`, the journal forgets answers older than
 `journal_keep_seconds` (checked every minute), sessions not heard from for `session_idle_seconds` finish,
-and adapters idle for `adapter_idle_seconds` are released.
+requests waiting longer than `seq_gap_seconds` for a missing seq_id of their model go on without it, and
+adapters idle for `adapter_idle_seconds` are released.
 
 A graceful stop (SIGTERM or SIGINT; uvicorn has stopped taking requests, and the long polls have returned
 `try_again`): requests parked behind a missing seq_id fail at once (that id will not come now), running
@@ -44,6 +45,12 @@ async def maintain(state: ServerState) -> None:
                     log.warning(
                         "session %s expired (not heard from in %gs)", session_id, limits.session_idle_seconds
                     )
+            if limits.seq_gap_seconds > 0:
+                for model_id, seq_id in state.sequencer.skip_gaps(limits.seq_gap_seconds):
+                    log.warning(
+                        "model %s: seq_id %d never came within seq_gap_seconds=%g; its later requests run",
+                        model_id, seq_id, limits.seq_gap_seconds,
+                    )  # fmt: skip
             if time.monotonic() - last_purge > PURGE_EVERY_S:
                 last_purge = time.monotonic()
                 await asyncio.to_thread(state.journal.purge, limits.journal_keep_seconds)

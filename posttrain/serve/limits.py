@@ -41,6 +41,9 @@ class Limits:
     # a session not heard from (no heartbeat, no request on its models or samplers) this long is finished, as
     # by the client's /finish: its sampling sessions are released; 0 = never
     session_idle_seconds: float = 900.0
+    # a training model's requests wait at most this long for a missing seq_id (one the SDK spent on a 429 it
+    # retried for 300 s, then gave up on): the sequence then skips it; 0 = wait forever
+    seq_gap_seconds: float = 360.0
     future_ttl_seconds: float = 600.0  # a finished, unretrieved result stays in memory this long
     journal_keep_seconds: float = 86_400.0  # and in the journal this long
     shutdown_grace_seconds: float = 30.0  # SIGTERM: how long running requests may take to finish
@@ -61,8 +64,11 @@ class Limits:
     def check_adapters(self, tenant_count: int, total: int) -> None:
         if tenant_count >= self.adapters_per_tenant:
             raise HTTPException(403, f"limit adapters_per_tenant={self.adapters_per_tenant} reached")
-        if total >= self.adapters_total:
-            raise HTTPException(403, f"limit adapters_total={self.adapters_total} reached (all slots in use)")
+        if total >= self.adapters_total:  # released when idle: worth the SDK's backing off (429), else final
+            status = 429 if self.adapter_idle_seconds > 0 else 403
+            raise HTTPException(
+                status, f"limit adapters_total={self.adapters_total} reached (all slots in use)"
+            )
 
     def check_free_slot(self, total: int, model_id: str) -> None:
         """Before a released adapter is loaded again (429: the SDK retries until a slot frees up)."""

@@ -42,6 +42,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             raise HTTPException(400, "create_model needs a lora_config: this server trains LoRA adapters")
         lora = body.lora_config
         state.limits.check_rank(lora.rank)
+        _check_optimizer(body.optimizer_config)
 
         def create() -> types.CreateModelResponse:
             try:
@@ -168,6 +169,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
 
             return api.in_order(model, body.seq_id, tenant, "load_weights", start, as_json)
         state.check_path(body.path, tenant, "weights")
+        _check_optimizer(body.optimizer_config)
         if body.session_id is None or body.model_seq_id is None:
             raise HTTPException(400, "load_weights needs model_id + seq_id, or session_id + model_seq_id")
         state.session(body.session_id, tenant)
@@ -194,6 +196,16 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             return types.LoadWeightsResponse(path=body.path, model_id=model_id)
 
         return api.created(tenant, "load_weights", model_id, create, as_json)
+
+
+def _check_optimizer(config: Any) -> None:
+    """A model's optimizer is chosen at its creation and kept: one this server does not have (the SDK's
+    Dimuon) is refused then, not at the first optim_step after gradients were computed."""
+    kind = getattr(config, "type", "adamw")
+    if config is not None and kind != "adamw":
+        raise HTTPException(
+            400, f"optimizer_config of type {kind!r} is not supported: this server trains with AdamW"
+        )
 
 
 def _check_name(name: str, ttl_seconds: int | None) -> None:

@@ -22,8 +22,12 @@ def datum(text: str) -> types.Datum:
 
 
 out = {}
-try:  # over the server's tokens_per_request: a 413, which the SDK does not retry
-    training.forward_backward([datum("12+34=46")] * 40, "cross_entropy").result(timeout=60)
+# many small datums over the server's tokens_per_request in all: the SDK cuts them into chunks the server
+# takes (its client config), each a request of its own
+many = training.forward_backward([datum("12+34=46")] * 40, "cross_entropy").result(timeout=120)
+out["chunked"] = many.metrics["loss:sum"]
+try:  # one datum over tokens_per_request: a 413, which the SDK does not retry
+    training.forward_backward([datum("12+34=46 " * 30)], "cross_entropy").result(timeout=60)
     out["big"] = "accepted"
 except Exception as exc:  # noqa: BLE001
     out["big"] = f"{type(exc).__name__}: {exc}"

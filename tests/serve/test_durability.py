@@ -196,3 +196,31 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
         # a session reopened after a restart is journaled still: it survives the next one too
         assert prompt_logprobs(alice, sampler_ids["named"]) == pytest.approx(sampled["named"], abs=1e-5)
     assert server.stop(signal.SIGTERM) == 0
+
+
+def test_a_seq_id_missing_longer_than_the_gap_limit_is_skipped() -> None:
+    """The SDK spends a seq_id before sending; after a 429 it retried for its whole window it never sends
+    it again: the model's later requests go on without it, and the late one is refused as used."""
+    import concurrent.futures
+
+    from posttrain.serve.futures import Sequencer
+
+    sequencer = Sequencer()
+    ran: list[int] = []
+
+    def start(n: int):  # noqa: ANN202
+        def begin() -> concurrent.futures.Future:
+            ran.append(n)
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(n)
+            return done
+
+        return begin
+
+    assert sequencer.submit("m", 1, start(1)).result() == 1
+    later = [sequencer.submit("m", n, start(n)) for n in (3, 4)]  # seq_id 2 never comes
+    assert sequencer.skip_gaps(older_than_s=60) == [] and ran == [1]  # not waited long enough
+    assert sequencer.skip_gaps(older_than_s=0) == [("m", 2)]
+    assert [f.result(timeout=5) for f in later] == [3, 4] and ran == [1, 3, 4]
+    with pytest.raises(ValueError, match="seq_id 2 of m was already used"):
+        sequencer.submit("m", 2, start(2)).result()

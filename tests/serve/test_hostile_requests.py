@@ -226,3 +226,18 @@ def test_a_body_over_max_request_bytes_is_a_413_before_it_is_read(
     assert streamed.status_code == 413 and "max_request_bytes=2000" in streamed.text
     small = forward_backward(client, forward_backward_message(model_id, 1, [5] * 8, [5] * 8))
     assert small.status_code == 200
+
+
+def test_an_optimizer_the_server_lacks_is_refused_when_the_model_is_made(
+    server: Running, alice: tuple[httpx.Client, str]
+) -> None:
+    """Not at the first optim_step, after gradients were computed: the model's optimizer is fixed for life."""
+    client, session_id = alice
+    body = {
+        "session_id": session_id, "model_seq_id": 90, "base_model": "tiny", "lora_config": {"rank": 2},
+        "optimizer_config": {"type": "dimuon", "version": 1},
+    }  # fmt: skip
+    refused = client.post("/api/v1/create_model", json=body)
+    assert refused.status_code == 400 and "dimuon" in refused.text and "AdamW" in refused.text
+    body["optimizer_config"] = {"type": "adamw"}
+    assert client.post("/api/v1/create_model", json=body).status_code == 200

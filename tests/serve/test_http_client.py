@@ -276,7 +276,8 @@ def test_the_servers_refusals_arrive_with_its_message(server: Running) -> None:
         data = sft_data(training.get_tokenizer())
         with pytest.raises(ValueError, match="unknown loss|not a loss|loss"):  # checked here, as locally
             training.forward_backward(data, "no_such_loss")
-        # refused by the server before it took a seq_id: the model's next requests go through
+        # refused (404): the seq_id is spent on both sides (the server consumes it, as for the SDK), so the
+        # model's next requests go through
         with pytest.raises(ApiStatusError, match=r"load_weights answered 404"):
             training.load_state("tinker://abcdefgh:train:0/weights/missing").result()
         # accepted, then failed on the server: the failure and its category arrive with the result

@@ -22,7 +22,9 @@ def test_each_limit_names_itself() -> None:
     cases = [
         (lambda: limits.check_rank(16), 400, "max_lora_rank=8"),
         (lambda: limits.check_adapters(1, 1), 403, "adapters_per_tenant=1"),
-        (lambda: limits.check_adapters(0, 2), 403, "adapters_total=2"),
+        (lambda: limits.check_adapters(0, 2), 403, "adapters_total=2"),  # never released: final
+        # released when idle: a slot may free up, so the SDK backs off and tries again (429)
+        (lambda: replace(limits, adapter_idle_seconds=60).check_adapters(0, 2), 429, "adapters_total=2"),
         (lambda: limits.check_tokens(11), 413, "tokens_per_request=10"),
         (lambda: limits.check_queued(3), 429, "queued_requests=3"),
         (lambda: limits.check_free_slot(2, "s:train:0"), 429, "adapters_total=2"),

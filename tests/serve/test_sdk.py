@@ -77,12 +77,12 @@ def test_another_tenant_reaches_nothing_of_alice(server: Running, alice_run: dic
 
 
 def test_after_a_refused_request_the_sdks_next_calls_still_run(server: Running) -> None:
-    """The SDK takes a seq_id before it sends and does not send it again after a 413 or a 400: the server
+    """A batch over tokens_per_request in all is cut by the SDK into chunks the server takes. The SDK takes a seq_id before it sends and does not send it again after a 413 or a 400: the server
     consumes it with the refusal, so the model's later requests (save_state among them) are not parked behind
     a seq_id that will never come."""
     state: Any = server.state
     limits = state.limits
-    state.limits = replace(limits, tokens_per_request=100)  # 40 datums of ~8 tokens are over it
+    state.limits = replace(limits, tokens_per_request=100)  # 40 datums of ~8 tokens are over it in all
     try:
         env = {**os.environ, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": ALICE, "TINKER_TELEMETRY": "0"}
         done = subprocess.run(
@@ -94,4 +94,8 @@ def test_after_a_refused_request_the_sdks_next_calls_still_run(server: Running) 
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "tokens_per_request" in out["big"] and "inflight" in out["inflight"], out
-    assert math.isfinite(out["loss"]) and out["saved"].endswith("/after-refusals")
+    assert (
+        math.isfinite(out["chunked"])
+        and math.isfinite(out["loss"])
+        and out["saved"].endswith("/after-refusals")
+    )

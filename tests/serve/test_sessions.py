@@ -75,6 +75,10 @@ def test_a_finished_session_is_410_and_its_samplers_are_released(
         assert heartbeat(bob, session_id).status_code == 404  # not bob's: not even its end is told
         assert bob.post(f"/api/v1/sessions/{session_id}/finish").status_code == 404
     assert client.post(f"/api/v1/sessions/{session_id}/finish").status_code == 200
+    # finishing it again (the SDK's close() after an expiry, or twice) answers as the first time
+    assert client.post(f"/api/v1/sessions/{session_id}/finish").status_code == 200
+    with server.client(BOB) as bob:
+        assert bob.post(f"/api/v1/sessions/{session_id}/finish").status_code == 404  # still not bob's
     gone = heartbeat(client, session_id)
     assert gone.status_code == 410 and "finished by its client" in gone.text
     again = {"session_id": session_id, "sampling_session_seq_id": 1, "base_model": "tiny"}
