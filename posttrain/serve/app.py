@@ -12,7 +12,8 @@ journaled (journal.py), so a restarted server goes on where it was (recovery.py)
 Endpoints the protocol has and this server does not implement (billing, external weight copies, custom-loss
 graphs, session search...) answer 501 naming the endpoint, marked not to be retried; the SDK's telemetry
 (on by default) is accepted and counted. This module holds the service,
-session and futures endpoints and the server's upkeep; routes_training.py and routes_sampling.py the rest.
+session and futures endpoints and the server's upkeep; routes_training.py, routes_sampling.py and
+routes_runs.py (the REST client's training runs and checkpoints) the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tinker import types
 from posttrain.serve.api import Api, as_json
 from posttrain.serve.futures import FutureStore, UnknownRequest
 from posttrain.serve.lifecycle import maintain, shut_down
+from posttrain.serve.routes_runs import add_run_routes
 from posttrain.serve.routes_sampling import add_sampling_routes
 from posttrain.serve.routes_training import add_training_routes
 from posttrain.serve.state import ServerState
@@ -171,6 +173,7 @@ def make_app(state: ServerState) -> FastAPI:
 
     add_training_routes(app, api)
     add_sampling_routes(app, api)
+    add_run_routes(app, api)
 
     # ---- futures ------------------------------------------------------------------------------
     @app.post(

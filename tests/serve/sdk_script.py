@@ -45,6 +45,15 @@ for client in (training, restored):
     client.forward_backward(data, "cross_entropy")
     client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 next_losses = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (training, restored)]
+# the REST client of tinker-cookbook's checkpoint and evaluation helpers
+rest = service.create_rest_client()
+sampler_path = training.save_weights_for_sampler("for-eval").result().path
+run = rest.get_training_run_by_tinker_path(saved.path).result()
+info = rest.get_weights_info_by_tinker_path(saved.path).result()
+listed = rest.list_checkpoints(run.training_run_id).result()
+runs = rest.list_training_runs().result()
+rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+after_delete = rest.list_checkpoints(run.training_run_id).result()
 print(
     json.dumps(
         {
@@ -56,6 +65,17 @@ print(
             "after": after,
             "restored": restored_loss,
             "next": next_losses,
+            "run": {
+                "id": run.training_run_id,
+                "base": run.base_model,
+                "rank": run.lora_rank,
+                "last": run.last_checkpoint.tinker_path if run.last_checkpoint else None,
+            },
+            "info": {"base": info.base_model, "rank": info.lora_rank, "is_lora": info.is_lora},
+            "checkpoints": [c.tinker_path for c in listed.checkpoints],
+            "runs": [r.training_run_id for r in runs.training_runs],
+            "sampler_path": sampler_path,
+            "after_delete": [c.tinker_path for c in after_delete.checkpoints],
         }
     )
 )

@@ -42,6 +42,36 @@ def test_the_tinker_sdk_trains_samples_saves_and_restores(alice_run: dict) -> No
     assert abs(trained - restored) < 1e-4 * abs(trained)  # and the optimizer state with them
 
 
+def test_the_sdks_rest_client_reads_runs_and_checkpoints(alice_run: dict, server: Running) -> None:
+    run, path = alice_run["run"], alice_run["path"]
+    assert path.startswith(f"tinker://{run['id']}/weights/")  # the run is what the path names
+    assert run["base"] == server.model_name and run["rank"] == 4 and run["last"] == path
+    assert alice_run["info"] == {"base": server.model_name, "rank": 4, "is_lora": True}
+    assert path in alice_run["checkpoints"] and alice_run["sampler_path"] in alice_run["checkpoints"]
+    assert run["id"] in alice_run["runs"]
+    assert alice_run["sampler_path"] not in alice_run["after_delete"] and path in alice_run["after_delete"]
+    with server.client(BOB) as bob:  # another tenant's run is not there for bob
+        assert bob.get(f"/api/v1/training_runs/{run['id']}").status_code == 404
+        assert bob.get(f"/api/v1/training_runs/{run['id']}/checkpoints").status_code == 404
+        assert bob.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 404
+        deleted = bob.delete(f"/api/v1/training_runs/{run['id']}/checkpoints/weights/after-six")
+        assert deleted.status_code == 404
+    with server.client(ALICE) as alice:  # the model's restore point stays until another state is saved
+        kept = alice.delete(f"/api/v1/training_runs/{run['id']}/checkpoints/weights/after-six")
+        assert kept.status_code == 409 and "restore point" in kept.text
+        listed = alice.get(f"/api/v1/training_runs/{run['id']}/checkpoints").json()["checkpoints"]
+        for hostile in (
+            "..%2F..%2Fetc",
+            "weights/..",
+            "weights/%2E%2E",
+            "weights/posttrain-internal-x",
+            "../x",
+        ):
+            answer = alice.delete(f"/api/v1/training_runs/{run['id']}/checkpoints/{hostile}")
+            assert answer.status_code in (404, 501), hostile  # 501: a path the client normalised elsewhere
+        assert alice.get(f"/api/v1/training_runs/{run['id']}/checkpoints").json()["checkpoints"] == listed
+
+
 def test_another_tenant_reaches_nothing_of_alice(server: Running, alice_run: dict) -> None:
     with server.client(BOB) as bob, server.client(ALICE) as alice:
         model_id, path = alice_run["model_id"], alice_run["path"]
