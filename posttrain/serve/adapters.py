@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tinker import types
 
 from posttrain.client.training import TrainingClient
-from posttrain.serve.checkpoints import publish
+from posttrain.serve.checkpoints import expired, publish, write_expiry
 from posttrain.serve.futures import chain, resolved
 from posttrain.serve.journal import ModelRow
 
@@ -193,6 +193,7 @@ class Adapters:
         *,
         by_tenant: bool = True,
         overwrite: bool = True,
+        ttl_seconds: int | None = None,
     ) -> Any:
         """Save the adapter's state as checkpoint `name` (in the backend's call order, crash-safe), make it
         the model's restore point before the future resolves; the future of SaveWeightsResponse. Without
@@ -206,6 +207,8 @@ class Adapters:
             if not overwrite and folder.exists():
                 raise ValueError(f"checkpoint {path} exists already: pass overwrite=True to replace it")
             publish(folder, lambda tmp: backend.group.save_state(backend_id, tmp))
+            if ttl_seconds is not None:
+                write_expiry(folder, path, ttl_seconds)
             self._saved(model, path, by_tenant)
             return types.SaveWeightsResponse(path=path)
 
@@ -222,7 +225,7 @@ class Adapters:
             except ValueError:
                 pass
 
-    def export(self, client: TrainingClient, name: str) -> Any:
+    def export(self, client: TrainingClient, name: str, ttl_seconds: int | None = None) -> Any:
         """Sampler weights as checkpoint `name`, crash-safe as `save`; the future of its response."""
         backend = self.state.service.backend
         folder = backend.checkpoint_dir(client.model_id, "sampler_weights", name)
@@ -231,9 +234,22 @@ class Adapters:
 
         def run() -> types.SaveWeightsForSamplerResponse:
             publish(folder, lambda tmp: backend.group.export_sampler_weights(backend_id, tmp))
+            if ttl_seconds is not None:
+                write_expiry(folder, path, ttl_seconds)
             return types.SaveWeightsForSamplerResponse(path=path)
 
         return backend.submit(run, backend_id)
+
+    def expire(self) -> list[str]:
+        """Delete the checkpoints whose ttl_seconds ran out, except a live model's restore point (its last
+        durable state: it expires once another is saved). Returns their tinker paths."""
+        restore_points = {m.restore_path for m in self.state.models.values()}
+        deleted = []
+        for folder, path in expired(self.state.service.backend.root):
+            if path not in restore_points:
+                shutil.rmtree(folder, ignore_errors=True)
+                deleted.append(path)
+        return deleted
 
     # ---- releasing -----------------------------------------------------------------------------------
     def release(

@@ -11,15 +11,19 @@ no tinker:// path reaches them.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("posttrain.serve")
 KINDS = ("weights", "sampler_weights")
+EXPIRY_FILE = "posttrain_expires_at.json"  # a checkpoint saved with ttl_seconds: when, and its tinker path
 
 
 def publish(final: Path, write: Callable[[Path], None]) -> None:
@@ -60,3 +64,28 @@ def recover(root: Path) -> list[str]:
     for line in done:
         log.warning("checkpoints: %s", line)
     return done
+
+
+def write_expiry(folder: Path, tinker_path: str, ttl_seconds: int) -> None:
+    """Mark a just-published checkpoint to expire `ttl_seconds` from now (tinker's `ttl_seconds`)."""
+    record = {"expires_at": time.time() + ttl_seconds, "tinker_path": tinker_path}
+    (folder / EXPIRY_FILE).write_text(json.dumps(record))
+
+
+def expires_at(folder: Path) -> datetime.datetime | None:
+    path = folder / EXPIRY_FILE
+    if not path.is_file():
+        return None
+    return datetime.datetime.fromtimestamp(json.loads(path.read_text())["expires_at"], datetime.UTC)
+
+
+def expired(root: Path, now: float | None = None) -> list[tuple[Path, str]]:
+    """(folder, tinker path) of every checkpoint under `root` whose ttl has run out."""
+    now = time.time() if now is None else now
+    found = []
+    for kind in KINDS:
+        for marker in sorted(root.glob(f"*/{kind}/*/{EXPIRY_FILE}")):
+            record = json.loads(marker.read_text())
+            if record["expires_at"] <= now:
+                found.append((marker.parent, str(record["tinker_path"])))
+    return found

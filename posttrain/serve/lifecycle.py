@@ -2,7 +2,7 @@
 
 Upkeep (a task on the event loop, every quarter second when adapters may go idle, else every second):
 finished results leave memory after `future_ttl_seconds`, the journal forgets answers older than
-`journal_keep_seconds` (checked every minute), sessions not heard from for `session_idle_seconds` finish,
+`journal_keep_seconds` and checkpoints whose `ttl_seconds` ran out are deleted (checked every minute), sessions not heard from for `session_idle_seconds` finish,
 requests waiting longer than `seq_gap_seconds` for a missing seq_id of their model go on without it, and
 adapters idle for `adapter_idle_seconds` are released.
 
@@ -54,6 +54,8 @@ async def maintain(state: ServerState) -> None:
             if time.monotonic() - last_purge > PURGE_EVERY_S:
                 last_purge = time.monotonic()
                 await asyncio.to_thread(state.journal.purge, limits.journal_keep_seconds)
+                for path in await asyncio.to_thread(state.adapters.expire):
+                    log.info("checkpoint %s expired (its ttl_seconds ran out): deleted", path)
             if limits.adapter_idle_seconds > 0:
                 await asyncio.to_thread(state.adapters.sweep, limits.adapter_idle_seconds)
         except Exception:  # noqa: BLE001 - upkeep goes on; the next round tries again

@@ -25,6 +25,7 @@ from tinker import types
 from posttrain.client.backend import CHECKPOINT_KINDS, MODEL_ID, NAME
 from posttrain.serve.adapters import is_internal
 from posttrain.serve.api import Api, as_json
+from posttrain.serve.checkpoints import expires_at
 
 CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 MAX_PAGE = 1000
@@ -61,6 +62,7 @@ def add_run_routes(app: FastAPI, api: Api) -> None:
                         time=_mtime(path),
                         tinker_path=backend.tinker_path(run_id, kind, name),
                         size_bytes=sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+                        expires_at=expires_at(path),
                     )
                 )
         return sorted(found, key=lambda c: c.time)

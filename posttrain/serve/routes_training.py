@@ -123,7 +123,9 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
 
         def start(client: TrainingClient) -> Any:
             _check_name(name, body.ttl_seconds)
-            return state.adapters.save(model, client, name, overwrite=body.overwrite)
+            return state.adapters.save(
+                model, client, name, overwrite=body.overwrite, ttl_seconds=body.ttl_seconds
+            )
 
         return api.in_order(model, body.seq_id, tenant, "save_weights", start, as_json)
 
@@ -143,7 +145,7 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         def start(client: TrainingClient) -> Any:
             if body.path is not None:
                 _check_name(body.path, body.ttl_seconds)
-                return state.adapters.export(client, body.path)
+                return state.adapters.export(client, body.path, body.ttl_seconds)
             sampler_id = f"{body.model_id}:sample:{body.sampling_session_seq_id}"
             sampler = client.save_weights_and_get_sampling_client()
             row = SamplerRow(sampler_id, tenant, model.base_name, snapshot_of=body.model_id)
@@ -209,8 +211,9 @@ def _check_optimizer(config: Any) -> None:
 
 
 def _check_name(name: str, ttl_seconds: int | None) -> None:
-    """Checkpoint names the server keeps for itself are refused; so is a ttl (checkpoints do not expire)."""
+    """Checkpoint names the server keeps for itself are refused; a ttl must be a positive number of seconds
+    (the checkpoint is deleted after it, unless it is still its model's restore point: `Adapters.expire`)."""
     if is_internal(name):
         raise ValueError(f"checkpoint name {name!r}: names starting 'posttrain-internal' are the server's")
-    if ttl_seconds is not None:
-        raise ValueError("ttl_seconds: checkpoints here do not expire (they stay until deleted); pass None")
+    if ttl_seconds is not None and ttl_seconds <= 0:
+        raise ValueError(f"ttl_seconds must be > 0 (or None: kept until deleted), got {ttl_seconds}")

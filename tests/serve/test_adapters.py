@@ -153,3 +153,39 @@ def test_a_models_requests_start_in_order_even_when_a_later_one_sees_the_adapter
         callback(gate)
     adapters._starter.submit(lambda: None).result(10)
     assert started == [(1, "client"), (2, "client")] and model.busy == 0
+
+
+def test_a_checkpoint_saved_with_a_ttl_expires_unless_it_is_the_restore_point(
+    server: Running, alice_model: tuple[str, str]
+) -> None:
+    state: Any = server.state
+    _, model_id = alice_model
+    with server.client(ALICE) as alice:
+
+        def save(seq_id: int, name: str, ttl: int | None) -> str:
+            body = {"model_id": model_id, "seq_id": seq_id, "path": name, "ttl_seconds": ttl}
+            return str(
+                result(alice, alice.post("/api/v1/save_weights", json=body).json()["request_id"])["path"]
+            )
+
+        first = save(1, "ttl-first", 1)
+        sampler = {"model_id": model_id, "seq_id": 2, "path": "ttl-sampler", "ttl_seconds": 1}
+        for_sampler = result(
+            alice, alice.post("/api/v1/save_weights_for_sampler", json=sampler).json()["request_id"]
+        )
+        run_id = first.split("/")[2]
+        listed = alice.get(f"/api/v1/training_runs/{run_id}/checkpoints").json()["checkpoints"]
+        assert all(c["expires_at"] for c in listed if "ttl-" in c["tinker_path"])
+        time.sleep(1.1)
+        assert state.adapters.expire() == [for_sampler["path"]], "the restore point (first) stays"
+        second = save(3, "ttl-second", None)  # the model's restore point moves on: the first may go now
+        assert state.adapters.expire() == [first]
+        paths = [
+            c["tinker_path"]
+            for c in alice.get(f"/api/v1/training_runs/{run_id}/checkpoints").json()["checkpoints"]
+        ]
+        assert second in paths and first not in paths and for_sampler["path"] not in paths
+        refused = alice.post(
+            "/api/v1/save_weights", json={"model_id": model_id, "seq_id": 4, "path": "x", "ttl_seconds": 0}
+        )
+        assert "ttl_seconds must be > 0" in str(result(alice, refused.json()["request_id"]))

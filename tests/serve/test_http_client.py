@@ -281,8 +281,8 @@ def test_the_servers_refusals_arrive_with_its_message(server: Running) -> None:
         with pytest.raises(ApiStatusError, match=r"load_weights answered 404"):
             training.load_state("tinker://abcdefgh:train:0/weights/missing").result()
         # accepted, then failed on the server: the failure and its category arrive with the result
-        with pytest.raises(UserRequestFailed, match="ttl_seconds"):
-            training.save_state("x", ttl_seconds=3600).result()
+        with pytest.raises(UserRequestFailed, match="ttl_seconds must be > 0"):
+            training.save_state("x", ttl_seconds=0).result()
         fb = training.forward_backward(data, "cross_entropy")
         assert training.optim_step(ADAM).result().metrics["grad_norm:mean"] > 0
         assert fb.result().metrics["loss:sum"] > 0
