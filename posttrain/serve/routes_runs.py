@@ -78,11 +78,7 @@ def add_run_routes(app: FastAPI, api: Api) -> None:
         return {}
 
     def base_name(base_dir: str | None) -> str:
-        """The served name of a base model directory (the single served one when it cannot be told)."""
-        for name, served in state.served.items():
-            if base_dir and Path(served).resolve() == Path(base_dir).resolve():
-                return name
-        return next(iter(state.served)) if len(state.served) == 1 else (base_dir or "")
+        return state.served_name(base_dir) or base_dir or ""
 
     def training_run(run_id: str, tenant: str) -> types.TrainingRun:
         folder = run_dir(run_id, tenant)

@@ -6,7 +6,6 @@ forward_backward's image chunks are processed when it starts)."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -187,9 +186,12 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             try:
                 client = make(body.path)
                 info = client.get_info()
-                base_name = next(
-                    (n for n, p in state.served.items() if Path(p) == Path(info.model_name or "")), ""
-                )
+                base_name = state.served_name(info.model_name, body.base_model)
+                if base_name is None:
+                    raise ValueError(
+                        f"the checkpoint's base model {info.model_name!r} is not served here "
+                        f"(served: {', '.join(state.served)})"
+                    )
                 # with its optimizer, the model is that checkpoint: a durable state to come back to
                 restore = body.path if body.optimizer else None
                 state.adapters.add(model_id, tenant, client, base_name, {"rank": info.lora_rank}, restore)

@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException
@@ -244,6 +245,17 @@ class ServerState:
             raise HTTPException(404, str(exc)) from None
         if self.checkpoint_owner.get(backend_model_id) != tenant or is_internal(path.rsplit("/", 1)[-1]):
             raise HTTPException(404, f"{path!r}: no such checkpoint")
+
+    def served_name(self, base_dir: str | None, asked: str | None = None) -> str | None:
+        """The served name of a checkpoint's base model directory (compared resolved: the server may have
+        been started with another spelling of it); else `asked` (the client's), when served; else the only
+        served model; None when it cannot be told."""
+        for name, path in self.served.items():
+            if base_dir and Path(path).resolve() == Path(base_dir).resolve():
+                return name
+        if asked in self.served:
+            return asked
+        return next(iter(self.served)) if len(self.served) == 1 else None
 
     def tokenizer_id(self, base_name: str, base_dir: str) -> str:
         """What `get_info` reports for the SDK's `AutoTokenizer.from_pretrained`: `--tokenizer-id` if given

@@ -73,7 +73,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         ApiKeys({**KEYS, **FUZZER}),
         str(tmp_path_factory.mktemp("serve")),
         poll_timeout_s=5,
-        limits=Limits(adapters_per_tenant=16, adapters_total=32),  # the session's tests share the server
+        limits=Limits(adapters_per_tenant=48, adapters_total=96),  # the session's tests share the server
     )
     yield from serve_in_thread(state, "tiny")
 
