@@ -12,6 +12,7 @@ same interface, for tests and the degenerate single-process case. A worker error
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -205,6 +206,7 @@ class RayWorkerGroup:
         self.sequence_parallel_size = sequence_parallel_size
         self.data_parallel_size = self.world_size // sequence_parallel_size
         self._start_args = (worker_cls, spec, device, env_vars, share)
+        self._submit_lock = threading.Lock()
         self.workers: list[Any] = []
         self._start_ranks()
 
@@ -321,10 +323,14 @@ class RayWorkerGroup:
 
         per_rank = _split_args(args, kwargs, self.world_size, replicas, self.role)
         try:
-            refs = [
-                w.call.remote(method, *[once(v) for v in a], **{key: once(v) for key, v in k.items()})
-                for w, (a, k) in zip(self.workers, per_rank, strict=True)
-            ]
+            # submitted to every rank under one lock: Ray runs a caller's calls to an actor in submission
+            # order, so calls from two driver threads (e.g. the async producer's and the trainer's) reach
+            # every rank in the same order and their collectives pair up
+            with self._submit_lock:
+                refs = [
+                    w.call.remote(method, *[once(v) for v in a], **{key: once(v) for key, v in k.items()})
+                    for w, (a, k) in zip(self.workers, per_rank, strict=True)
+                ]
         except ray.exceptions.RayError as exc:  # e.g. the object store is full (the arguments of `method`)
             raise WorkerError(
                 f"{self.role}: Ray could not send {method}'s arguments: {type(exc).__name__}: {exc}",
