@@ -98,17 +98,6 @@ class RolloutCorrection:
                 f"{key}.rollout_is={self.rollout_is} has no effect with bypass_mode and loss_type=ppo_clip: the "
                 "loss's ratio is already pi_theta / pi_rollout; set loss_type=reinforce or rollout_is=null"
             )
-        if (
-            self.bypass_mode
-            and self.loss_type == "reinforce"
-            and self.rollout_is is None
-            and self.rollout_rs is None
-        ):
-            raise ConfigError(
-                f"{key}.bypass_mode with loss_type=reinforce corrects by the IS weights of rollout_is (or rejects "
-                "by rollout_rs), and both are off: it would train plain REINFORCE on the rollout's samples; set "
-                "rollout_is=token|sequence"
-            )
         self.rejection_bounds()  # parse errors now, at start
 
     @property

@@ -125,8 +125,6 @@ def test_mode_combinations_that_would_be_ignored_or_double_counted_are_refused()
         RolloutCorrection(loss_type="reinforce")
     with pytest.raises(ConfigError, match="has no effect with bypass_mode and loss_type=ppo_clip"):
         RolloutCorrection(rollout_is="token", bypass_mode=True)
-    with pytest.raises(ConfigError, match="would train plain REINFORCE on the rollout's samples"):
-        RolloutCorrection(bypass_mode=True, loss_type="reinforce")
     with pytest.raises(ConfigError, match="rollout_is must be null, 'token' or 'sequence'"):
         RolloutCorrection(rollout_is="tokens")
     with pytest.raises(ConfigError, match="takes no tis_cap"):

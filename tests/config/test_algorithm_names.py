@@ -204,13 +204,6 @@ def test_bypass_mode_skips_the_old_log_prob_pass_whatever_the_number_of_updates(
             "'algorithm.rollout_correction.rollout_is' must be one of",
         ),
         (
-            [
-                "algorithm.rollout_correction.bypass_mode=true",
-                "algorithm.rollout_correction.loss_type=reinforce",
-            ],
-            "would train plain REINFORCE on the rollout's samples",
-        ),
-        (
             ["algorithm.rollout_correction.rollout_rs=token_k1"],
             "give algorithm.rollout_correction.rollout_rs_threshold",
         ),
