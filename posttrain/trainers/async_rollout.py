@@ -152,11 +152,14 @@ def check_async_config(cfg: RLConfig) -> None:
             if used(cfg):
                 raise ConfigError(f"async_rl.partial_rollout does not support {name}")
     correction = cfg.algorithm.rollout_correction
-    if a.staleness and not (correction.rollout_is or correction.rollout_rs or correction.bypass_mode):
+    # bypass mode corrects through the PPO ratio pi / pi_rollout; with the REINFORCE loss only IS weights do
+    by_ratio = correction.bypass_mode and correction.loss_type == "ppo_clip"
+    if a.staleness and not (correction.rollout_is or correction.rollout_rs or by_ratio):
         log.warning(
             "async_rl.staleness=%d without a rollout correction (algorithm.rollout_correction.rollout_is, "
-            "rollout_rs or bypass_mode all off): samples up to %d versions old are trained as if on-policy; "
-            "e.g. algorithm.rollout_correction.rollout_is=token corrects them by truncated importance weights",
+            "rollout_rs, or bypass_mode with loss_type=ppo_clip): samples up to %d versions old are trained as "
+            "if on-policy; e.g. algorithm.rollout_correction.rollout_is=token corrects them by truncated "
+            "importance weights",
             a.staleness,
             a.staleness,
         )

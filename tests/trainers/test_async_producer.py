@@ -276,6 +276,15 @@ def test_stale_samples_without_a_rollout_correction_are_warned_about(
     with caplog.at_level("WARNING"):
         check_async_config(corrected)
     assert "rollout correction" not in caplog.text
+    # bypass mode with the REINFORCE loss and no IS weights: nothing corrects the staleness either
+    reinforce = replace(
+        cfg.algorithm.rollout_correction, bypass_mode=True, loss_type="reinforce", rollout_is=None
+    )
+    with caplog.at_level("WARNING"):
+        check_async_config(
+            replace(uncorrected, algorithm=replace(cfg.algorithm, rollout_correction=reinforce))
+        )
+    assert "async_rl.staleness=2 without a rollout correction" in caplog.text
 
 
 def test_no_batch_is_generated_past_the_runs_last_step_and_the_final_weights_still_load() -> None:
