@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from posttrain.algorithms.aggregation import global_totals
 from posttrain.config.schema import ActorConfig, CriticConfig
 from posttrain.controller.roles import ActorGroup, CriticGroup
 from posttrain.data import keys
@@ -52,9 +51,7 @@ def minibatch_updates(
         for mb in batch.split(mini)
     ]
     for _ in range(epochs):
-        for mb in mini_batches:
-            mb.meta[keys.GLOBAL_TOKENS] = float(mb[keys.RESPONSE_MASK].sum())
-            mb.meta[keys.GLOBAL_SEQS] = global_totals(mb[keys.RESPONSE_MASK])[1]  # rows with a valid token
+        for mb in mini_batches:  # the role group counts its loss's totals over the whole mini-batch
             for k, v in train(mb).items():
                 name = k if k.startswith((f"{prefix}/", "rollout/")) else f"{prefix}/{k}"
                 if name.endswith("_max"):
