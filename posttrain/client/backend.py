@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import json
+import os
 import re
 import threading
 import uuid
@@ -49,8 +51,32 @@ from posttrain.workers.api_worker import ApiLossSpec, ApiWorker, ApiWorkerSpec, 
 T = TypeVar("T")
 BackendName = Literal["local", "ray"]
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-MODEL_ID = re.compile(r"^[a-z0-9]{8}:train:[0-9]+$")
+# a backend names its models <its session, 8 characters>:train:<n>; `posttrain serve` names them after the
+# tinker session they were created in (32 hex digits)
+MODEL_ID = re.compile(r"^[a-z0-9]{8,32}:train:[0-9]+$")
 CHECKPOINT_KINDS = ("weights", "sampler_weights")
+RUN_FILE = "run.json"  # in a training run's folder, beside its checkpoint kinds
+USER_METADATA_LIMITS = (64, 128, 1024)  # entries, characters of a key, characters of a value
+
+
+def check_user_metadata(metadata: Any) -> dict[str, str]:
+    """tinker's `user_metadata` (kept with the training run, reported by `get_training_run`): string keys and
+    values, within USER_METADATA_LIMITS; a ValueError naming what is wrong."""
+    if metadata is None:
+        return {}
+    entries, key_chars, value_chars = USER_METADATA_LIMITS
+    if not isinstance(metadata, dict) or len(metadata) > entries:
+        raise ValueError(f"user_metadata must be a dict of at most {entries} string entries")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"user_metadata[{key!r}]: keys and values must be strings")
+        if len(key) > key_chars or len(value) > value_chars:
+            raise ValueError(
+                f"user_metadata[{key[:40]!r}]: keys take at most {key_chars} characters, values {value_chars}"
+            )
+    return dict(metadata)
+
+
 MAX_LORA_RANK = 256
 
 
@@ -310,10 +336,29 @@ class Backend:
                 )
 
     # ---- paths ---------------------------------------------------------------------------------
+    def run_dir(self, model_id: str) -> Path:
+        """The folder of a training run: its model's checkpoints (`<kind>/<name>`) and facts (RUN_FILE)."""
+        if not MODEL_ID.fullmatch(model_id):
+            raise ValueError(f"{model_id!r} is not a training model id")
+        return self.root / model_id.replace(":", "_")
+
     def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
         if not NAME.fullmatch(name) or name in (".", ".."):
             raise ValueError(f"checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (at most 128)")
-        return self.root / model_id.replace(":", "_") / kind / name
+        return self.run_dir(model_id) / kind / name
+
+    def write_run(self, model_id: str, facts: dict[str, Any]) -> None:
+        """A training run's facts (base model, LoRA rank, the user's metadata), written when its model is
+        created, atomically, so they are known before any checkpoint exists and after a restart."""
+        folder = self.run_dir(model_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{RUN_FILE}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(facts))
+        os.replace(tmp, folder / RUN_FILE)
+
+    def read_run(self, model_id: str) -> dict[str, Any]:
+        path = self.run_dir(model_id) / RUN_FILE
+        return dict(json.loads(path.read_text())) if path.is_file() else {}
 
     def tinker_path(self, model_id: str, kind: str, name: str) -> str:
         return f"tinker://{model_id}/{kind}/{name}"

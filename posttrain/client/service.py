@@ -24,7 +24,14 @@ from typing import Any, Literal
 from tinker import types
 
 from posttrain.algorithms.api_losses import API_LOSS_NAMES
-from posttrain.client.backend import MAX_LORA_RANK, Backend, BackendName, RaySettings
+from posttrain.client.backend import (
+    MAX_LORA_RANK,
+    MODEL_ID,
+    Backend,
+    BackendName,
+    RaySettings,
+    check_user_metadata,
+)
 from posttrain.client.sampling import SamplingClient
 from posttrain.client.training import TrainingClient, _open_sampler
 from posttrain.config.schema import RayConfig
@@ -105,21 +112,57 @@ class ServiceClient:
         train_unembed: bool = True,
         user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
-        """A new LoRA adapter of `rank` on `base_model` (its B matrices zero: it starts as the base model)."""
-        check_lora_args(
-            rank, train_mlp, train_attn, train_unembed, "create_training_client trains the full weights"
+        """A new LoRA adapter of `rank` on `base_model` (its B matrices zero: it starts as the base model);
+        `user_metadata` is kept with its training run."""
+        return self.create_lora_training_client_as(
+            None, base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
         )
-        model = ModelSpec(str(base_model), rank, train_attn, train_mlp, train_unembed, seed)
-        return self._create(model)
 
     def create_training_client(self, base_model: str, seed: int | None = None) -> TrainingClient:
         """Full fine-tuning of `base_model` (every weight trains); the backend then serves this client only."""
         return self._create(ModelSpec(str(base_model), 0, seed=seed))
 
-    def _create(self, model: ModelSpec) -> TrainingClient:
+    def create_lora_training_client_as(
+        self,
+        model_id: str | None,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
+        """`create_lora_training_client` under an id its caller chose (None: the backend's next): for a server
+        that names its models itself (`posttrain serve`), so a model's checkpoints stay under one
+        `tinker://<model_id>/...` run however often its adapter is released and loaded again."""
+        check_lora_args(
+            rank, train_mlp, train_attn, train_unembed, "create_training_client trains the full weights"
+        )
+        model = ModelSpec(str(base_model), rank, train_attn, train_mlp, train_unembed, seed)
+        return self._create(model, model_id, check_user_metadata(user_metadata))
+
+    def create_training_client_from_state_as(
+        self, model_id: str, path: str, with_optimizer: bool = True
+    ) -> TrainingClient:
+        """`create_training_client_from_state(_with_optimizer)` under an id its caller chose (see
+        `create_lora_training_client_as`)."""
+        return self._from_state(path, with_optimizer, model_id)
+
+    def _create(
+        self, model: ModelSpec, model_id: str | None = None, user_metadata: dict[str, str] | None = None
+    ) -> TrainingClient:
+        """A new training model; its run's facts (RUN_FILE) written with it, `user_metadata` among them (None:
+        a model loaded again under its own id keeps the facts its run has)."""
         backend = self.backend
         backend.check_new_model(model)
-        model_id = backend.new_id("train")
+        if model_id is None:
+            model_id = backend.new_id("train")
+        elif not MODEL_ID.fullmatch(model_id) or model_id in backend.models:
+            raise ValueError(f"model id {model_id!r} is malformed or in use")
+        if user_metadata is not None or not backend.read_run(model_id):
+            facts = {"base_model": model.base_model, "lora_rank": model.lora_rank}
+            backend.write_run(model_id, {**facts, "user_metadata": user_metadata or {}})
         backend.models[model_id] = model
         future = backend.submit(lambda: backend.group.create_model(model_id, model))
         try:
@@ -137,11 +180,11 @@ class ServiceClient:
         """A new client with the weights and optimizer state of a saved state."""
         return self._from_state(path, with_optimizer=True)
 
-    def _from_state(self, path: str, with_optimizer: bool) -> TrainingClient:
+    def _from_state(self, path: str, with_optimizer: bool, model_id: str | None = None) -> TrainingClient:
         _, folder = self.backend.resolve(path, "weights")
         saved = json.loads((folder / "model_spec.json").read_text())
         saved["target_modules"] = tuple(saved.get("target_modules", ()))
-        client = self._create(ModelSpec(**saved))
+        client = self._create(ModelSpec(**saved), model_id)
         loading = client.load_state_with_optimizer(path) if with_optimizer else client.load_state(path)
         loading.result()
         return client

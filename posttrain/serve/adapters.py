@@ -53,7 +53,9 @@ class TrainingModel:
     tenant: str
     base_name: str
     lora: dict[str, Any]  # rank, seed, train_mlp, train_attn, train_unembed
-    backend_id: str  # the adapter's id on the backend (a new one each time it is loaded)
+    # the adapter's id on the backend, which names its tinker:// checkpoint paths (the run): model_id itself,
+    # kept when the adapter is loaded again (journals of older versions: its first backend id)
+    backend_id: str
     restore_path: str | None = None  # the last durable state: the tenant's last save_state, or a release
     tenant_saved: bool = False  # whether restore_path is the tenant's save
     gate: concurrent.futures.Future[TrainingClient] | None = None  # the loaded client; None: released
@@ -169,7 +171,7 @@ class Adapters:
         try:
             if path is None:
                 raise RuntimeError("it has no saved state")
-            client = self.state.service.create_training_client_from_state_with_optimizer(path)
+            client = self.state.service.create_training_client_from_state_as(model.backend_id, path)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the reason
             with self._lock:
                 model.gate = None  # the next request tries again

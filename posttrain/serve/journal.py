@@ -238,6 +238,15 @@ class Journal:
         )
         return [_future_row(r) for r in rows]
 
+    def creations(self) -> dict[str, tuple[str, str]]:
+        """model id -> (tenant, request id) of the request that created it (create_model or load_weights from
+        a session; a model's first request): what a retried creation is answered with after a restart."""
+        rows = self._read(
+            "SELECT model_id, tenant, request_id FROM futures WHERE kind IN ('create_model', 'load_weights') "
+            "AND model_id IS NOT NULL ORDER BY created DESC"
+        )
+        return {model_id: (tenant, request_id) for model_id, tenant, request_id in rows}  # the first wins
+
     def count_done(self) -> int:
         rows = self._read("SELECT COUNT(*) FROM futures WHERE status = 'done'")
         return int(rows[0][0]) if rows else 0

@@ -2,7 +2,8 @@
 
 - interrupted checkpoint writes are repaired first (checkpoints.recover);
 - sessions and checkpoint ownership come back as they were: a tenant still reaches only its own;
-- finished requests' answers stay in the journal: a poller gets its result as if nothing happened;
+- finished requests' answers stay in the journal: a poller gets its result as if nothing happened, and a
+  create_model the SDK sends again (its answer lost in the restart) gets the first one's request id;
 - requests that were in flight get an error naming what was lost (`the server restarted while this
   request ran; ...`), and what the model does next;
 - a training model whose last durable state exists (its last `save_state`, or the server's own save of
@@ -38,6 +39,7 @@ def recover(state: ServerState) -> dict[str, int]:
             state.sessions[session_id] = tenant
             state.session_heard[session_id] = now
     state.checkpoint_owner.update(journal.checkpoint_owners())
+    state.creations.update(journal.creations())  # a creation retried across the restart gets its first answer
     seqs = journal.seqs()
     restorable, lost = [], []
     for key, seen in seqs.items():  # training models' and sampling sessions' seq_ids

@@ -46,7 +46,7 @@ def add_run_routes(app: FastAPI, api: Api) -> None:
         """The folder of one of `tenant`'s runs; 404 for a malformed, unknown or another tenant's id."""
         if not MODEL_ID.fullmatch(run_id) or state.checkpoint_owner.get(run_id) != tenant:
             raise HTTPException(404, f"no training run {run_id!r}")
-        return Path(backend.root) / run_id.replace(":", "_")
+        return backend.run_dir(run_id)
 
     def checkpoints(run_id: str, folder: Path) -> list[types.Checkpoint]:
         found = []
@@ -87,16 +87,18 @@ def add_run_routes(app: FastAPI, api: Api) -> None:
         training = [c for c in found if c.checkpoint_type == "training"]
         sampler = [c for c in found if c.checkpoint_type == "sampler"]
         times = [c.time for c in found] or [_mtime(folder) if folder.exists() else _now()]
-        rank = model_spec.get("lora_rank")
+        facts = backend.read_run(run_id)  # what its model was created with (runs of older versions: none)
+        rank = model_spec.get("lora_rank", facts.get("lora_rank"))
         return types.TrainingRun(
             training_run_id=run_id,
-            base_model=base_name(model_spec.get("base_model")),
+            base_model=base_name(model_spec.get("base_model", facts.get("base_model"))),
             model_owner=tenant,
             is_lora=rank is None or rank > 0,
             lora_rank=rank or None,
             last_request_time=max(times),
             last_checkpoint=training[-1] if training else None,
             last_sampler_checkpoint=sampler[-1] if sampler else None,
+            user_metadata=facts.get("user_metadata") or None,
         )
 
     @app.get("/api/v1/training_runs/{run_id}")

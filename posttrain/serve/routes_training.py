@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from tinker import types
 
+from posttrain.client.backend import check_user_metadata
 from posttrain.client.training import TrainingClient
 from posttrain.serve.adapters import is_internal
 from posttrain.serve.api import Api, as_json
@@ -42,12 +43,17 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         lora = body.lora_config
         state.limits.check_rank(lora.rank)
         _check_optimizer(body.optimizer_config)
+        try:
+            check_user_metadata(body.user_metadata)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
 
         def create() -> types.CreateModelResponse:
             try:
-                client = state.service.create_lora_training_client(
-                    path, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                client = state.service.create_lora_training_client_as(
+                    model_id, path, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
                     train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                    user_metadata=body.user_metadata,
                 )  # fmt: skip
                 state.adapters.add(model_id, tenant, client, body.base_model, lora.model_dump())
             finally:
@@ -177,14 +183,10 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
 
         def create() -> types.LoadWeightsResponse:
-            service = state.service
-            make = (
-                service.create_training_client_from_state_with_optimizer
-                if body.optimizer
-                else service.create_training_client_from_state
-            )
             try:
-                client = make(body.path)
+                client = state.service.create_training_client_from_state_as(
+                    model_id, body.path, with_optimizer=body.optimizer
+                )
                 info = client.get_info()
                 base_name = state.served_name(info.model_name, body.base_model)
                 if base_name is None:

@@ -243,6 +243,19 @@ def test_bad_calls_are_clear_errors(service: tinker.ServiceClient, tiny_model_di
         tc.save_state("../outside")
     with pytest.raises(ValueError, match="Either model_path or base_model"):
         service.create_sampling_client()
+    with pytest.raises(ValueError, match="user_metadata.*strings"):
+        service.create_lora_training_client(str(tiny_model_dir), rank=2, user_metadata={"n": 3})  # type: ignore[dict-item]
+
+
+def test_user_metadata_is_kept_with_the_training_run(
+    service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    tc = service.create_lora_training_client(str(tiny_model_dir), rank=2, user_metadata={"team": "rl"})
+    facts = service.backend.read_run(tc.model_id)
+    assert facts == {"base_model": str(tiny_model_dir), "lora_rank": 2, "user_metadata": {"team": "rl"}}
+    saved = tc.save_state("kept").result()
+    again = service.create_training_client_from_state_as(tc.model_id + "0", saved.path)  # another run
+    assert service.backend.read_run(again.model_id)["user_metadata"] == {}
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])

@@ -10,7 +10,9 @@ from tinker import types
 
 base_model = sys.argv[1]
 service = tinker.ServiceClient()
-training = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
+training = service.create_lora_training_client(
+    base_model=base_model, rank=4, seed=0, user_metadata={"experiment": "sdk-acceptance"}
+).result()
 tokenizer = training.get_tokenizer()
 
 
@@ -70,6 +72,7 @@ print(
                 "base": run.base_model,
                 "rank": run.lora_rank,
                 "last": run.last_checkpoint.tinker_path if run.last_checkpoint else None,
+                "user_metadata": run.user_metadata,
             },
             "info": {"base": info.base_model, "rank": info.lora_rank, "is_lora": info.is_lora},
             "checkpoints": [c.tinker_path for c in listed.checkpoints],

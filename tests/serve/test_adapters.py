@@ -71,7 +71,9 @@ def test_an_idle_adapter_is_released_and_comes_back_transparently(
         assert logprobs(result(alice, training(alice, model_id, 5, "forward"))) == pytest.approx(
             before, abs=1e-6
         )
-        assert model.loaded and model.backend_id != first_backend_id
+        # under the same id: its checkpoints stay one training run, tinker://<model_id>/..., as in tinker
+        assert model.loaded and model.backend_id == first_backend_id == model_id
+        assert internal.startswith(f"tinker://{model_id}/weights/")
         info = alice.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}).json()
         assert info["model_id"] == model_id and info["lora_rank"] == 2
         for seq_id, verb in ((6, "forward_backward"), (7, "optim_step")):  # and trains on
@@ -80,6 +82,9 @@ def test_an_idle_adapter_is_released_and_comes_back_transparently(
         assert logprobs(result(alice, training(alice, model_id, 8, "forward"))) != pytest.approx(
             before, abs=1e-6
         )
+        save = {"model_id": model_id, "seq_id": 9, "path": "after-reload"}
+        saved = result(alice, alice.post("/api/v1/save_weights", json=save).json()["request_id"])
+        assert saved["path"] == f"tinker://{model_id}/weights/after-reload"
 
 
 def test_a_released_adapter_waits_for_a_free_slot(server: Running, alice_model: tuple[str, str]) -> None:

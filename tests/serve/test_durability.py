@@ -114,15 +114,13 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
     server.start()
     with server.client(ALICE) as alice:
         session_id = alice.post("/api/v1/create_session", json=SESSION).json()["session_id"]
-        created = alice.post(
-            "/api/v1/create_model",
-            json={
-                "session_id": session_id,
-                "model_seq_id": 0,
-                "base_model": "tiny",
-                "lora_config": {"rank": 2},
-            },
-        ).json()["request_id"]
+        create = {
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": "tiny",
+            "lora_config": {"rank": 2},
+        }
+        created = alice.post("/api/v1/create_model", json=create).json()["request_id"]
         model_id = result(alice, created)["model_id"]
         for seq_id, verb in ((1, "forward_backward"), (2, "optim_step")):
             result(alice, training(alice, model_id, seq_id, verb))
@@ -145,6 +143,8 @@ def test_a_killed_server_restarts_with_what_was_durable(serve_process: ServeProc
     assert "recovered from the journal" in server.log.read_text()
     with server.client(ALICE) as alice, server.client(BOB) as bob:
         assert result(alice, created)["model_id"] == model_id  # finished results are still there
+        # the SDK sending create_model again (its answer lost in the restart) gets the first request, not a 409
+        assert alice.post("/api/v1/create_model", json=create).json()["request_id"] == created
         assert result(alice, forward_id) == at_save
         lost = result(alice, in_flight)
         assert (

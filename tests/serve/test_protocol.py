@@ -190,3 +190,6 @@ def test_malformed_bodies_are_400s_naming_the_problem(server: Running, alice_mod
         }
         missing = alice.post("/api/v1/create_model", json=unknown)
         assert missing.status_code == 404 and "tiny" in missing.text
+        metadata = {**unknown, "base_model": "tiny", "user_metadata": {"k": "v" * 5000}}
+        too_long = alice.post("/api/v1/create_model", json=metadata)
+        assert too_long.status_code == 400 and "user_metadata" in too_long.text

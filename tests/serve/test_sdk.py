@@ -45,6 +45,8 @@ def test_the_tinker_sdk_trains_samples_saves_and_restores(alice_run: dict) -> No
 def test_the_sdks_rest_client_reads_runs_and_checkpoints(alice_run: dict, server: Running) -> None:
     run, path = alice_run["run"], alice_run["path"]
     assert path.startswith(f"tinker://{run['id']}/weights/")  # the run is what the path names
+    assert run["id"] == alice_run["model_id"]  # and, as in tinker, it is the training client's model id
+    assert run["user_metadata"] == {"experiment": "sdk-acceptance"}  # kept with the run
     assert run["base"] == server.model_name and run["rank"] == 4 and run["last"] == path
     assert alice_run["info"] == {"base": server.model_name, "rank": 4, "is_lora": True}
     assert path in alice_run["checkpoints"] and alice_run["sampler_path"] in alice_run["checkpoints"]
