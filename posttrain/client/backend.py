@@ -38,6 +38,7 @@ from posttrain.client.batching import (
 )
 from posttrain.client.call_queue import BARRIER, CallQueue, SharedCall
 from posttrain.client.model_inputs import InputRow
+from posttrain.client.prompt_scores import PromptOptions, response_fields
 from posttrain.config.schema import RayConfig
 from posttrain.controller.placement import RoleRequest, start_role_groups
 from posttrain.controller.roles import ApiGroup
@@ -101,7 +102,7 @@ class SampleRequest:
 
     prompt: InputRow
     num_samples: int
-    include_prompt_logprobs: bool
+    prompt_options: PromptOptions  # what else to compute over the prompt (its log-probs, top-k, ...)
     request_id: str
 
 
@@ -295,15 +296,15 @@ class Backend:
             r = p.request
             rows = range(start, start + r.num_samples)
             start += r.num_samples
-            prompt_lp = None
-            if r.include_prompt_logprobs:
-                scored = self.group.prompt_log_probs(
-                    p.sampler_id, prompt_rows(r.prompt, self.world_size), 1.0
-                )
-                prompt_lp = scored[keys.API_LOGPROBS][0].numpy().astype(np.float32)
-                prompt_lp[0] = np.nan
+            prompt_fields: dict[str, Any] = {}
+            options = r.prompt_options
+            if options.wanted:
+                scoring = options.scoring(p.sampling.temperature, p.sampling.seed)
+                rows_in = prompt_rows(r.prompt, self.world_size)
+                scored = self.group.prompt_log_probs(p.sampler_id, rows_in, 1.0, scoring)
+                prompt_fields = response_fields(scored, options)
             sequences = sampled_sequences(out, rows, r.request_id)
-            responses.append(types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_lp))
+            responses.append(types.SampleResponse(sequences=sequences, **prompt_fields))
         return responses
 
     def new_id(self, kind: str) -> str:

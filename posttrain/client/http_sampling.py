@@ -14,10 +14,12 @@ from typing import Any, TypeVar
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.proto.response_conv import deserialize_sample_response
+from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 
 from posttrain.client.backend import ResolvedFuture
 from posttrain.client.http_transport import Connection
 from posttrain.client.model_inputs import declared_length
+from posttrain.client.prompt_scores import prompt_options
 from posttrain.client.sampling import check_sample_options
 
 T = TypeVar("T")
@@ -101,14 +103,17 @@ class HttpSamplingClient(ResolvedFuture):
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        """`num_samples` responses to `prompt`, as the local `sample` (tinker 0.38's signature; its top-k,
-        target, alternative-token and last-n prompt log-probs are a ValueError here too)."""
-        check_sample_options(
-            num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
-            prompt_alt_tokens_k, prompt_logprobs_last_n,
-        )  # fmt: skip
-        if declared_length(prompt, "prompt") == 0:  # None: an image of undeclared size, not empty
+        """`num_samples` responses to `prompt`, as the local `sample` (tinker 0.38's signature, its prompt-side
+        options included; `topk_sample_logprobs` is a ValueError here too)."""
+        check_sample_options(num_samples, topk_sample_logprobs)
+        length = declared_length(prompt, "prompt")
+        if length == 0:  # None: an image of undeclared size, not empty
             raise ValueError("the prompt is empty")
+        if length is not None:  # else the server checks them against the prompt it reads
+            prompt_options(
+                length, include_prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs,
+                prompt_alt_tokens_k, prompt_logprobs_last_n,
+            )  # fmt: skip
         conn, seq_id = self._conn, next(self._seq)
 
         async def run() -> types.SampleResponse:
@@ -119,6 +124,10 @@ class HttpSamplingClient(ResolvedFuture):
                 sampling_session_id=await asyncio.wrap_future(self._sampler_id),  # type: ignore[arg-type]
                 seq_id=seq_id,
                 prompt_logprobs=include_prompt_logprobs or None,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+                target_prompt_logprobs=_as_model(target_prompt_logprobs),
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
+                prompt_logprobs_last_n=prompt_logprobs_last_n,
             )
             answer = await conn.post("/api/v1/asample", dump(request))
             assert answer is not None
@@ -145,3 +154,13 @@ class HttpSamplingClient(ResolvedFuture):
             )
         response = self.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True)
         return AwaitableConcurrentFuture(then(response.future(), lambda r: list(r.prompt_logprobs or [])))
+
+
+def _as_model(data: types.TensorData | None) -> TensorDataModel | None:
+    """A TensorData as the request's JSON model, its layout (dense or sparse CSR) kept."""
+    if data is None:
+        return None
+    return TensorDataModel(
+        data=data.data, dtype=data.dtype, shape=data.shape,
+        sparse_crow_indices=data.sparse_crow_indices, sparse_col_indices=data.sparse_col_indices,
+    )  # fmt: skip

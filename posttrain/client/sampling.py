@@ -16,6 +16,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from posttrain.client.backend import Backend, ResolvedFuture, SampleRequest
 from posttrain.client.batching import prompt_rows
 from posttrain.client.model_inputs import ModelInputReader
+from posttrain.client.prompt_scores import prompt_options
 from posttrain.data import keys
 from posttrain.models import load_text_config, load_tokenizer
 from posttrain.rollout.base import SamplingParams as EngineSampling
@@ -60,12 +61,14 @@ def engine_sampling(params: types.SamplingParams, prompt_length: int, context: i
 
 
 @functools.lru_cache(maxsize=16)
-def _model_facts(base_model: str) -> tuple[int, ModelInputReader]:
-    """(context length, the reader of its ModelInputs: image chunks through the model's own processor) of a
-    base model, read once per process: an RL loop on the API makes a sampler every step, and parsing the
-    config (and loading the processor) for each cost milliseconds per step."""
-    context = int(getattr(load_text_config(base_model), "max_position_embeddings", 2048))
-    return context, ModelInputReader(base_model)
+def _model_facts(base_model: str) -> tuple[int, int | None, ModelInputReader]:
+    """(context length, vocabulary size, the reader of its ModelInputs: image chunks through the model's own
+    processor) of a base model, read once per process: an RL loop on the API makes a sampler every step, and
+    parsing the config (and loading the processor) for each cost milliseconds per step."""
+    config = load_text_config(base_model)
+    context = int(getattr(config, "max_position_embeddings", 2048))
+    vocab = getattr(config, "vocab_size", None)
+    return context, None if vocab is None else int(vocab), ModelInputReader(base_model)
 
 
 def context_length(base_model: str) -> int:
@@ -80,7 +83,7 @@ class SamplingClient(ResolvedFuture):
         self._backend = backend
         self.sampler_id = sampler_id
         self._base_model = base_model
-        self._context, self._inputs = _model_facts(base_model)
+        self._context, self._vocab, self._inputs = _model_facts(base_model)
         weakref.finalize(self, _close_sampler, backend, sampler_id)
 
     def get_base_model(self) -> str:
@@ -101,23 +104,24 @@ class SamplingClient(ResolvedFuture):
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        """`num_samples` responses to `prompt` (tokens, the sampled tokens' log-probs, stop reason); with
-        `include_prompt_logprobs`, the prompt's own log-probs (None at position 0). On a vision-language
-        model the prompt may hold ImageChunks (client/model_inputs.py): each is its image tokens, and the
-        sampler's model sees the image.
+        """`num_samples` responses to `prompt` (tokens, the sampled tokens' log-probs, stop reason). The
+        prompt-side options (its own log-probs, top-k, target and alternative-token log-probs, the last n
+        positions only) are tinker 0.38's, computed in one forward over the prompt (client/prompt_scores.py).
+        On a vision-language model the prompt may hold ImageChunks (client/model_inputs.py): each is its
+        image tokens, and the sampler's model sees the image.
 
-        tinker 0.38's signature; its top-k, target, alternative-token and last-n prompt log-probs are not
-        implemented: asking for them (a value other than the default) is a ValueError, never ignored.
+        `topk_sample_logprobs` is not implemented: asking for it is a ValueError, never ignored.
         """
-        check_sample_options(
-            num_samples, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
-            prompt_alt_tokens_k, prompt_logprobs_last_n,
-        )  # fmt: skip
+        check_sample_options(num_samples, topk_sample_logprobs)
         row = self._inputs.row(prompt, "prompt")
         if not row.tokens:
             raise ValueError("the prompt is empty")
+        options = prompt_options(
+            len(row.tokens), include_prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs,
+            prompt_alt_tokens_k, prompt_logprobs_last_n, self._vocab,
+        )  # fmt: skip
         sampling = engine_sampling(sampling_params, len(row.tokens), self._context)
-        request = SampleRequest(row, num_samples, include_prompt_logprobs, self._backend.new_id("sample"))
+        request = SampleRequest(row, num_samples, options, self._backend.new_id("sample"))
         return self._backend.submit_sample(self.sampler_id, sampling, request)
 
     def compute_logprobs(
@@ -138,30 +142,17 @@ class SamplingClient(ResolvedFuture):
         return self._backend.submit(run, f"sampler {sampler}")
 
 
-def check_sample_options(
-    num_samples: int,
-    topk_prompt_logprobs: int,
-    topk_sample_logprobs: int,
-    target_prompt_logprobs: types.TensorData | None,
-    prompt_alt_tokens_k: int,
-    prompt_logprobs_last_n: int | None,
-) -> None:
-    """tinker's `sample` options no backend here implements are a ValueError when asked for, never ignored."""
+def check_sample_options(num_samples: int, topk_sample_logprobs: int) -> None:
+    """`sample`'s options checked before its prompt is read; `topk_sample_logprobs`, which no backend here
+    implements, is a ValueError when asked for, never ignored."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    unsupported = {
-        "topk_prompt_logprobs": (topk_prompt_logprobs != 0, "top-k prompt log-probs are"),
-        "topk_sample_logprobs": (topk_sample_logprobs != 0, "top-k sample log-probs are"),
-        "target_prompt_logprobs": (target_prompt_logprobs is not None, "log-probs of chosen tokens are"),
-        "prompt_alt_tokens_k": (prompt_alt_tokens_k != 0, "alternative prompt tokens are"),
-        "prompt_logprobs_last_n": (prompt_logprobs_last_n is not None, "scoring the last n tokens is"),
-    }
-    for name, (asked, what) in unsupported.items():
-        if asked:
-            raise ValueError(
-                f"{name}: {what} not supported by this backend; leave it at its default "
-                "(include_prompt_logprobs=True gives the prompt tokens' own log-probs)"
-            )
+    if topk_sample_logprobs != 0:
+        raise ValueError(
+            "topk_sample_logprobs: top-k log-probs of sampled tokens are not supported by this backend; leave "
+            "it at 0 (each sampled token's own log-prob is returned; score a sequence's top-k with "
+            "topk_prompt_logprobs on it as the prompt)"
+        )
 
 
 def _close_sampler(backend: Backend, sampler_id: str) -> None:

@@ -31,6 +31,7 @@ from posttrain.errors import WorkerError
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
 from posttrain.workers.losses import LossSpec, with_totals
+from posttrain.workers.prompt_scoring import PromptScoring
 
 log = logging.getLogger(__name__)
 
@@ -421,8 +422,12 @@ class ApiGroup(RoleGroup):
         calls in one batch: LoRA samplers share one engine and generate together)."""
         return self._batch("sample", sampler_ids, batch, samplings)
 
-    def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float) -> Batch:
-        return self._batch("prompt_log_probs", sampler_id, batch, temperature)
+    def prompt_log_probs(
+        self, sampler_id: str, batch: Batch, temperature: float, scoring: PromptScoring | None = None
+    ) -> Batch:
+        """Each row's prompt log-probs, and the scores `scoring` asks for (tinker's top-k, target and
+        alternative-token prompt options)."""
+        return self._batch("prompt_log_probs", sampler_id, batch, temperature, scoring)
 
 
 class DistillGroup(ActorGroup):

@@ -40,6 +40,12 @@ API_ADAPTER = (
 )
 API_SEED = "api_seed"  # (B,) long: a sampled row's own seed, -1 for none (the sampler's generator)
 API_LOSS = "api_loss"  # (B,) float: each datum's summed loss
+# a prompt's scores besides its tokens' log-probs (tinker's SampleRequest options; workers/prompt_scoring.py)
+API_TOPK_IDS = "api_topk_ids"  # (B, T, k) long: the k likeliest tokens at each position (0 at position 0)
+API_TOPK_LOGPROBS = "api_topk_logprobs"  # (B, T, k) float: their log-probs (TOPK_MASK at position 0)
+API_TARGET_LOGPROBS = "api_target_logprobs"  # (B, T-1, K) float: log-probs of asked ids (0 where none)
+API_ALT_TOKENS = "api_alt_tokens"  # (B, T-1, k) long: independent draws at positions 1.. of the prompt
+API_ALT_LOGPROBS = "api_alt_logprobs"  # (B, T-1, k) float: the draws' log-probs
 LOSS_MASK = "loss_mask"  # (B, T) float: 1 on tokens the SFT loss is taken on (response and eos)
 
 # Non-tensor columns (numpy object arrays of length B)

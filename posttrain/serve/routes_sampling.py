@@ -55,11 +55,7 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         sampler = state.sampler(body.sampling_session_id, tenant)
         if body.num_samples < 1:
             raise HTTPException(400, f"num_samples must be >= 1, got {body.num_samples}")
-        unsupported = {
-            "topk_sample_logprobs": body.topk_sample_logprobs, "target_prompt_logprobs": body.target_prompt_logprobs,
-            "prompt_alt_tokens_k": body.prompt_alt_tokens_k, "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
-        }  # fmt: skip
-        named = [k for k, v in unsupported.items() if v]
+        targets = _tensor_data(body.target_prompt_logprobs)
         # every sample counts the tokens it may generate: max_tokens, or without it what the context leaves
         # (the sampler fills up to the context then); at least one, so num_samples is bounded too
         base_dir = api.base_dir(sampler.base_name)
@@ -76,11 +72,11 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         api.tokens(tenant, prompt_tokens + body.num_samples * max(1, max_tokens))
 
         def start() -> Any:
-            if named:
-                raise ValueError(f"sample options not supported here: {', '.join(named)}")
             return sampler.client.sample(
                 body.prompt, body.num_samples, body.sampling_params,
                 include_prompt_logprobs=bool(body.prompt_logprobs), topk_prompt_logprobs=body.topk_prompt_logprobs,
+                topk_sample_logprobs=body.topk_sample_logprobs, target_prompt_logprobs=targets,
+                prompt_alt_tokens_k=body.prompt_alt_tokens_k, prompt_logprobs_last_n=body.prompt_logprobs_last_n,
             )  # fmt: skip
 
         state.limits.check_queued(state.queued(tenant))
@@ -104,3 +100,16 @@ def _sample_answer(request_id: str, num_samples: int) -> dict[str, Any]:
         "request_id": request_id,
         "sample_sequence_ids": [f"{request_id}:{i}" for i in range(num_samples)],
     }
+
+
+def _tensor_data(model: Any) -> types.TensorData | None:
+    """A request's TensorData (its JSON model) as the SDK's TensorData; a malformed one is a 400."""
+    if model is None:
+        return None
+    try:
+        return types.TensorData(
+            data=model.data, dtype=model.dtype, shape=model.shape,
+            sparse_crow_indices=model.sparse_crow_indices, sparse_col_indices=model.sparse_col_indices,
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - what is wrong with it, named
+        raise HTTPException(400, f"target_prompt_logprobs is malformed: {exc}") from None

@@ -110,4 +110,40 @@ def encode_sample_response(response: types.SampleResponse) -> bytes:
             out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
     if response.prompt_logprobs_np is not None:
         msg.prompt_logprobs = np.asarray(response.prompt_logprobs_np, dtype="<f4").tobytes()
+    topk = response.topk_prompt_logprobs_np
+    if topk is not None:
+        length, k = topk.token_ids.shape
+        msg.topk_prompt_logprobs.CopyFrom(
+            pb.TopkLogprobs(
+                token_ids=np.asarray(topk.token_ids, dtype="<i4").tobytes(),
+                logprobs=np.asarray(topk.logprobs, dtype="<f4").tobytes(),
+                k=k,
+                length=length,
+            )
+        )
+    if response.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(_tensor(response.target_prompt_logprobs))
+    if response.prompt_alt_tokens is not None:
+        alt = response.prompt_alt_tokens
+        msg.prompt_alt_tokens.CopyFrom(
+            pb.PromptAltTokens(tokens=_tensor(alt.tokens), logprobs=_tensor(alt.logprobs))
+        )
     return msg.SerializeToString()
+
+
+def _tensor(data: types.TensorData) -> pb.Tensor:
+    """A TensorData as `tinker_public.Tensor`, dense or sparse CSR as it is."""
+    proto_dtype, np_dtype = _DTYPE[data.dtype]
+    if data.sparse_crow_indices is None:
+        array = data.to_numpy()
+        return pb.Tensor(
+            dense=np.ascontiguousarray(array, dtype=np_dtype).tobytes(),
+            dtype=proto_dtype,
+            shape=list(array.shape),
+        )
+    csr = pb.SparseCsr(
+        values=np.asarray(data.data, dtype=np_dtype).tobytes(),
+        crow_indices=np.asarray(data.sparse_crow_indices, dtype="<i8").tobytes(),
+        col_indices=np.asarray(data.sparse_col_indices, dtype="<i8").tobytes(),
+    )
+    return pb.Tensor(sparse_csr=csr, dtype=proto_dtype, shape=list(data.shape or []))

@@ -28,6 +28,7 @@ from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from posttrain.workers.prompt_scoring import PromptScoring, score_prompt
 from posttrain.workers.sampling import batch_prompts, results_batch
 
 
@@ -165,10 +166,13 @@ class ApiSamplers:
         )
 
     @torch.no_grad()
-    def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float = 1.0) -> Batch:
+    def prompt_log_probs(
+        self, sampler_id: str, batch: Batch, temperature: float = 1.0, scoring: PromptScoring | None = None
+    ) -> Batch:
         """log p(token i | tokens < i) of each row's tokens under the sampler's weights, at `temperature`
-        (0 at position 0, which nothing predicts). Rows are right-padded. Rows with images
-        (`multi_modal_inputs`) are scored with them, the model computing its multimodal positions."""
+        (0 at position 0, which nothing predicts), and the scores `scoring` asks for from the same logits
+        (workers/prompt_scoring.py). Rows are right-padded. Rows with images (`multi_modal_inputs`) are
+        scored with them, the model computing its multimodal positions."""
         sampler = self.get(sampler_id)
         model = getattr(sampler.engine, "model", None)
         if model is None:
@@ -183,8 +187,9 @@ class ApiSamplers:
                 logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
         else:
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        scores = score_prompt(logits, scoring) if scoring is not None else {}
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
         lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         lp = torch.nn.functional.pad(lp * mask[:, 1:], (1, 0))
-        return Batch.from_dict({keys.API_LOGPROBS: lp})
+        return Batch.from_dict({keys.API_LOGPROBS: lp, **scores})

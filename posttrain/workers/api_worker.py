@@ -37,6 +37,7 @@ from posttrain.models.vl import VISION_TOWER_MODES
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
 from posttrain.workers.process import prepare_worker_process, rank_seed
+from posttrain.workers.prompt_scoring import PromptScoring
 
 # The modules each tinker LoRA switch adapts (Qwen2/Llama/Mistral names).
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -290,8 +291,10 @@ class ApiWorker:
         """One response per prompt row, row i on sampler `sampler_ids[api_adapter[i]]` (ApiSamplers.sample)."""
         return self.samplers.sample(sampler_ids, batch, samplings)
 
-    def prompt_log_probs(self, sampler_id: str, batch: Batch, temperature: float = 1.0) -> Batch:
-        return self.samplers.prompt_log_probs(sampler_id, batch, temperature)
+    def prompt_log_probs(
+        self, sampler_id: str, batch: Batch, temperature: float = 1.0, scoring: PromptScoring | None = None
+    ) -> Batch:
+        return self.samplers.prompt_log_probs(sampler_id, batch, temperature, scoring)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import tinker
+import torch
 from tinker import types
 
 base_model = sys.argv[1]
@@ -38,6 +39,20 @@ samples = sampler.sample(
     num_samples=3,
     sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=7),
 ).result()
+# the prompt-side options: top-k, target (sparse) and alternative-token log-probs, last n positions
+scored_ids = tokenizer.encode("1+2=3")
+targets = np.full((len(scored_ids) - 1, 6), -1, dtype=np.int64)  # sparse enough to be sent as CSR
+targets[:, 0] = scored_ids[1:]
+scored = sampler.sample(
+    types.ModelInput.from_ints(scored_ids),
+    num_samples=1,
+    sampling_params=types.SamplingParams(max_tokens=1, temperature=1.0, seed=1),
+    include_prompt_logprobs=True,
+    topk_prompt_logprobs=3,
+    target_prompt_logprobs=types.TensorData.from_torch_sparse(torch.from_numpy(targets), pad_value=-1),
+    prompt_alt_tokens_k=2,
+    prompt_logprobs_last_n=len(scored_ids) - 2,
+).result()
 saved = training.save_state("after-six").result()
 restored = service.create_training_client_from_state_with_optimizer(saved.path).result()
 after = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -60,6 +75,14 @@ print(
     json.dumps(
         {
             "model_id": training.model_id,
+            "scored": {
+                "prompt_logprobs": scored.prompt_logprobs,
+                "topk": scored.topk_prompt_logprobs,
+                "targets": scored.target_prompt_logprobs.to_torch().tolist(),
+                "targets_sparse": scored.target_prompt_logprobs.sparse_crow_indices is not None,
+                "alt_shape": list(scored.prompt_alt_tokens.tokens.to_torch().shape),
+                "alt_logprobs": scored.prompt_alt_tokens.logprobs.to_torch().tolist(),
+            },
             "losses": losses,
             "samples": [list(s.tokens) for s in samples.sequences],
             "sample_logprobs": [list(s.logprobs or []) for s in samples.sequences],

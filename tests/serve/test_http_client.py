@@ -93,6 +93,13 @@ def script(service: tinker.ServiceClient, base_model: str) -> dict[str, Any]:
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=7)
     sample = sampler.sample(prompt, 3, params, include_prompt_logprobs=True).result()
     scored = sampler.compute_logprobs(prompt).result()
+    ids = prompt.to_ints()
+    targets = torch.full((len(ids) - 1, 2), -1, dtype=torch.long)
+    targets[:, 1] = torch.tensor(ids[1:])
+    options = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=2,
+        target_prompt_logprobs=types.TensorData.from_torch(targets), prompt_alt_tokens_k=3,
+    ).result()  # fmt: skip
     saved = training.save_state("after-four").result()
     restored = service.create_training_client_from_state_with_optimizer(saved.path)
     for client in (training, restored):  # one more identical step: the Adam moments came along
@@ -112,6 +119,13 @@ def script(service: tinker.ServiceClient, base_model: str) -> dict[str, Any]:
         "sequence_ids": [s.sequence_id for s in sample.sequences],
         "prompt_logprobs": sample.prompt_logprobs,
         "scored": scored,
+        "options": {
+            "prompt_logprobs": options.prompt_logprobs,
+            "topk": options.topk_prompt_logprobs,
+            "targets": options.target_prompt_logprobs.to_torch().tolist(),
+            "alt_tokens": options.prompt_alt_tokens.tokens.to_torch().tolist(),
+            "alt_logprobs": options.prompt_alt_tokens.logprobs.to_torch().tolist(),
+        },
         "path": saved.path,
         "after": after,
         "awaited": asyncio.run(awaited()),
@@ -142,6 +156,14 @@ def test_one_script_gives_the_same_results_on_local_and_http(
     for key in ("prompt_logprobs", "scored"):
         assert on_http[key][0] is None and on_local[key][0] is None
         assert on_http[key][1:] == pytest.approx(on_local[key][1:], abs=1e-5)
+    got, want = on_http["options"], on_local["options"]  # the prompt-side options, through the wire
+    assert got["alt_tokens"] == want["alt_tokens"] and got["topk"][:-2] == want["topk"][:-2] == [None] * 2
+    for i in (-2, -1):
+        assert [t for t, _ in got["topk"][i]] == [t for t, _ in want["topk"][i]]
+        assert [v for _, v in got["topk"][i]] == pytest.approx([v for _, v in want["topk"][i]], abs=1e-5)
+    for key in ("targets", "alt_logprobs"):
+        assert torch.tensor(got[key]) == pytest.approx(torch.tensor(want[key]), abs=1e-5)
+    assert got["prompt_logprobs"][-2:] == pytest.approx(on_http["prompt_logprobs"][-2:], abs=1e-5)
     assert on_http["path"].startswith("tinker://") and on_http["path"].endswith("/weights/after-four")
     trained, restored = on_http["after"]
     assert restored == pytest.approx(trained, rel=1e-4)

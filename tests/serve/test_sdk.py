@@ -42,6 +42,26 @@ def test_the_tinker_sdk_trains_samples_saves_and_restores(alice_run: dict) -> No
     assert abs(trained - restored) < 1e-4 * abs(trained)  # and the optimizer state with them
 
 
+def test_the_sdk_gets_prompt_topk_target_and_alternative_token_logprobs(alice_run: dict) -> None:
+    scored = alice_run["scored"]
+    prompt_lp, topk, targets = scored["prompt_logprobs"], scored["topk"], scored["targets"]
+    length = len(prompt_lp)
+    assert prompt_lp[:2] == [None, None] and all(
+        lp is not None for lp in prompt_lp[2:]
+    )  # the last n = length - 2
+    assert topk[:2] == [None, None] and all(len(row) == 3 for row in topk[2:])
+    for i in range(2, length):
+        assert topk[i][0][1] >= prompt_lp[i] - 1e-6  # the likeliest token is at least as likely
+        assert sorted((v for _, v in topk[i]), reverse=True) == [v for _, v in topk[i]]
+    assert scored["targets_sparse"]  # the layout it was asked in
+    for i in range(1, length):  # the first column asked for the prompt's own tokens, the second nothing
+        assert targets[i - 1][1] == 0.0
+        if prompt_lp[i] is not None:
+            assert abs(targets[i - 1][0] - prompt_lp[i]) < 1e-5
+    assert scored["alt_shape"] == [length - 1, 2]
+    assert all(v <= 0 for row in scored["alt_logprobs"] for v in row)
+
+
 def test_the_sdks_rest_client_reads_runs_and_checkpoints(alice_run: dict, server: Running) -> None:
     run, path = alice_run["run"], alice_run["path"]
     assert path.startswith(f"tinker://{run['id']}/weights/")  # the run is what the path names
