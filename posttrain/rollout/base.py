@@ -135,6 +135,15 @@ def text_before_stop(text: str, stops: Sequence[str]) -> str | None:
     return text[:cut] if cut >= 0 else None
 
 
+def stopped_text(tokenizer: Any, tokens: list[int], stops: Sequence[str]) -> str:
+    """A response's text when a stop string ended it: special tokens skipped (as every other result text,
+    and vLLM's output text), cut before the earliest stop string; a stop string that is a special token's
+    text (say `<|im_end|>`, matched in the text with special tokens) is skipped with it."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cut = text_before_stop(text, stops)
+    return text if cut is None else cut
+
+
 def stop_string_prefix(decode: Callable[[list[int]], str], tokens: list[int], stops: Sequence[str]) -> int:
     """How many of `tokens` a response keeps under stop strings: the shortest prefix whose text holds one of
     `stops` (the token that completed it is the last kept, as the native engine stops there), or all of

@@ -22,6 +22,7 @@ from posttrain.rollout.base import (
     context_error,
     eos_token_ids,
     stop_string_prefix,
+    stopped_text,
     text_before_stop,
 )
 
@@ -145,9 +146,9 @@ class HFRolloutEngine:
                     return self.tokenizer.decode(ids, skip_special_tokens=False)
 
                 kept = stop_string_prefix(decode, tokens, sampling.stop)
-                cut = text_before_stop(decode(tokens[:kept]), sampling.stop)
-                if cut is not None:
-                    length, tokens, text, reason = kept, tokens[:kept], cut, "stop"
+                if text_before_stop(decode(tokens[:kept]), sampling.stop) is not None:
+                    length, tokens, reason = kept, tokens[:kept], "stop"
+                    text = stopped_text(self.tokenizer, tokens, sampling.stop)
             results.append(GenerationResult(tokens, row_lp[:length].tolist(), text, reason))
         return results
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.errors import ConfigError, OutOfMemoryError, PosttrainError, is_out_of_memory
+from posttrain.errors import ConfigError, ModelError, OutOfMemoryError, PosttrainError, is_out_of_memory
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.models.routing import RoutingRecorder
 from posttrain.rollout.base import (
@@ -45,11 +45,11 @@ from posttrain.rollout.base import (
     SamplingParams,
     context_error,
     eos_token_ids,
-    text_before_stop,
+    stopped_text,
 )
 from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, sliding_window, supports
 from posttrain.rollout.multimodal import check_images, image_token_ids, prefill_inputs, same_images
-from posttrain.rollout.sampling import sample_tokens
+from posttrain.rollout.sampling import check_finite, sample_tokens
 
 THREAD_NAME = "posttrain-rollout"
 
@@ -115,6 +115,7 @@ class NativeRolloutEngine:
         )
         self.sleeping = False
         self._lock = threading.Lock()  # one step or one weight load at a time
+        self._mid_sequence = 0  # sequences decoded part way (their keys and values in the cache)
         self._wakeup = threading.Condition()
         self._incoming: deque[_Sequence] = deque()
         self._thread: threading.Thread | None = None
@@ -194,6 +195,7 @@ class NativeRolloutEngine:
         params = dict(self.model.state_dict(keep_vars=True))
         loaded = 0
         with self._lock, torch.no_grad():
+            self._refuse_mid_sequence("load_weights", "its responses would mix two weight versions")
             for name, tensor in named_tensors:
                 if name not in params:
                     raise KeyError(f"load_weights: the rollout model has no tensor named '{name}'")
@@ -214,10 +216,19 @@ class NativeRolloutEngine:
     def sleep(self) -> None:
         """Free the KV cache while the trainer runs; `wake` (or the next request) reallocates it."""
         with self._lock:
+            self._refuse_mid_sequence("sleep", "their cache would be freed under them")
             self.cache.free()
             self.sleeping = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _refuse_mid_sequence(self, what: str, why: str) -> None:
+        """Between requests only (called with `_lock` held, so no step runs meanwhile)."""
+        if self._mid_sequence:
+            raise PosttrainError(
+                f"{what}() while {self._mid_sequence} sequences are being generated: {why}; wait for their "
+                "results first (partial rollouts take new weights between chunks)"
+            )
 
     def wake(self) -> None:
         self.sleeping = False
@@ -268,6 +279,7 @@ class NativeRolloutEngine:
         waiting: deque[_Sequence] = deque()
         running: list[_Sequence] = []
         free: list[int] = []
+        taken: list[_Sequence] = []  # every sequence this loop holds, admitted part way ones included
         while True:
             with self._wakeup:
                 if self._closing:
@@ -277,6 +289,9 @@ class NativeRolloutEngine:
                     return
                 while self._incoming:
                     waiting.append(self._incoming.popleft())
+                    taken.append(waiting[-1])
+            if len(taken) > 2 * (len(running) + len(waiting)) + 64:
+                taken = [seq for seq in taken if not seq.future.done()]
             try:
                 with self._lock:
                     if not running:
@@ -284,17 +299,24 @@ class NativeRolloutEngine:
                     self._admit(waiting, running, free)
                     if running:
                         self._decode_step(running, free)
+                    self._mid_sequence = len(running)
             except Exception as exc:  # a crash must reach every caller, not hang them
+                self._mid_sequence = 0
                 error = (
-                    self._out_of_memory(exc, len(running) + len(waiting)) if is_out_of_memory(exc) else None
+                    self._out_of_memory(exc, len(running) + len(waiting))
+                    if is_out_of_memory(exc)
+                    else exc
+                    if isinstance(exc, ModelError)  # says what went wrong itself (non-finite logits)
+                    else None
                 )
-                for seq in [*running, *waiting]:
+                for seq in taken:  # a sequence being admitted is in neither list yet: it must not hang
                     if not seq.future.done():
                         seq.future.set_exception(
                             error or PosttrainError(f"rollout engine failed: {type(exc).__name__}: {exc}")
                         )
                 running.clear()
                 waiting.clear()
+                taken.clear()
 
     def _out_of_memory(self, exc: BaseException, sequences: int) -> OutOfMemoryError:
         """What lowers generation memory: the KV cache holds prompt + response positions per sequence."""
@@ -449,6 +471,7 @@ class NativeRolloutEngine:
 
     def _sample(self, members: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows with the same sampling settings are sampled together; seeded requests use their own RNG."""
+        check_finite(logits)
         tokens = torch.empty(len(members), dtype=torch.long, device=self.device)
         log_probs = torch.empty(len(members), dtype=torch.float32, device=self.device)
         batches: dict[tuple, list[int]] = {}
@@ -470,15 +493,23 @@ class NativeRolloutEngine:
         if seq.tokens[-1] in self.eos_ids or seq.tokens[-1] in sp.stop_token_ids:
             seq.stop_reason = "stop"
             return True
-        if sp.stop:
-            cut = text_before_stop(self.tokenizer.decode(seq.tokens, skip_special_tokens=False), sp.stop)
-            if cut is not None:
-                seq.text, seq.stop_reason = cut, "stop"
-                return True
+        if sp.stop and self._stop_in_tail(seq.tokens, sp.stop):
+            seq.text, seq.stop_reason = stopped_text(self.tokenizer, seq.tokens, sp.stop), "stop"
+            return True
         if len(seq.tokens) >= sp.max_tokens:
             seq.stop_reason = "length"
             return True
         return False
+
+    def _stop_in_tail(self, tokens: list[int], stops: tuple[str, ...] | list[str]) -> bool:
+        """Whether a stop string occurs in the text of the response's last tokens. Checked after every token,
+        a stop string first appears ending in the newest token, so a window of 4 tokens per character of the
+        longest stop (a character may take 4 byte-level tokens) and a margin holds it: each check costs a
+        bounded decode, not the whole response's (which made long responses quadratic: 2.6 s of decoding per
+        4,096-token response)."""
+        window = 4 * max(len(stop) for stop in stops) + 8
+        tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+        return any(stop in tail for stop in stops)
 
     def _result(self, seq: _Sequence) -> GenerationResult:
         text = (

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from posttrain.errors import ModelError
+
 
 def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """Mask (to -inf) tokens outside the top-k, outside the smallest set with mass >= top_p, and below
@@ -66,3 +68,17 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Refuse logits holding NaN or +inf (a diverged policy, e.g. in bf16): sampling from them would draw an
+    out-of-range token (a device-side assert on CUDA) and greedy decoding would return NaN log-probs. -inf is
+    a masked token and allowed."""
+    bad = torch.isnan(logits) | (logits == float("inf"))
+    if bool(bad.any()):
+        rows = int(bad.any(-1).sum())
+        raise ModelError(
+            f"the model produced non-finite logits (NaN or +inf) for {rows} of {logits.shape[0]} sequences: "
+            "its weights or activations diverged (check the training loss and grad norm, the learning rate, "
+            "and bf16 overflow)"
+        )

@@ -211,3 +211,86 @@ def test_out_of_memory_names_the_rollout_settings(tiny_model_dir: Path) -> None:
     assert "rollout engine out of memory with 256 sequences" in line
     assert "lower rollout.max_batch_size (now 256 sequences decoded together)" in line
     assert "data.max_response_length" in line and "can't allocate memory" in line
+
+
+def test_a_stop_string_late_in_a_long_response_keeps_the_tokens_up_to_the_one_completing_it(
+    engine: NativeRolloutEngine, tiny_model_dir: Path
+) -> None:
+    """The engine looks for stop strings in its last tokens' text only (not the whole response's, which was
+    quadratic); the result equals the whole-text answer: the shortest prefix whose text holds the stop."""
+    from posttrain.rollout.base import stop_string_prefix
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    p = prompts(tiny_model_dir)[:1]
+    sampling = SamplingParams(max_tokens=200, temperature=1.0, seed=11)
+    full = engine.generate(p, sampling)[0]
+    assert len(full.token_ids) > 60, "a long response to search in"
+    late = tokenizer.decode(full.token_ids[50:], skip_special_tokens=True)
+    stop = next(
+        late[i : i + 3] for i in range(len(late) - 3) if late[i : i + 3] not in full.text[: -len(late)]
+    )
+    cut = engine.generate(p, SamplingParams(**{**sampling.__dict__, "stop": (stop,)}))[0]
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    assert cut.stop_reason == "stop" and len(cut.token_ids) > 50
+    assert len(cut.token_ids) == stop_string_prefix(decode, full.token_ids, (stop,))
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    assert cut.text == full.text[: full.text.find(stop)]
+
+
+def test_stopped_text_skips_special_tokens_and_a_special_token_stop(tiny_model_dir: Path) -> None:
+    from posttrain.rollout.base import stopped_text
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    special = tokenizer.eos_token
+    tokens = tokenizer.encode("12+3=15", add_special_tokens=False)
+    with_special = [
+        tokenizer.convert_tokens_to_ids(special),
+        *tokens,
+        tokenizer.convert_tokens_to_ids(special),
+    ]
+    assert stopped_text(tokenizer, with_special, ("=",)) == "12+3"  # the text without special tokens
+    assert stopped_text(tokenizer, with_special, (special,)) == "12+3=15"  # a special token's text as a stop
+
+
+def test_non_finite_logits_are_a_model_error_naming_them(tiny_model_dir: Path) -> None:
+    from posttrain.errors import ModelError
+    from posttrain.rollout.sampling import check_finite
+
+    check_finite(torch.tensor([[0.0, float("-inf")]]))  # a masked token is fine
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ModelError, match="non-finite logits .* 1 of 2 sequences"):
+            check_finite(torch.tensor([[0.0, 1.0], [bad, 0.0]]))
+    diverged = NativeRolloutEngine(str(tiny_model_dir), seed=0)
+    norm = diverged.model.model.norm.weight
+    diverged.load_weights([("model.norm.weight", torch.full_like(norm, float("nan")))])
+    for temperature in (1.0, 0.0):  # sampled (was an out-of-range index) and greedy (was NaN log-probs)
+        with pytest.raises(ModelError, match="non-finite logits"):
+            diverged.generate(
+                prompts(tiny_model_dir)[:2], SamplingParams(max_tokens=3, temperature=temperature)
+            )
+
+
+def test_sleep_and_load_weights_wait_for_no_sequence_being_generated(tiny_model_dir: Path) -> None:
+    import time
+
+    from posttrain.errors import PosttrainError
+
+    engine = NativeRolloutEngine(str(tiny_model_dir), seed=0)
+    requests = [
+        GenerationRequest(p, SamplingParams(max_tokens=400, temperature=1.0)) for p in prompts(tiny_model_dir)
+    ]
+    futures = engine.submit_many(requests)
+    deadline = time.monotonic() + 60
+    while engine.stats["decode_steps"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    with pytest.raises(PosttrainError, match=r"sleep\(\) while \d+ sequences are being generated"):
+        engine.sleep()
+    with pytest.raises(PosttrainError, match=r"load_weights\(\) while .* mix two weight versions"):
+        engine.load_weights([])
+    assert all(len(f.result(timeout=120).token_ids) > 0 for f in futures)  # none of them was harmed
+    engine.sleep()  # between requests: fine
+    assert engine.cache_bytes() == 0
