@@ -46,8 +46,12 @@ def start_ray(address: str = "", num_cpus: int = 0, tmpdir: str | Path = "") -> 
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    ray.init(
-        num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=str(tmp)
+    ray.init(  # address="local": a new Ray whatever RAY_ADDRESS says (a user's cluster is ray.address's)
+        address="local",
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=True,
+        _temp_dir=str(tmp),
     )
     check_loopback(started_here=True)
     log.info("started local Ray (loopback only) in %s", tmp)

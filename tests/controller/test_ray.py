@@ -91,3 +91,24 @@ def test_dead_worker_is_reported_by_role_and_rank(tiny_model_dir: Path, ray_clus
         while time.monotonic() < deadline:  # the raylet notices the death within moments
             g.call("ping")
             time.sleep(0.2)
+
+
+def test_local_mode_starts_its_own_ray_whatever_ray_address_says() -> None:
+    """A user's exported RAY_ADDRESS (their cluster) must not hijack local mode: Ray refused to start with
+    num_cpus given, or would have joined that cluster."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from posttrain.controller.ray_env import start_ray, stop_ray, node_addresses\n"
+        f"start_ray(num_cpus=1, tmpdir='/tmp/pt-ray-addr-{os.getpid()}')\n"
+        "print(node_addresses())\n"
+        "stop_ray()\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['127.0.0.1']"

@@ -12,7 +12,7 @@ from posttrain.data.dataset import PromptDataset
 from posttrain.data.gsm8k import extract_answer, prepare_gsm8k
 from posttrain.errors import DataError
 
-SRC = Path("/work/shared/data/gsm8k")
+SRC = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"  # the shared/ beside the clone
 needs_src = pytest.mark.skipif(not (SRC / "train.jsonl").is_file(), reason="shared GSM8K files not present")
 
 

@@ -13,6 +13,8 @@ import pytest
 from posttrain.agents.tools import CalculatorTool, PythonSandboxTool, build_tools, load_tool_config
 from posttrain.errors import ConfigError
 
+from .sandbox_probe import needs_sandbox
+
 
 class EchoTool:
     """A user's own tool class (resolved by its dotted path in the tests below)."""
@@ -79,6 +81,7 @@ tools:
 """
 
 
+@needs_sandbox
 def test_verl_shaped_config_is_accepted(tmp_path: Path) -> None:
     tools = load_tool_config(write(tmp_path, GSM8K_STYLE))
     assert [t.name for t in tools] == ["calc", "python", "echo", "shout"]
@@ -167,6 +170,7 @@ def test_config_errors_name_the_problem(tmp_path: Path, text: str, message: str)
     assert message in str(info.value)
 
 
+@needs_sandbox
 def test_build_tools_by_name_and_from_a_file(tmp_path: Path) -> None:
     tools = build_tools(["calculator"], None)
     assert len(tools) == 1 and isinstance(tools[0], CalculatorTool)

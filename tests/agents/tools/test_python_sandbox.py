@@ -19,6 +19,10 @@ from posttrain.agents.tools import PythonSandboxTool, ToolCall, ToolRunner, pyth
 from posttrain.agents.tools.base import ToolFailed
 from posttrain.errors import ConfigError
 
+from .sandbox_probe import needs_sandbox
+
+pytestmark = needs_sandbox
+
 REPO = Path(__file__).resolve().parents[3]
 
 
