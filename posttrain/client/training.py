@@ -14,6 +14,7 @@ by the model's own processor (client/model_inputs.py), and its pixels travel wit
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,32 @@ from posttrain.workers.api_worker import ApiLossSpec, ModelSpec
 
 
 def adam_config(params: types.AdamParams) -> OptimConfig:
+    """tinker's AdamParams as the engine's optimizer settings; values torch's AdamW would refuse (the engine
+    updates its per-adapter parameter groups in place, past those checks) are a ValueError naming them: one
+    step with beta2 = 1 or a negative learning rate wrecks the adapter."""
+    checks = {
+        "learning_rate": (
+            params.learning_rate,
+            math.isfinite(params.learning_rate) and params.learning_rate >= 0,
+        ),
+        "beta1": (params.beta1, 0 <= params.beta1 < 1),
+        "beta2": (params.beta2, 0 <= params.beta2 < 1),
+        "eps": (params.eps, math.isfinite(params.eps) and params.eps > 0),
+        "weight_decay": (
+            params.weight_decay,
+            math.isfinite(params.weight_decay) and params.weight_decay >= 0,
+        ),
+        "grad_clip_norm": (
+            params.grad_clip_norm,
+            math.isfinite(params.grad_clip_norm) and params.grad_clip_norm >= 0,
+        ),
+    }
+    wrong = [f"{name}={value!r}" for name, (value, ok) in checks.items() if not ok]
+    if wrong:
+        raise ValueError(
+            f"AdamParams {', '.join(wrong)}: learning_rate, weight_decay and grad_clip_norm must be finite and "
+            ">= 0, beta1 and beta2 in [0, 1), eps finite and > 0"
+        )
     return OptimConfig(
         lr=params.learning_rate,
         betas=(params.beta1, params.beta2),
@@ -118,9 +145,10 @@ class TrainingClient(ResolvedFuture):
 
         def run() -> types.OptimStepResponse:
             metrics = group.optim_step(model_id, config)
-            return types.OptimStepResponse(
-                metrics={"grad_norm:mean": metrics["grad_norm"], "learning_rate:mean": metrics["lr"]}
-            )
+            reported = {"grad_norm:mean": metrics["grad_norm"], "learning_rate:mean": metrics["lr"]}
+            if "skipped_nonfinite" in metrics:  # a non-finite gradient norm: the step was not taken
+                reported["skipped_nonfinite:sum"] = metrics["skipped_nonfinite"]
+            return types.OptimStepResponse(metrics=reported)
 
         return self._backend.submit(run, model_id)
 

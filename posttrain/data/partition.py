@@ -11,10 +11,14 @@ from collections.abc import Sequence
 from posttrain.errors import ConfigError
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+def first_fit_decreasing(
+    lengths: Sequence[int], capacity: int, labels: Sequence[int] | None = None
+) -> list[list[int]]:
     """Bins of row indices whose lengths sum to at most `capacity`, few bins (first-fit decreasing).
 
-    Every index appears in exactly one bin. A row longer than `capacity` is an error naming both.
+    Every index appears in exactly one bin. A row longer than `capacity` is an error naming both. With
+    `labels`, a bin holds rows of one label only (the LoRA adapters of a shared pass: a tenant's rows never
+    share a packed row, and so an attention, with another's, whose NaN would reach them through it).
     """
     if lengths and max(lengths) > capacity:
         raise ConfigError(
@@ -25,7 +29,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         for b, free in enumerate(room):
-            if lengths[i] <= free:
+            if lengths[i] <= free and (labels is None or labels[bins[b][0]] == labels[i]):
                 bins[b].append(i)
                 room[b] -= lengths[i]
                 break

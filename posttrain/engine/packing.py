@@ -68,11 +68,15 @@ class PackedLayout:
 
 
 def pack(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, row_tokens: int, filler_id: int = 0
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row_tokens: int,
+    filler_id: int = 0,
+    labels: Sequence[int] | None = None,
 ) -> PackedLayout:
     """Lay the real tokens of each row end to end in rows of at most max(`row_tokens`, longest sequence),
     trimmed to the fullest row (`trimmed_width`): a request smaller than one row costs its own tokens, not a
-    whole row of filler.
+    whole row of filler. `labels`: rows of different labels never share a packed row (first_fit_decreasing).
 
     Built in Python lists and turned into tensors once (it runs before every pass).
     """
@@ -80,7 +84,7 @@ def pack(
     tokens, columns = real_tokens(input_ids, attention_mask)
     lengths = [len(cols) for cols in columns]
     width = max([row_tokens, *lengths]) if lengths else row_tokens
-    bins = first_fit_decreasing(lengths, width)
+    bins = first_fit_decreasing(lengths, width, labels)
     width = trimmed_width(bins, lengths, width)
     ids: list[int] = []
     positions: list[int] = []
@@ -448,14 +452,17 @@ def packed_target_log_probs(
         groups = detect_shared_prefixes(sequences)
     mask: torch.Tensor | None = None
     segments: Segments | None = None
+    # a LoRA adapter's rows never share a packed row with another's: masked attention still multiplies
+    # 0 x NaN, so one tenant's diverged adapter would turn another's loss and gradients into NaN
+    adapters = routes.row_slots.tolist() if routes is not None else None
     if any(len(g.rows) > 1 and g.prefix_len > 0 for g in groups):
-        shared = pack_prefix_groups(sequences, groups, options.row_tokens, device)
+        shared = pack_prefix_groups(sequences, groups, options.row_tokens, device, adapters)
         ids, positions = shared.input_ids.to(input_ids.dtype), shared.position_ids
         mask, segments = layout_attention(model, shared.segments, ids.shape[1], device, options)
         # rows in order, each row's tokens in column order: the order of `attention_mask.bool()` cells
         cell_pos = torch.tensor([p for row in shared.token_pos for p in row], dtype=torch.long, device=device)
     else:
-        layout = pack(input_ids, attention_mask, options.row_tokens)
+        layout = pack(input_ids, attention_mask, options.row_tokens, labels=adapters)
         ids, positions = layout.input_ids, layout.position_ids
         cell_pos = layout.flat_pos[attention_mask.bool()]
     keep, inverse = torch.unique(cell_pos, return_inverse=True)

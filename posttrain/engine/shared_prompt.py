@@ -187,7 +187,11 @@ def _units(groups: list[PrefixGroup], lengths: list[int], width: int) -> list[Pr
 
 
 def pack_prefix_groups(
-    sequences: list[list[int]], groups: list[PrefixGroup], row_tokens: int, device: torch.device
+    sequences: list[list[int]],
+    groups: list[PrefixGroup],
+    row_tokens: int,
+    device: torch.device,
+    labels: Sequence[int] | None = None,
 ) -> SharedPrefixLayout:
     """Pack sequences with one copy of each group's prefix: [prefix | suffix 1 | suffix 2 | ...] per unit.
 
@@ -195,13 +199,15 @@ def pack_prefix_groups(
     the prefix. Each suffix's position ids continue from the prefix length, so every token sees exactly its
     own sequence's context. Units go into rows of at most max(`row_tokens`, longest sequence) tokens
     (first-fit decreasing; trimmed to the fullest row, `partition.trimmed_width`); a group that does not fit one row is split into several units, each with the prefix.
+    `labels` (per sequence; a group's rows share one): units of different labels never share a packed row.
     Built in Python lists and turned into tensors once (it runs before every pass).
     """
     lengths = [len(s) for s in sequences]
     width = max([row_tokens, *lengths])
     units = _units(groups, lengths, width)
     unit_lens = [u.prefix_len + sum(lengths[i] - u.prefix_len for i in u.rows) for u in units]
-    bins = first_fit_decreasing(unit_lens, width)
+    unit_labels = None if labels is None else [labels[u.rows[0]] for u in units]
+    bins = first_fit_decreasing(unit_lens, width, unit_labels)
     width = trimmed_width(bins, unit_lens, width)  # no row wider than the fullest one needs
 
     ids: list[int] = []

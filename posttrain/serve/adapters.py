@@ -62,6 +62,9 @@ class TrainingModel:
     releasing: bool = False
     wanted: bool = False  # a request came during the release: load it again right after
     busy: int = 0  # requests started and not finished
+    # a forward_backward since the last optim_step: its gradients live in memory only (a save holds weights
+    # and optimizer state), so an idle release waits for the step
+    grads_pending: bool = False
     last_used: float = field(default_factory=time.monotonic)
     # requests waiting to start, in seq_id order: (the gate they wait on, start, their future)
     starts: collections.deque[
@@ -294,7 +297,9 @@ class Adapters:
         """Release every adapter unused for `idle_seconds`; how many."""
         horizon = time.monotonic() - idle_seconds
         idle = [
-            m for m in list(self.state.models.values()) if m.loaded and not m.busy and m.last_used < horizon
+            m
+            for m in list(self.state.models.values())
+            if m.loaded and not m.busy and not m.grads_pending and m.last_used < horizon
         ]
         return sum(self.release(m, f"unused for {idle_seconds:g} s") for m in idle)
 
@@ -302,4 +307,12 @@ class Adapters:
         """At a graceful stop: save every loaded adapter, so no model loses its unsaved steps; one whose request
         still runs (answered as failed: it may or may not be applied) is saved after it, within `wait_s`."""
         loaded = [m for m in list(self.state.models.values()) if m.loaded]
+        for model in loaded:
+            if model.grads_pending:
+                log.warning(
+                    "%s: the gradients of its forward_backward calls since its last optim_step are not saved "
+                    "(a save holds weights and optimizer state); its next optim_step after the restart has "
+                    "none of them",
+                    model.model_id,
+                )
         return sum(self.release(m, "the server stops", busy_too=True, wait_s=wait_s) for m in loaded)

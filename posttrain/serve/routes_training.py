@@ -100,6 +100,8 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             raise api.refused_in_order(model, call.seq_id, tenant, kind, refusal) from None
 
         def start(client: TrainingClient) -> Any:
+            if not call.forward_only:
+                model.grads_pending = True  # not released idle until its optim_step (gradients are not saved)
             verb = client.forward if call.forward_only else client.forward_backward
             return verb(call.data, call.loss_fn, call.loss_fn_config)
 
@@ -115,7 +117,9 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
         def start(client: TrainingClient) -> Any:
             if not isinstance(params, types.AdamParams):
                 raise ValueError(f"optimizer {type(params).__name__} is not supported; use AdamParams")
-            return client.optim_step(params)
+            step = client.optim_step(params)
+            model.grads_pending = False
+            return step
 
         return api.in_order(model, body.seq_id, tenant, "optim_step", start, as_json)
 

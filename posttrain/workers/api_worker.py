@@ -28,11 +28,12 @@ from posttrain.data.batch import Batch
 from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.engine_config import EngineConfig
+from posttrain.engine.moe import is_moe
 from posttrain.engine.multi_lora import AdapterSpec
 from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
-from posttrain.models import is_vision_language
+from posttrain.models import is_vision_language, load_config
 from posttrain.models.vl import VISION_TOWER_MODES
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
@@ -156,6 +157,13 @@ class ApiWorker:
             elif Path(self.base.config.model_path).resolve() != Path(model.base_model).resolve():
                 raise ConfigError(
                     f"this backend's base model is {self.base.config.model_path}, not {model.base_model}"
+                )
+            if model.train_mlp and not model.target_modules and is_moe(load_config(model.base_model)):
+                raise ConfigError(
+                    f"train_mlp=True on {model.base_model}, a mixture-of-experts model: the API's LoRA adapts "
+                    "linear layers, not the routed experts' fused weights (it would adapt a shared expert only, "
+                    "or fail to find the MLP), so it is refused rather than half done; pass train_mlp=False "
+                    "(attention and unembedding adapters), or train the full weights (create_training_client)"
                 )
             lora = model.lora()
             spec = AdapterSpec(lora.rank, lora.alpha, tuple(lora.target_modules))

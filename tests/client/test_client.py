@@ -3,6 +3,7 @@ never see each other's updates, custom losses, saved states, and the errors of b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,6 +175,83 @@ def test_two_lora_clients_never_change_each_other(
     assert worker.models[a.model_id].base is worker.models[b.model_id].base is worker.base  # one base model
     with pytest.raises(ValueError, match="full-weight training client cannot share a backend"):
         service.create_training_client(str(tiny_model_dir))
+
+
+def test_a_diverged_adapter_never_reaches_another_in_a_shared_pass(
+    service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    """Calls of two adapters waiting together run as one pass; B's adapter turned NaN must leave A's loss,
+    log-probs and gradients as A alone has them (rows of different adapters never share a packed row: masked
+    attention still multiplies 0 x NaN)."""
+    import threading
+
+    a = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=3)
+    b = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=4)
+    tok = a.get_tokenizer()
+    probe = [sft_datum(tok, "12+30=42"), sft_datum(tok, "5+5=10")]
+    alone = a.forward(probe, "cross_entropy").result()
+    worker = service.backend.group.dispatcher.worker
+    with torch.no_grad():
+        for value in worker.models[b.model_id].adapter.lora_b.values():
+            value.fill_(float("nan"))
+    passes_before = sum(n for size, n in service.backend.calls.shared_passes.items() if size > 1)
+    gate = threading.Event()
+    service.backend.submit(gate.wait)  # the next calls wait together, so they share one pass
+    shared_a = a.forward(probe, "cross_entropy")
+    shared_b = b.forward(probe, "cross_entropy")
+    gate.set()
+    together, poisoned = shared_a.result(), shared_b.result()
+    assert sum(n for size, n in service.backend.calls.shared_passes.items() if size > 1) == passes_before + 1
+    assert math.isnan(poisoned.metrics["loss:sum"])
+    assert together.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-6)
+    for got, want in zip(logprobs(together), logprobs(alone), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_adam_params_torch_would_refuse_are_errors_naming_them(
+    service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    tc = service.create_lora_training_client(str(tiny_model_dir), rank=2)
+    bad = {
+        "learning_rate": -0.01,
+        "beta2": 1.0,
+        "beta1": 1.5,
+        "eps": -1.0,
+        "weight_decay": -5.0,
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=f"AdamParams {name}="):
+            tc.optim_step(types.AdamParams(**{"learning_rate": 1e-3, name: value}))
+    with pytest.raises(ValueError, match="learning_rate=nan"):
+        tc.optim_step(types.AdamParams(learning_rate=float("nan")))
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert step.metrics["skipped_nonfinite:sum"] == 0.0  # told, when a non-finite gradient skips a step
+
+
+def test_adapters_train_in_float32_on_a_bfloat16_base(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from posttrain.workers.api_worker import ApiWorkerSpec
+
+    with tinker.ServiceClient(
+        backend="local", root_dir=tmp_path, worker=ApiWorkerSpec(dtype="bfloat16")
+    ) as svc:
+        tc = svc.create_lora_training_client(str(tiny_model_dir), rank=2)
+        tok = tc.get_tokenizer()
+        tc.forward_backward([sft_datum(tok, "1+2=3")], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-5)).result()
+        model = svc.backend.group.dispatcher.worker.models[tc.model_id]
+        assert next(model.base.model.parameters()).dtype == torch.bfloat16
+        params = list(model.adapter.parameters())
+        assert params and all(p.dtype == torch.float32 for p in params)
+        moments = [s["exp_avg"] for s in model.optimizer.state.values()]
+        assert moments and all(m.dtype == torch.float32 for m in moments)
+
+
+def test_train_mlp_on_a_mixture_of_experts_base_is_refused(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    with tinker.ServiceClient(backend="local", root_dir=tmp_path) as svc:
+        with pytest.raises(Exception, match="train_mlp=True on .* mixture-of-experts"):
+            svc.create_lora_training_client(str(tiny_moe_dir), rank=2)
+        tc = svc.create_lora_training_client(str(tiny_moe_dir), rank=2, train_mlp=False)
+        assert tc.get_info().lora_rank == 2
 
 
 def test_a_custom_cross_entropy_equals_the_built_in_one(tiny_model_dir: Path, tmp_path: Path) -> None:

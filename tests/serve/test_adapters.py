@@ -87,6 +87,30 @@ def test_an_idle_adapter_is_released_and_comes_back_transparently(
         assert saved["path"] == f"tinker://{model_id}/weights/after-reload"
 
 
+def test_an_adapter_with_gradients_not_yet_stepped_is_not_released_idle(
+    server: Running, alice_model: tuple[str, str]
+) -> None:
+    """A save holds weights and optimizer state, not gradients: released between forward_backward and
+    optim_step, the step would have had nothing to apply (grad norm 0, the adapter unchanged)."""
+    state = server.state
+    _, model_id = alice_model
+    model = state.models[model_id]  # type: ignore[attr-defined]
+    with server.client(ALICE) as alice:
+        result(alice, training(alice, model_id, 1, "forward_backward"))
+        state.limits = replace(state.limits, adapter_idle_seconds=0.2)  # type: ignore[attr-defined]
+        try:
+            time.sleep(1.5)  # several sweeps (the upkeep sweeps idle adapters every few tenths of a second)
+            assert model.loaded and model.grads_pending
+            step = result(alice, training(alice, model_id, 2, "optim_step"))
+            assert step["metrics"]["grad_norm:mean"] > 0 and not model.grads_pending
+            deadline = time.time() + 10
+            while model.loaded or model.releasing:  # stepped: released as any idle adapter
+                assert time.time() < deadline, "the stepped adapter was not released"
+                time.sleep(0.05)
+        finally:
+            state.limits = replace(state.limits, adapter_idle_seconds=0)  # type: ignore[attr-defined]
+
+
 def test_a_released_adapter_waits_for_a_free_slot(server: Running, alice_model: tuple[str, str]) -> None:
     state = server.state
     _, model_id = alice_model
