@@ -59,7 +59,7 @@ from posttrain.engine.packing import (
 )
 from posttrain.engine.routing_replay import RoutingReplay
 from posttrain.engine.sequence_parallel import SequenceParallel, check_sequence_parallel
-from posttrain.engine.varlen_attention import VARLEN, check_varlen_support
+from posttrain.engine.varlen_attention import VARLEN, check_packed_window, check_varlen_support
 from posttrain.engine.vision_pass import VisionPass
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import load_causal_lm, load_config, load_value_model
@@ -116,6 +116,7 @@ class TrainEngine:
             self.sp = SequenceParallel(mesh_2d["sp"].get_group(), sp, mesh_2d["sp"].get_local_rank())
         load = load_causal_lm if config.head == "lm" else load_value_model
         model = load(config.model_path, dtype=DTYPES[config.dtype], attn_implementation=self._attention())
+        check_packed_window(model, config, self._attention())
         if self._attention() == VARLEN:
             check_varlen_support(model)
             vision_attention_apart(model)  # image patches attend both ways, within their image

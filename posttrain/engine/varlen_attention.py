@@ -35,7 +35,7 @@ soft-capping) is an error, never a silent fallback to another path.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from posttrain.engine.sequence_parallel import SequenceParallel, heads_to_seq, seq_to_heads
 from posttrain.errors import ConfigError
+from posttrain.models.attention import sliding_window
 
 VARLEN = "posttrain_varlen"
 SEGMENTS_KWARG = "posttrain_segments"
@@ -357,11 +358,27 @@ def check_varlen_support(model: nn.Module) -> None:
             f"AttentionInterface, so posttrain cannot attend per packed segment ({VARLEN}); set "
             "model.attn_implementation=eager (packed rows with an explicit mask) or model.remove_padding=false"
         )
-    config = base.config
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-        getattr(config, "layer_types", None) or []
-    ):
+    window = sliding_window(base.config)
+    if window is not None:
         raise ConfigError(
-            f"{type(base).__name__} uses sliding-window attention, which {VARLEN} does not implement; set "
-            "model.attn_implementation=eager or model.remove_padding=false"
+            f"{type(base).__name__} attends within a sliding window of {window} tokens, which {VARLEN} (packed "
+            "rows under sdpa) does not implement; set model.remove_padding=false (padded rows), or "
+            "model.attn_implementation=eager with model.share_prompt=false"
+        )
+
+
+def check_packed_window(model: nn.Module, config: Any, attention: str) -> None:
+    """Refuse packed rows that would attend past a sliding window. Shared-prompt layouts hand the model an
+    explicit 4-D mask, which transformers passes unchanged to every layer, sliding ones included: a Gemma or
+    Mistral-v0.1 model then attended to the whole row, and its log-probs were off by nats once a sequence
+    outgrew the window, with no error. Plain packing under eager is right (transformers builds the window
+    from the position ids); padded rows are right."""
+    window = sliding_window(model.config)
+    if window is None or not config.remove_padding or attention == VARLEN:  # VARLEN: check_varlen_support
+        return
+    if config.share_prompt:
+        raise ConfigError(
+            f"{type(model).__name__} attends within a sliding window of {window} tokens, which shared-prompt "
+            "packing (one explicit mask for every layer) does not keep; set model.share_prompt=false, or "
+            "model.remove_padding=false"
         )

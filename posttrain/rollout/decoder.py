@@ -22,7 +22,6 @@ the rotary embedding, as its attention does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,23 +61,6 @@ def text_model(model: nn.Module) -> nn.Module | None:
     inner = getattr(model, "model", None)
     inner = getattr(inner, "language_model", inner)  # Qwen2-VL: model.model.language_model
     return inner if inner is not None and hasattr(inner, "rotary_emb") else None
-
-
-def sliding_window(config: Any) -> int | None:
-    """The attention window of a model that attends to its last W tokens only (Mistral's `sliding_window`,
-    Qwen2's when `use_sliding_window` is on, a layer of type "sliding_attention"), else None. The decoder
-    attends to the whole context, which equals a window of W for sequences of at most W tokens."""
-    text = getattr(config, "text_config", None) or config
-    window = getattr(text, "sliding_window", None)
-    if not window:
-        return None
-    if "sliding_attention" in (getattr(text, "layer_types", None) or []):
-        return int(window)
-    if getattr(text, "use_sliding_window", None) is False:  # Qwen2's switch, off: full attention everywhere
-        return None
-    if getattr(text, "layer_types", None):  # every layer named, none sliding
-        return None
-    return int(window)
 
 
 def supports(model: nn.Module) -> bool:

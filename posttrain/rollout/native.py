@@ -37,6 +37,7 @@ import torch
 
 from posttrain.errors import ConfigError, ModelError, OutOfMemoryError, PosttrainError, is_out_of_memory
 from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.models.attention import sliding_window
 from posttrain.models.routing import RoutingRecorder
 from posttrain.rollout.base import (
     AdapterRouter,
@@ -47,7 +48,7 @@ from posttrain.rollout.base import (
     eos_token_ids,
     stopped_text,
 )
-from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, sliding_window, supports
+from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, supports
 from posttrain.rollout.multimodal import check_images, image_token_ids, prefill_inputs, same_images
 from posttrain.rollout.sampling import check_finite, sample_tokens
 

@@ -34,6 +34,7 @@ from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import is_vision_language, load_config
+from posttrain.models.attention import sliding_window
 from posttrain.models.vl import VISION_TOWER_MODES
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
@@ -127,8 +128,9 @@ class ApiWorker:
     # ---- models --------------------------------------------------------------------------------
     def _engine_config(self, base_model: str, **overrides: Any) -> EngineConfig:
         """The engine of a model: packed rows sharing datums' common prefixes; a vision-language model's rows
-        are padded instead (images need the model's multimodal positions per row, as in the trainers)."""
-        packed = not is_vision_language(base_model)
+        are padded instead (images need the model's multimodal positions per row, as in the trainers), and so
+        are a sliding-window model's (Gemma, Mistral v0.1: packed layouts would attend past the window)."""
+        packed = not is_vision_language(base_model) and sliding_window(load_config(base_model)) is None
         return EngineConfig(
             model_path=base_model,
             dtype=self.spec.dtype,

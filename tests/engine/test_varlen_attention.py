@@ -235,8 +235,9 @@ def test_errors_instead_of_a_silent_fallback() -> None:
     with pytest.raises(ConfigError, match="not through transformers' AttentionInterface"):
         check_varlen_support(OwnAttention(varlen.config))
     sliding = copy.deepcopy(varlen.config)
-    sliding.use_sliding_window = True
-    with pytest.raises(ConfigError, match="sliding-window"):
+    sliding.use_sliding_window, sliding.sliding_window = True, 64
+    sliding.layer_types = ["sliding_attention"] * sliding.num_hidden_layers
+    with pytest.raises(ConfigError, match="sliding window of 64 tokens.*model.remove_padding=false"):
         check_varlen_support(type(varlen)(sliding))
 
 

@@ -11,8 +11,8 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config
 
 from posttrain.models import load_tokenizer
+from posttrain.models.attention import sliding_window
 from posttrain.rollout.base import GenerationRequest, SamplingParams
-from posttrain.rollout.decoder import sliding_window
 from posttrain.rollout.native import NativeRolloutEngine
 
 from .test_native import prompts
@@ -53,3 +53,74 @@ def test_which_configs_have_a_window() -> None:
     assert sliding_window(MistralConfig(sliding_window=None)) is None
     assert sliding_window(Qwen2Config(sliding_window=4096)) is None  # use_sliding_window is off
     assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0)) == 64
+
+
+def test_training_engines_keep_the_window_on_sequences_longer_than_it(
+    mistral_dir: Path, tmp_path: Path
+) -> None:
+    """Packed rows: shared-prompt layouts and sdpa's varlen attention would attend past the window (log-probs
+    off by nats, no error): refused, naming the settings that work; plain packing under eager and the
+    explicit API (padded rows on such a model) equal a plain transformers forward."""
+    from posttrain import client as tinker
+    from posttrain.client import types
+    from posttrain.config.schema import OptimConfig
+    from posttrain.data import keys
+    from posttrain.data.batch import Batch
+    from posttrain.engine.engine_config import EngineConfig
+    from posttrain.engine.train_engine import TrainEngine
+    from posttrain.errors import ConfigError
+
+    def engine(**settings: object) -> TrainEngine:
+        config = EngineConfig(model_path=str(mistral_dir), optim=OptimConfig(lr=1e-3), **settings)  # type: ignore[arg-type]
+        return TrainEngine(config)
+
+    with pytest.raises(ConfigError, match="sliding window of 48 tokens.*model.share_prompt=false"):
+        engine(attn_implementation="eager", remove_padding=True, share_prompt=True)
+    with pytest.raises(ConfigError, match="sliding window of 48 tokens.*model.remove_padding=false"):
+        engine(attn_implementation="sdpa", remove_padding=True, share_prompt=False)
+
+    torch.manual_seed(1)
+    prompt = torch.randint(5, 900, (70,)).tolist()  # longer than the window, shared by two responses
+    rows = [prompt + torch.randint(5, 900, (10,)).tolist(), prompt + torch.randint(5, 900, (14,)).tolist()]
+    reference = MistralForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for row in rows:
+            logits = reference(torch.tensor([row])).logits[0, :-1].float()
+            want.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0])
+
+    packed = engine(attn_implementation="eager", remove_padding=True, share_prompt=False)
+    width = max(map(len, rows))
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    responses = 20
+    batch = Batch.from_dict(
+        {
+            keys.INPUT_IDS: ids,
+            keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: (mask.cumsum(1) - 1).clamp(min=0),
+            keys.RESPONSES: torch.stack([ids[i, len(prompt) : len(prompt) + responses] for i in range(2)]),
+            keys.RESPONSE_MASK: torch.stack(
+                [mask[i, len(prompt) : len(prompt) + responses] for i in range(2)]
+            ).float(),
+        }
+    )
+    got = packed.compute_log_prob(batch)
+    for i, row in enumerate(rows):
+        n = len(row) - len(prompt)
+        torch.testing.assert_close(got[i, :n], want[i][len(prompt) - 1 :], atol=1e-5, rtol=0)
+
+    with tinker.ServiceClient(backend="local", root_dir=tmp_path) as service:
+        tc = service.create_lora_training_client(str(mistral_dir), rank=2)
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(row[:-1]),
+                loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)},
+            )
+            for row in rows
+        ]
+        out = tc.forward(data, "cross_entropy").result()
+        for i, output in enumerate(out.loss_fn_outputs):
+            torch.testing.assert_close(output["logprobs"].to_torch(), want[i], atol=1e-5, rtol=0)
