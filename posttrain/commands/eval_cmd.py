@@ -153,6 +153,7 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
     from posttrain.models import load_tokenizer
     from posttrain.rollout import make_rollout_engine
     from posttrain.rollout.base import SamplingParams
+    from posttrain.workers.sampling import untie_rollout_head
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(model.path)
@@ -170,7 +171,12 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
             f"exceed the model's context of {context} tokens: lower one of them"
         )
     if model.adapter is not None:
-        engine.load_weights(_merged_adapter_weights(model.path, model.adapter))
+        weights, adapts_head = _merged_adapter_weights(model.path, model.adapter)
+        if (
+            adapts_head
+        ):  # the merged head is the head's own: copied into a tied one, it changed the embeddings
+            untie_rollout_head(engine)
+        engine.load_weights(weights)
     sampling = SamplingParams(
         max_tokens=args.max_response_length, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, stop=tuple(args.stop),
@@ -223,17 +229,27 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
     return results, samples
 
 
-def _merged_adapter_weights(base: Path, adapter: Path) -> list[tuple[str, Any]]:
-    """The base model's tensors with the LoRA adapter merged in (peft), named as the engine's model."""
+def _merged_adapter_weights(base: Path, adapter: Path) -> tuple[list[tuple[str, Any]], bool]:
+    """The base model's tensors with the LoRA adapter merged in (peft), named as the engine's model, and
+    whether the adapter covers `lm_head`: then the base's head is untied first, as training and `posttrain
+    export` do (merged into a head tied to the embeddings, the delta changed the input embeddings too)."""
+    import json
+
     from peft import PeftModel
 
+    from posttrain.engine.lora import untie_output_embeddings
     from posttrain.models import load_causal_lm
 
     try:
-        merged = PeftModel.from_pretrained(load_causal_lm(base), str(adapter)).merge_and_unload()
+        targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules") or []
+        adapts_head = "lm_head" in (targets if isinstance(targets, list) else [targets])
+        model = load_causal_lm(base)
+        if adapts_head:
+            untie_output_embeddings(model)
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"cannot apply LoRA adapter {adapter} to {base}: {exc}") from exc
-    return list(merged.state_dict().items())
+    return list(merged.state_dict().items()), adapts_head
 
 
 def _reward_manager(args: argparse.Namespace) -> Any:

@@ -100,7 +100,7 @@ class AdapterModel:
         if self.base.rank == 0:
             if merged:
                 from posttrain.engine.lora import untie_output_embeddings
-                from posttrain.models import load_causal_lm, load_tokenizer
+                from posttrain.models import load_causal_lm, save_tokenizer_as_is
 
                 model = load_causal_lm(self.config.model_path, dtype=DTYPES[self.config.dtype])
                 if "lm_head" in self.adapter.spec.target_modules:
@@ -110,7 +110,7 @@ class AdapterModel:
                     for name, tensor in self.adapters.merged_weights(self.name):
                         params[name].copy_(tensor)
                 model.save_pretrained(out_dir)
-                load_tokenizer(self.config.model_path).save_pretrained(out_dir)
+                save_tokenizer_as_is(self.config.model_path, out_dir)
                 image_config = Path(self.config.model_path) / "preprocessor_config.json"  # a vision model's
                 if image_config.exists():
                     (Path(out_dir) / image_config.name).write_text(image_config.read_text())

@@ -97,7 +97,7 @@ def export_hf_directory(
     """Write a Hugging Face directory from rank 0: the full model (config, safetensors, tokenizer, and the
     image processor's and generation configs when the model directory has them), or with LoRA and
     `merged=False` the adapter alone (adapter_config.json + adapter_model.safetensors)."""
-    from posttrain.models import load_config, load_tokenizer
+    from posttrain.models import load_config, save_tokenizer_as_is
 
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
@@ -105,7 +105,7 @@ def export_hf_directory(
     if rank == 0 and lora:
         peft_model = export_peft_model(config.model_path, config.lora, full, DTYPES[config.dtype])
         (peft_model.merge_and_unload() if merged else peft_model).save_pretrained(str(out_dir))
-        load_tokenizer(config.model_path).save_pretrained(str(out_dir))
+        save_tokenizer_as_is(config.model_path, str(out_dir))
     elif rank == 0:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -120,12 +120,14 @@ def export_hf_directory(
             raise RuntimeError(f"export_hf: state dict mismatch: missing {missing}, unexpected {unexpected}")
         hf_model.tie_weights()
         hf_model.save_pretrained(str(out_dir))
-        load_tokenizer(config.model_path).save_pretrained(str(out_dir))
+        save_tokenizer_as_is(config.model_path, str(out_dir))
     image_config = Path(config.model_path) / "preprocessor_config.json"  # a vision model's processor
     if rank == 0 and image_config.exists():
         (out_dir / image_config.name).write_text(image_config.read_text())
+    # the model's own generation config (its eos list, pad id, sampling defaults) replaces the one save_pretrained
+    # derives from config.json, which keeps a single eos: a Qwen-Instruct export stopped at <|im_end|> only
     gen_config = Path(config.model_path) / "generation_config.json"
     exported = out_dir / "generation_config.json"
-    if rank == 0 and (lora and merged or not lora) and gen_config.exists() and not exported.exists():
+    if rank == 0 and (lora and merged or not lora) and gen_config.exists():
         exported.write_text(gen_config.read_text())
     dist.barrier()

@@ -150,7 +150,7 @@ class RewardEngine(TrainEngine):
         the tokenizer) that `AutoModelForSequenceClassification.from_pretrained` loads; written by rank 0."""
         from transformers import AutoModelForSequenceClassification
 
-        from posttrain.models import load_tokenizer
+        from posttrain.models import save_tokenizer_as_is
 
         full = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -164,5 +164,5 @@ class RewardEngine(TrainEngine):
                     f"export_hf: state dict mismatch: missing {missing}, unexpected {unexpected}"
                 )
             model.save_pretrained(out_dir)
-            load_tokenizer(self.config.model_path).save_pretrained(out_dir)
+            save_tokenizer_as_is(self.config.model_path, out_dir)
         dist.barrier()

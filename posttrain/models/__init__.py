@@ -14,6 +14,7 @@ from posttrain.models.loading import (
     load_text_config,
     load_tokenizer,
     load_value_model,
+    save_tokenizer_as_is,
 )
 from posttrain.models.tiny import PRESETS, MoePreset, TinyPreset, build_tiny_model, make_tiny_model
 from posttrain.models.tokenizer import CHAT_TEMPLATE, VL_CHAT_TEMPLATE, train_tokenizer
@@ -40,5 +41,6 @@ __all__ = [
     "load_value_model",
     "make_tiny_model",
     "make_tiny_vl_model",
+    "save_tokenizer_as_is",
     "train_tokenizer",
 ]

@@ -181,6 +181,18 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def save_tokenizer_as_is(path: str | Path, out_dir: str | Path) -> None:
+    """The tokenizer of `path` saved into `out_dir` as the directory has it: not `load_tokenizer`'s, whose pad
+    token (eos, when the model has none) would be written into the export, where HF/TRL collators that mask
+    the pad label would then drop eos from the loss."""
+    p = _require_dir(path)
+    _require_tokenizer(p)
+    try:
+        AutoTokenizer.from_pretrained(p, local_files_only=True).save_pretrained(str(out_dir))
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"cannot save the tokenizer of {p}: {e}") from e
+
+
 def load_image_processor(
     path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> Any:

@@ -64,16 +64,25 @@ def test_eval_model_dir_writes_results_and_scored_samples(
     assert again["mean_reward"] == results["mean_reward"], "same seed, same samples"
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
 def test_eval_lora_adapter_equals_its_merged_model(
-    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, targets: list[str]
 ) -> None:
+    """With lm_head among its targets on a model whose head is tied to the embeddings (tiny's, Qwen2.5-0.5B's,
+    Llama-3.2's), the adapter's head delta is the head's own: merged into the tied weight it changed the
+    input embeddings too, and eval scored another model than the one trained."""
     from peft import LoraConfig, get_peft_model
 
+    from posttrain.engine.lora import untie_output_embeddings
     from posttrain.models import load_causal_lm, load_tokenizer
 
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(load_causal_lm(tiny_model_dir), config)
+    config = LoraConfig(r=4, lora_alpha=32, target_modules=targets, init_lora_weights=False)
+    base = load_causal_lm(tiny_model_dir)
+    if "lm_head" in targets:
+        assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
+        untie_output_embeddings(base)  # the reference merge: the head's delta on the head alone
+    peft_model = get_peft_model(base, config)
     peft_model.save_pretrained(tmp_path / "adapter")
     peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
     load_tokenizer(tiny_model_dir).save_pretrained(tmp_path / "merged")

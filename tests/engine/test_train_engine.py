@@ -231,3 +231,25 @@ def test_attention_dropout_is_off_while_training(
     engine.forward_backward(batch, loss_fn)
     diff = (seen["log_probs"] - recomputed).abs() * batch[keys.RESPONSE_MASK]
     assert float(diff.max()) < 1e-5
+
+
+def test_an_export_keeps_the_models_generation_config_and_tokenizer_as_they_were(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """save_pretrained derives a generation config from config.json (one eos): the model's own, with its eos
+    list, pad id and sampling defaults, must replace it, or an Instruct export stops at one of its eos only."""
+    import json
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_model_dir, source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["pad_token"] = None  # a model without a pad token (Llama 3): the export must not gain one
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = TrainEngine(EngineConfig(model_path=str(source), optim=OptimConfig(lr=1e-3)))
+    engine.export_hf(str(tmp_path / "out"))
+    want = json.loads((source / "generation_config.json").read_text())
+    got = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert isinstance(want["eos_token_id"], list) and got["eos_token_id"] == want["eos_token_id"]
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert saved.get("pad_token") is None
