@@ -97,7 +97,10 @@ class ActorRolloutRefWorker:
     ) -> Batch:
         """Log-probs of the responses under the actor (`old_log_probs`), the reference (`ref_log_prob`) or the
         distillation teacher (`teacher_log_prob`). `record_routing` (the actor only): also each token's experts
-        in this pass (`routed_experts`, routing replay R2)."""
+        in this pass (`routed_experts`, routing replay R2). The rollout's KV cache is freed first (as verl
+        leaves rollout mode): these passes' logits would otherwise be held beside it."""
+        if self.rollout is not None:
+            self.rollout.sleep()
         if model == "actor" and record_routing:
             log_probs, routed = self.actor.compute_log_prob_and_routing(batch, temperature)
             return Batch.from_dict({keys.OLD_LOG_PROBS: log_probs, keys.ROUTED_EXPERTS: routed})

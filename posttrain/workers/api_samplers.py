@@ -25,7 +25,7 @@ from posttrain.engine.lora import untie_output_embeddings
 from posttrain.engine.multi_lora import MultiLora
 from posttrain.engine.multimodal import has_images, image_model
 from posttrain.engine.train_engine import TrainEngine
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from posttrain.workers.prompt_scoring import PromptScoring, score_prompt
@@ -115,6 +115,22 @@ class ApiSamplers:
             self._router.remove(sampler.adapter)
         elif hasattr(sampler.engine, "close"):
             sampler.engine.close()
+
+    def free_caches(self) -> None:
+        """Free every sampler engine's KV cache (the next `sample` allocates it again): a training pass must
+        not run beside caches sized for the last sample call (tinker's default max_tokens reserves the whole
+        context per sample). An engine generating for another caller keeps its cache."""
+        engines = {id(s.engine): s.engine for s in self.samplers.values()}
+        if self._shared is not None:
+            engines[id(self._shared)] = self._shared
+        for engine in engines.values():
+            sleep = getattr(engine, "sleep", None)
+            if sleep is None:
+                continue
+            try:
+                sleep()
+            except PosttrainError:  # sequences in flight (refused, never freed under them)
+                continue
 
     def _check_new(self, sampler_id: str) -> None:
         if sampler_id in self.samplers:

@@ -207,6 +207,7 @@ class ApiWorker:
         each rank's sum is scaled by the number of ranks.
         """
         engine = self._model(model_id)
+        self.samplers.free_caches()
         outputs: dict[int, tuple[torch.Tensor, float]] = {}
 
         def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch) -> Any:
@@ -248,6 +249,7 @@ class ApiWorker:
         since no sequence mixes adapters and the adapters share no parameter."""
         models = self._routed_models(model_ids)
         assert self.base is not None and self.base.adapters is not None
+        self.samplers.free_caches()
         batch = _positions_as_rows(batch)
         outputs: dict[int, tuple[torch.Tensor, float]] = {}
 

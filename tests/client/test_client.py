@@ -208,6 +208,23 @@ def test_a_diverged_adapter_never_reaches_another_in_a_shared_pass(
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+def test_a_training_pass_frees_the_samplers_kv_cache(
+    service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    """tinker's default max_tokens (None: up to the context) sizes a sample's cache for the whole context;
+    a training pass must not run beside it (it was held until the next sample, at 7B scale tens of GB)."""
+    tc = service.create_lora_training_client(str(tiny_model_dir), rank=2)
+    tok = tc.get_tokenizer()
+    sampler = tc.save_weights_and_get_sampling_client()
+    long_prompt = (tok.encode("12+34=46 ") * 400)[:1000]  # room for a few tokens: the cache is the context's
+    sampler.sample(types.ModelInput.from_ints(long_prompt), 4, types.SamplingParams(seed=0)).result()
+    worker = service.backend.group.dispatcher.worker
+    engine = worker.samplers._shared
+    assert engine.cache_bytes() > 0
+    tc.forward_backward([sft_datum(tok, "1+2=3")], "cross_entropy").result()
+    assert engine.cache_bytes() == 0
+
+
 def test_adam_params_torch_would_refuse_are_errors_naming_them(
     service: tinker.ServiceClient, tiny_model_dir: Path
 ) -> None:
