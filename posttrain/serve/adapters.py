@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fastapi import HTTPException
 from tinker import types
 
 from posttrain.client.training import TrainingClient
@@ -91,6 +92,10 @@ class Adapters:
         # chunks (Pillow decoding, the image processor), which would stall every tenant's requests. One
         # thread, first in first out, so a model's requests reach the backend in the order they start.
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-serve-start")
+        # releases asked for from the event loop (a finished session's adapters): a save waits on the backend
+        self._releaser = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="posttrain-serve-release"
+        )
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def add(
@@ -118,10 +123,23 @@ class Adapters:
             self.state.creating
         )
 
+    def loaded_by(self, tenant: str) -> int:
+        """The adapter slots a tenant holds: its models loaded (or being loaded or released), being created."""
+        mine = sum(1 for m in list(self.state.models.values()) if m.tenant == tenant and m.gate is not None)
+        return mine + sum(1 for t in list(self.state.creating.values()) if t == tenant)
+
     def check_slot(self, model: TrainingModel) -> None:
-        """A released model needs a free slot to be loaded again (429 naming adapters_total if none)."""
+        """A released model needs a free slot, of its tenant's and in total, to be loaded again (429 naming the
+        limit if none: the SDK retries while idle adapters are released)."""
         if model.gate is None:
-            self.state.limits.check_free_slot(self.occupied(), model.model_id)
+            limits = self.state.limits
+            if self.loaded_by(model.tenant) >= limits.adapters_per_tenant:
+                raise HTTPException(
+                    429,
+                    f"limit adapters_per_tenant={limits.adapters_per_tenant} reached: the adapter of "
+                    f"{model.model_id}, released, waits for one of the tenant's own to be released",
+                )
+            limits.check_free_slot(self.occupied(), model.model_id)
 
     # ---- running a model's requests ----------------------------------------------------------------
     def run(
@@ -292,6 +310,13 @@ class Adapters:
         if reload:
             self._load(model, pending)
         return True
+
+    def release_later(self, models: list[TrainingModel], why: str) -> None:
+        """Release these models' loaded adapters on a thread of their own (a busy one is left to the idle
+        sweep); returns at once."""
+        for model in models:
+            if model.loaded:
+                self._releaser.submit(self.release, model, why)
 
     def sweep(self, idle_seconds: float) -> int:
         """Release every adapter unused for `idle_seconds`; how many."""

@@ -28,6 +28,8 @@ from fastapi import HTTPException
 @dataclass(frozen=True)
 class Limits:
     max_lora_rank: int = 64
+    # adapters loaded at once, per tenant and in all (a released model, its state saved, holds no slot; a
+    # finished session's adapters are released)
     adapters_per_tenant: int = 4
     adapters_total: int = 16
     tokens_per_request: int = 262_144
@@ -39,7 +41,7 @@ class Limits:
     # recently used beyond this many, and a finished session releases its own
     samplers_per_tenant: int = 8
     # a session not heard from (no heartbeat, no request on its models or samplers) this long is finished, as
-    # by the client's /finish: its sampling sessions are released; 0 = never
+    # by the client's /finish: its sampling sessions and its models' adapters are released; 0 = never
     session_idle_seconds: float = 900.0
     # a training model's requests wait at most this long for a missing seq_id (one the SDK spent on a 429 it
     # retried for 300 s, then gave up on): the sequence then skips it; 0 = wait forever

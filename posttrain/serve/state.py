@@ -125,8 +125,9 @@ class ServerState:
             self.session_heard[session_id] = time.monotonic()
 
     def finish_session(self, session_id: str, why: str) -> None:
-        """End a session: its sampling sessions are released (its models stay: they are the tenant's), and
-        what names it later gets 410 with `why`."""
+        """End a session: its sampling sessions are released, its models' adapters saved and unloaded (the
+        models stay: they are the tenant's, loaded again on their next request), and what names it later
+        gets 410 with `why`."""
         tenant = self.sessions.pop(session_id, None)
         self.session_heard.pop(session_id, None)
         if tenant is None:
@@ -135,6 +136,11 @@ class ServerState:
             k for k in [*self.samplers, *self.dormant_samplers] if k.startswith(f"{session_id}:")
         ]:
             self.release_sampler(sampler_id)
+        # its models stay the tenant's (a request naming one loads it again), but their slots are freed
+        self.adapters.release_later(
+            [m for m in list(self.models.values()) if m.model_id.startswith(f"{session_id}:")],
+            "its session finished",
+        )
         self.finished_sessions[session_id] = (tenant, why)
         while len(self.finished_sessions) > 100_000:  # remembered for a clear 410, within bounds
             self.finished_sessions.pop(next(iter(self.finished_sessions)))
@@ -271,10 +277,10 @@ class ServerState:
 
     def hold_slot(self, model_id: str, tenant: str) -> None:
         """Count a model being created against the adapter limits from the moment it is asked for: per
-        tenant every model it has (released ones too), in total the adapters loaded."""
+        tenant and in total, the adapters loaded (a released model holds disk, not a slot: counting every
+        model a tenant ever made blocked it for good after its fourth script run)."""
         if model_id in self.models or model_id in self.creating or model_id in self.lost:
             raise HTTPException(409, f"model {model_id!r} exists already")
-        mine = sum(1 for m in list(self.models.values()) if m.tenant == tenant)
-        mine += sum(1 for t in list(self.creating.values()) if t == tenant)
+        mine = self.adapters.loaded_by(tenant)
         self.limits.check_adapters(mine, self.adapters.occupied())
         self.creating[model_id] = tenant

@@ -111,6 +111,35 @@ def test_an_adapter_with_gradients_not_yet_stepped_is_not_released_idle(
             state.limits = replace(state.limits, adapter_idle_seconds=0)  # type: ignore[attr-defined]
 
 
+def test_a_finished_sessions_adapters_are_released_and_free_the_tenants_slots(
+    server: Running, alice_model: tuple[str, str]
+) -> None:
+    """adapters_per_tenant counts the adapters a tenant holds loaded, not every model it ever made (its fifth
+    script run was refused for good); a finished session's adapters are saved and unloaded."""
+    state: Any = server.state
+    session_id, model_id = alice_model
+    model = state.models[model_id]
+    state.limits = replace(state.limits, adapters_per_tenant=state.adapters.loaded_by(model.tenant))
+    with server.client(ALICE) as alice:
+        other = alice.post("/api/v1/create_session", json=SESSION).json()["session_id"]
+        create = {"session_id": other, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 2}}
+        full = alice.post("/api/v1/create_model", json=create)
+        assert full.status_code == 403 and "adapters_per_tenant=" in full.text
+        assert alice.post(f"/api/v1/sessions/{session_id}/finish").status_code == 200
+        deadline = time.time() + 10
+        while model.loaded or model.releasing:
+            assert time.time() < deadline, "the finished session's adapter was not released"
+            time.sleep(0.05)
+        created = alice.post("/api/v1/create_model", json=create)
+        assert "model_id" in result(
+            alice, created.json()["request_id"]
+        )  # the freed slot is the tenant's again
+        again = alice.post("/api/v1/get_info", json={"model_id": model_id, "type": "get_info"})
+        assert again.status_code == 200  # the model is still the tenant's
+        busy = alice.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}})
+        assert busy.status_code == 429 and "adapters_per_tenant=" in busy.text  # loading it needs a slot
+
+
 def test_a_released_adapter_waits_for_a_free_slot(server: Running, alice_model: tuple[str, str]) -> None:
     state = server.state
     _, model_id = alice_model
