@@ -9,6 +9,11 @@ takes the waiting calls of the same kind of *other* models, up to a token budget
 earlier calls (nor of a call that names no model, a barrier), so every model still sees its calls in order,
 and a model's results cannot depend on another model's calls (adapters share only the frozen base).
 
+Fair across models: when a shareable call is at the front, the pass is led by the waiting call of that kind
+whose model was served least recently (round robin; the same moves the sharing already makes: ahead of other
+models' calls only, never past a barrier or its own model's earlier calls). A tenant that queued a dozen
+passes each filling the token budget no longer makes another's small request wait for all of them.
+
 If a shared pass fails, its calls are run again one by one, so only a bad call fails; the runner must leave
 no partial effect of the failed pass (`ApiWorker.forward_backward_routed` restores the gradients).
 """
@@ -57,6 +62,9 @@ class CallQueue:
         self._ready = threading.Condition()
         self._closed = False
         self.shared_passes: collections.Counter[int] = collections.Counter()  # calls per pass -> passes
+        # when each model's shareable call last ran (a tick per pass; least recent first), the newest kept
+        self._served: collections.OrderedDict[str | None, int] = collections.OrderedDict()
+        self._tick = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -92,12 +100,39 @@ class CallQueue:
                     self._ready.wait()
                 if not self._calls:
                     return
-                call = self._calls.popleft()
+                call = self._pop_next()
                 group = self._take_companions(call.shared) if call.shared is not None else []
+                if call.shared is not None:
+                    self._mark_served([call.key, *(c.key for c in group)])
             if call.shared is None:
                 _settle(call.future, call.fn)  # type: ignore[arg-type]
             else:
                 self._run_group([call.shared, *group])
+
+    def _pop_next(self) -> _Call:
+        """The front call; if it may share a pass, the waiting call of its kind whose model was served least
+        recently (each model's first waiting call only, none past a barrier). Called under the lock."""
+        head = self._calls[0]
+        if head.shared is None:
+            return self._calls.popleft()
+        kind, best, seen = head.shared.kind, head, set()
+        for call in self._calls:
+            if call.key is BARRIER:
+                break
+            eligible = call.shared is not None and call.shared.kind == kind and call.key not in seen
+            if eligible and self._served.get(call.key, 0) < self._served.get(best.key, 0):
+                best = call
+            seen.add(call.key)
+        self._calls.remove(best)
+        return best
+
+    def _mark_served(self, keys: list[str | None]) -> None:
+        self._tick += 1
+        for key in keys:
+            self._served[key] = self._tick
+            self._served.move_to_end(key)
+        while len(self._served) > 65_536:  # forgotten models count as never served: first in line
+            self._served.popitem(last=False)
 
     def _take_companions(self, first: SharedCall) -> list[SharedCall]:
         """Waiting calls that may join `first`'s pass, removed from the queue (called under the lock)."""

@@ -58,6 +58,19 @@ def test_waiting_passes_of_other_models_share_and_each_model_keeps_its_order() -
     queue.close()
 
 
+def test_a_model_that_floods_the_queue_does_not_hold_back_another() -> None:
+    """Passes each filling the token budget cannot share: the waiting models take turns (least recently
+    served first), each model's own calls still in order."""
+    queue, recorder, gate, _ = blocked_queue(max_tokens=25)
+    futures = [queue.submit_shared(shared("fb", "a", f"a{i}", tokens=25)) for i in range(4)]
+    futures.append(queue.submit_shared(shared("fb", "b", "b0", tokens=5)))
+    futures.append(queue.submit_shared(shared("fb", "b", "b1", tokens=25)))
+    gate.set()
+    [f.result(timeout=10) for f in futures]
+    assert recorder.passes == [["a0"], ["b0"], ["a1"], ["b1"], ["a2"], ["a3"]]
+    queue.close()
+
+
 def test_a_shared_pass_stops_at_its_token_budget() -> None:
     queue, recorder, gate, _ = blocked_queue(max_tokens=25)
     futures = [queue.submit_shared(shared("fb", k, k)) for k in "abcd"]
