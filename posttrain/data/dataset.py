@@ -160,6 +160,14 @@ def render_prompt(
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:
         raise DataError(f"{where}: the model's chat template refused the prompt: {exc}") from None
+    except ValueError as exc:  # transformers: "Cannot use chat template functions because ... is not set"
+        if "chat_template" not in str(exc) and "chat template" not in str(exc):
+            raise
+        raise DataError(
+            f"{where}: the model's tokenizer has no chat template (a base model's, e.g. Mistral-7B-v0.1) to "
+            "render chat-message prompts with: add one to the model directory (chat_template.jinja), or "
+            "start from an instruct model"
+        ) from None
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -2,7 +2,9 @@
 
 Simple and slow (no continuous batching, a cache that grows by concatenation, every prompt prefilled once
 per sample), kept as the fallback for architectures the built-in engine does not cover and as the
-baseline the built-in engine is measured against.
+baseline the built-in engine is measured against. It samples as the built-in engine does: temperature, then
+min-p, top-k, top-p (`sampling.truncate_logits`, as a logits processor: HF's own warpers apply top-p before
+min-p), and a seeded request is generated alone, so its samples depend on its seed only, not on the batch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from posttrain.errors import ConfigError
 from posttrain.models import load_causal_lm, load_tokenizer
@@ -25,6 +27,7 @@ from posttrain.rollout.base import (
     stopped_text,
     text_before_stop,
 )
+from posttrain.rollout.sampling import truncate_logits
 
 
 class HFRolloutEngine:
@@ -65,7 +68,7 @@ class HFRolloutEngine:
 
     def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(requests)
-        by_sampling: dict[SamplingParams, list[int]] = {}
+        by_sampling: dict[tuple[SamplingParams, int], list[int]] = {}
         for i, request in enumerate(requests):
             try:
                 request.sampling.validate()
@@ -83,8 +86,11 @@ class HFRolloutEngine:
             except (ConfigError, ValueError) as exc:
                 results[i] = GenerationResult([], [], "", "error", error=str(exc))
                 continue
-            by_sampling.setdefault(request.sampling, []).append(i)
-        for sampling, indices in by_sampling.items():
+            # a seeded request alone: one generator drives a whole `generate` call
+            by_sampling.setdefault(
+                (request.sampling, i if request.sampling.seed is not None else -1), []
+            ).append(i)
+        for (sampling, _), indices in by_sampling.items():
             for start in range(0, len(indices), self.max_batch_size):
                 chunk = indices[start : start + self.max_batch_size]
                 outs = self._generate_batch([requests[i].prompt_ids for i in chunk], sampling)
@@ -116,11 +122,13 @@ class HFRolloutEngine:
                 attention_mask=mask.to(self.device),
                 max_new_tokens=sampling.max_tokens,
                 do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                # explicitly off at 0 and 1.0, not left unset for a default to fill
-                top_p=1.0 if greedy else sampling.top_p,
-                top_k=0 if greedy else sampling.top_k,
-                min_p=None if greedy or sampling.min_p == 0 else sampling.min_p,
+                # HF's warpers off (explicitly, not left unset for a generation config's default to fill):
+                # the built-in engine's truncation runs as a processor instead
+                temperature=None if greedy else 1.0,
+                top_p=1.0,
+                top_k=0,
+                min_p=None,
+                logits_processor=None if greedy else LogitsProcessorList([_Truncation(sampling)]),
                 eos_token_id=stop_ids,
                 pad_token_id=self.pad_id,
                 output_logits=True,
@@ -168,3 +176,14 @@ class HFRolloutEngine:
 
     def wake(self) -> None:
         """See `sleep`."""
+
+
+class _Truncation(LogitsProcessor):
+    """The built-in engine's sampling distribution: logits / temperature, then min-p, top-k, top-p."""
+
+    def __init__(self, sampling: SamplingParams) -> None:
+        self.sampling = sampling
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        s = self.sampling
+        return truncate_logits(scores.float() / s.temperature, s.top_k, s.top_p, s.min_p).to(scores.dtype)  # type: ignore[return-value]

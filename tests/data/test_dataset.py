@@ -174,6 +174,20 @@ def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
         PromptDataset(path, strict, max_prompt_length=64)
 
 
+def test_a_tokenizer_without_a_chat_template_is_a_data_error_saying_what_to_do(tmp_path, tokenizer):
+    """A base model's tokenizer (Mistral-7B-v0.1) has no template: transformers' ValueError and traceback
+    became a DataError naming the row and the fix."""
+    import copy
+
+    bare = copy.copy(tokenizer)
+    bare.chat_template = None
+    path = write_rows(tmp_path / "rows.jsonl", [make_row(0)])
+    with pytest.raises(
+        DataError, match=r"row 0: the model's tokenizer has no chat template .*chat_template.jinja"
+    ):
+        PromptDataset(path, bare, max_prompt_length=64)
+
+
 def test_an_unknown_role_is_named(tmp_path, tokenizer):
     """Qwen's template renders only the roles it knows: a "User" message would vanish from the prompt."""
     rows = [make_row(0), make_row(1)]

@@ -166,6 +166,18 @@ def test_hf_engine_samples_from_its_own_seed_and_leaves_the_global_rng_alone(tin
     ]
 
 
+def test_hf_engine_seeded_requests_depend_on_their_seed_only(tiny_model_dir: Path) -> None:
+    """As the built-in engine's: two requests with one seed in one call sample alike, and as they do alone
+    (one generator drove the whole batch: neither equalled the other nor itself alone)."""
+    engine = HFRolloutEngine(str(tiny_model_dir), seed=0)
+    prompt = prompts(tiny_model_dir)[0]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    requests = [GenerationRequest(prompt, seeded), GenerationRequest(prompt, seeded)]
+    together = [r.token_ids for r in engine.generate_requests(requests)]
+    (alone,) = engine.generate_requests([GenerationRequest(prompt, seeded)])
+    assert together[0] == together[1] == alone.token_ids
+
+
 def _first(seed: int) -> float:
     """The first `torch.rand(1)` after `torch.manual_seed(seed)`."""
     return torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
@@ -185,7 +197,7 @@ def test_hf_engine_samples_only_as_sampling_params_say(tiny_model_dir: Path, tmp
     ps = prompts(tiny_model_dir)
     native = [r.token_ids for r in NativeRolloutEngine(str(tiny_model_dir)).generate(ps, GREEDY)]
     assert [r.token_ids for r in HFRolloutEngine(str(penalised)).generate(ps, GREEDY)] == native
-    hot = SamplingParams(max_tokens=1, temperature=5.0, seed=0)  # nearly flat over 1024 tokens
+    hot = SamplingParams(max_tokens=1, temperature=5.0)  # nearly flat over 1024 tokens
     first = HFRolloutEngine(str(tiny_model_dir)).generate([ps[0]] * 300, hot)
     assert len({r.token_ids[0] for r in first}) > 50  # no top-50 cut
 
