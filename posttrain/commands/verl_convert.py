@@ -42,9 +42,14 @@ class Conversion:
     unmapped: list[Skipped] = dataclasses.field(default_factory=list)
 
     def overrides(self) -> list[str]:
-        """The posttrain command line (`key=value`, Hydra syntax)."""
+        """The posttrain command line (`key=value`, Hydra syntax; `+key=value` for a chat template argument: a
+        new key of that mapping, as in verl)."""
         first = {m.key: m for m in reversed(self.mapped)}  # one verl key per posttrain key: the first
-        return [f"{m.key}={hydra_value(m.value)}" for m in self.mapped if first[m.key] is m]
+        return [
+            f"{'+' if m.key.startswith(TEMPLATE_KWARGS) else ''}{m.key}={hydra_value(m.value)}"
+            for m in self.mapped
+            if first[m.key] is m
+        ]
 
 
 def posttrain_default(key: str) -> Any:
@@ -60,6 +65,9 @@ def _norm(value: Any) -> Any:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+TEMPLATE_KWARGS = "data.apply_chat_template_kwargs."  # verl's `+data.apply_chat_template_kwargs.<name>=...`
 
 
 def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversion:
@@ -93,6 +101,9 @@ def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversi
             out.mapped.append(Mapped(rule_key, verl_value, key, value, origin, note))
 
     for key, value in given.items():
+        if key.startswith(TEMPLATE_KWARGS):  # one argument of the chat template: the same key here
+            add(key, value, {key: value}, "given", "the chat template's own argument")
+            continue
         rule = BY_KEY.get(key)
         if rule is None:
             out.unmapped.append(Skipped(key, value, unmapped_reason(key)))

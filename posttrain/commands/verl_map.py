@@ -343,6 +343,7 @@ RULES: tuple[Rule, ...] = (
     rule(f"{D}max_prompt_length", "data.max_prompt_length"),
     rule(f"{D}max_response_length", "data.max_response_length"),
     rule(f"{D}shuffle", "data.shuffle"),
+    rule(f"{D}apply_chat_template_kwargs", "data.apply_chat_template_kwargs", "the same arguments, passed to the chat template wherever it renders (each key also as data.apply_chat_template_kwargs.<name>)"),
     Rule(f"{D}filter_overlong_prompts", ("data.overlong_prompts",), _overlong, "True: filter; False with truncation=error: error"),
     Rule(f"{D}truncation", (), _truncation, "error only; posttrain never truncates"),
     Rule(f"{D}prompt_key", (), _must_be("prompt", "posttrain reads the 'prompt' column: rename the column", "the same column"), "prompt only"),

@@ -10,7 +10,7 @@ Counting convention: every batch size counts samples (prompt x response pairs) u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Dtype = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -101,6 +101,9 @@ class DataConfig:
     # processor and in the image-token counts against max_prompt_length alike
     min_pixels: int | None = None  # vision-language: smallest image area in pixels; null = the model's own
     max_pixels: int | None = None  # vision-language: largest image area in pixels; null = the model's own
+    # verl's: more arguments of the model's chat template wherever it renders (e.g. enable_thinking: false, a
+    # Qwen3 prompt without thinking); a name the template never reads is refused, not ignored
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.dataset import position_ids_from_mask
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
+from posttrain.data.template_options import with_template_kwargs
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.models.shared_tokenizer import check_same_tokenizer
@@ -165,7 +166,9 @@ class DistillTrainer(StepTrainer[DistillGroup]):
         check_distill_config(cfg)
         self.cfg = cfg
         seed_everything(cfg.trainer.seed)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = with_template_kwargs(
+            load_tokenizer(cfg.model.path), cfg.data.apply_chat_template_kwargs, cfg.model.path
+        )
         self.pad_id = int(self.tokenizer.pad_token_id)
         make = partial(
             SFTDataset,

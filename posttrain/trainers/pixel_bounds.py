@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.config.schema import DataConfig
+from posttrain.data.template_options import with_template_kwargs
 from posttrain.errors import ConfigError
 from posttrain.models import is_vision_language, load_image_processor, load_processor
 
@@ -61,4 +62,5 @@ def check_pixel_bounds(data: DataConfig, model_path: str) -> None:
 
 def run_processor(model_path: str, data: DataConfig) -> Any:
     """The vision-language processor of a run: the model's, with the run's pixel bounds where set."""
-    return load_processor(model_path, data.min_pixels, data.max_pixels)
+    processor = load_processor(model_path, data.min_pixels, data.max_pixels)
+    return with_template_kwargs(processor, data.apply_chat_template_kwargs, model_path)

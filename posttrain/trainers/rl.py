@@ -23,6 +23,7 @@ from posttrain.controller.ray_env import ray_is_running, stop_ray
 from posttrain.controller.roles import ActorGroup, CriticGroup, Rollout, Stateful
 from posttrain.data import keys
 from posttrain.data.batch import Batch
+from posttrain.data.template_options import with_template_kwargs
 from posttrain.errors import RewardError, WorkerError
 from posttrain.models import load_tokenizer
 from posttrain.tracking import Tracker
@@ -74,7 +75,9 @@ class RLTrainer:
         check_fault_config(cfg.trainer)
         self.cfg = cfg
         seed_everything(cfg.trainer.seed)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = with_template_kwargs(
+            load_tokenizer(cfg.model.path), cfg.data.apply_chat_template_kwargs, cfg.model.path
+        )
         self.pad_id = self.tokenizer.pad_token_id
         # a vision-language model reads verl's multimodal rows: its images travel in the columns `image_keys`
         data = prompt_data(cfg, self.tokenizer, self.pad_id)

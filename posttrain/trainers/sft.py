@@ -25,6 +25,7 @@ from posttrain.data.dataloader import PromptDataLoader
 from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS, pixel_bounds
 from posttrain.data.mm_sft_dataset import MultimodalSFTDataset, collate_multimodal_sft
 from posttrain.data.sft_dataset import SFTDataset, collate_sft
+from posttrain.data.template_options import with_template_kwargs
 from posttrain.errors import ConfigError
 from posttrain.models import check_model_dir, is_vision_language, load_tokenizer
 from posttrain.tracking.progress import RunProgress
@@ -85,7 +86,9 @@ class SFTTrainer(StepTrainer[ActorGroup]):
         check_sft_config(cfg)
         self.cfg = cfg
         seed_everything(cfg.trainer.seed)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = with_template_kwargs(
+            load_tokenizer(cfg.model.path), cfg.data.apply_chat_template_kwargs, cfg.model.path
+        )
         max_length = cfg.data.max_prompt_length + cfg.data.max_response_length
         # a vision-language model reads verl's multimodal rows: images travel with their rows in the Batch
         self.multimodal = is_vision_language(cfg.model.path)

@@ -201,3 +201,10 @@ python3 -m recipe.dapo.main_dapo \\
     }
     with pytest.raises(ConfigError, match=r"\$MISSING is not set"):
         script_arguments("python3 -m verl.trainer.main_ppo data.train_files=$MISSING/x.parquet\n")
+
+
+def test_chat_template_arguments_carry_over_as_verl_writes_them() -> None:
+    out = convert({"data.apply_chat_template_kwargs.enable_thinking": False})
+    assert "+data.apply_chat_template_kwargs.enable_thinking=false" in out.overrides()
+    cfg = load_config(RLConfig, "rl", out.overrides())
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
