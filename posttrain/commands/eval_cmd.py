@@ -57,6 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-batch-size", type=int, default=RolloutConfig().max_batch_size, help="sequences at once"
     )
+    p.add_argument(
+        "--attn-implementation",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="the model's attention as transformers loads it (eager: a model without sdpa, e.g. Gemma-2)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -162,7 +168,7 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
     items = [dataset[i] for i in range(count)]
     engine = make_rollout_engine(
         args.rollout, str(model.path), device=resolve_device(args.device), seed=args.seed,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=args.max_batch_size, attn_implementation=args.attn_implementation,
     )  # fmt: skip
     context = int(getattr(engine, "max_context", 1 << 30))
     if args.max_prompt_length + args.max_response_length > context:

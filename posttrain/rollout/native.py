@@ -96,7 +96,8 @@ class NativeRolloutEngine:
         if not supports(self.model):
             raise ConfigError(
                 f"rollout.name=native supports {', '.join(SUPPORTED)}; {model_path} is "
-                f"'{self.model.config.model_type}': use rollout.name=hf"
+                f"'{self.model.config.model_type}': use the HF engine (rollout.name=hf; posttrain eval --rollout hf; "
+                "the explicit API: ApiWorkerSpec(rollout_name='hf'))"
             )
         self.tokenizer = load_tokenizer(model_path)
         self.runner = DecoderRunner(self.model)

@@ -147,3 +147,15 @@ def test_eval_wrong_model_paths_say_what_to_give(tmp_path: Path, capsys: pytest.
     (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/X"}))
     assert main(["eval", str(tmp_path / "lora"), *data]) == 2
     assert "give --base DIR" in capsys.readouterr().err
+
+
+def test_eval_runs_a_model_under_eager_attention_as_under_sdpa(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """--attn-implementation: a model transformers runs without sdpa (Gemma-2) is evaluated under eager; the
+    same greedy answers either way."""
+    _, sdpa = run_eval(tiny_model_dir, arithmetic_data["test"], tmp_path / "s")
+    _, eager = run_eval(
+        tiny_model_dir, arithmetic_data["test"], tmp_path / "e", "--attn-implementation", "eager"
+    )
+    assert [s["response"] for s in eager] == [s["response"] for s in sdpa]
