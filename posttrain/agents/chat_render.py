@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain.data.chat_masks import end_of_turn_token
 from posttrain.errors import PosttrainError
 
 Message = dict[str, Any]
@@ -23,7 +24,7 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
-        self.end_of_turn: str = tokenizer.eos_token
+        self.end_of_turn: str = end_of_turn_token(tokenizer)  # Gemma's <end_of_turn>, not its <eos>
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:

@@ -202,6 +202,30 @@ def _generation_mask(
     return ids, mask
 
 
+END_MARKER = "\u2063posttrain-end-of-turn\u2063"  # a text no template alters, to find what follows it
+
+
+def end_of_turn_token(tokenizer: Any) -> str:
+    """The token that ends an assistant turn in the model's chat template: the first special token the template
+    renders after an assistant message (Qwen's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>, where
+    the tokenizer's eos is <eos>); the tokenizer's eos when the template has none or cannot render a turn."""
+    eos = str(getattr(tokenizer, "eos_token", "") or "")
+    messages = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": END_MARKER}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001 - no template, or one that renders no such turn: the eos it is
+        return eos
+    if not isinstance(text, str) or END_MARKER not in text:
+        return eos
+    special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    special |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
+    suffix_ids = tokenizer.encode(text.split(END_MARKER, 1)[1], add_special_tokens=False)
+    for token in tokenizer.convert_ids_to_tokens(suffix_ids):
+        if token in special:
+            return str(token)
+    return eos
+
+
 def text_tokens(tokenizer: Any, text: str, eos: str) -> list[int]:
     """Plain text for continued pre-training: the tokenizer's own special tokens (a BOS where it has one),
     the text, then eos (added unless the text already ends with it)."""

@@ -24,6 +24,7 @@ from posttrain.data.batch import Batch
 from posttrain.data.chat_masks import (
     check_train_on,
     conversation_tokens,
+    end_of_turn_token,
     parse_conversation,
     text_tokens,
 )
@@ -65,6 +66,8 @@ class SFTDataset:
         eos = getattr(tokenizer, "eos_token", None)
         if not eos:
             raise DataError("SFTDataset: the tokenizer has no eos_token; responses must end with one")
+        # a prompt row's response ends as the template ends an assistant turn (Gemma: <end_of_turn>, not <eos>)
+        self.end_of_turn = end_of_turn_token(tokenizer)
         self.files = as_paths(files)
         self.max_length = max_length
         self.response_key = response_key
@@ -123,7 +126,7 @@ class SFTDataset:
         messages = parse_messages(row, where)
         response = as_text(get_field(row, self.response_key, where), self.response_key, where)
         _, prompt_ids = render_prompt(tokenizer, messages, where)
-        response_ids = list(tokenizer.encode(response + eos, add_special_tokens=False))
+        response_ids = list(tokenizer.encode(response + self.end_of_turn, add_special_tokens=False))
         first = 1 if self.train_on == "everything" else 0
         return prompt_ids + response_ids, [first] * len(prompt_ids) + [1] * len(response_ids)
 

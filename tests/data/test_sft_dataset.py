@@ -81,3 +81,28 @@ def test_a_rows_first_token_is_never_a_trained_token(tmp_path, tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     b = collate_sft([{"input_ids": ids, K.LOSS_MASK: [1] * len(ids), "index": 0}], pad_token_id=0)
     assert b[K.LOSS_MASK][0].tolist() == [0.0] + [1.0] * (len(ids) - 1)
+
+
+def test_a_prompt_rows_response_ends_as_the_template_ends_an_assistant_turn(tmp_path, tokenizer):
+    """Gemma's template ends a turn with <end_of_turn> while its eos is <eos>: the response must end with the
+    former, or SFT teaches a terminator the chat format never uses (and agents could not render a turn)."""
+    import copy
+
+    from posttrain.agents.chat_render import ChatRenderer
+    from posttrain.data.chat_masks import end_of_turn_token
+
+    assert end_of_turn_token(tokenizer) == tokenizer.eos_token  # Qwen's <|im_end|> is both
+    gemma = copy.deepcopy(tokenizer)
+    gemma.add_special_tokens({"additional_special_tokens": ["<end_of_turn>", "<start_of_turn>"]})
+    gemma.chat_template = (
+        "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+    assert end_of_turn_token(gemma) == "<end_of_turn>" != gemma.eos_token
+    assert ChatRenderer(gemma).end_of_turn == "<end_of_turn>"
+    path = write_rows(tmp_path / "rows.jsonl", [make_row(0)])
+    ids = SFTDataset(path, gemma, max_length=64)[0]["input_ids"]
+    assert ids[-1] == gemma.convert_tokens_to_ids("<end_of_turn>")
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    assert end_of_turn_token(bare) == tokenizer.eos_token  # no template: the eos
