@@ -11,8 +11,10 @@ Training afterwards changes no sampler.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -22,7 +24,7 @@ from posttrain.data.mm_dataset import MULTI_MODAL_INPUTS
 from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.engine_config import DTYPES
 from posttrain.engine.lora import untie_output_embeddings
-from posttrain.engine.multi_lora import MultiLora
+from posttrain.engine.multi_lora import AdapterSpec, MultiLora
 from posttrain.engine.multimodal import has_images, image_model
 from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError, PosttrainError
@@ -30,6 +32,8 @@ from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from posttrain.workers.prompt_scoring import PromptScoring, score_prompt
 from posttrain.workers.sampling import batch_prompts, results_batch
+
+ADAPTER_DIR = "posttrain_adapter"  # in a LoRA model's sampler weights: the adapter in peft's format
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class ApiSamplers:
         self.samplers: dict[str, Sampler] = {}
         self._shared: RolloutEngine | None = None  # the base every LoRA sampler shares (built-in engine)
         self._router: MultiLora | None = None
+        self._shared_base = ""  # the base model directory of the shared engine
         self._engines_made = itertools.count()
 
     def _new_engine(self, path: str) -> RolloutEngine:
@@ -79,7 +84,7 @@ class ApiSamplers:
             engine = self._new_engine(base_model)
             router = MultiLora(engine.model)  # type: ignore[attr-defined]
             engine.enable_adapters(router)  # type: ignore[attr-defined]
-            self._shared, self._router = engine, router
+            self._shared, self._router, self._shared_base = engine, router, base_model
         assert self._router is not None
         return self._shared, self._router
 
@@ -102,9 +107,39 @@ class ApiSamplers:
         return {"sync/tensors": float(loaded), "sync/seconds": time.perf_counter() - start}
 
     def open(self, sampler_id: str, path: str) -> None:
-        """A sampler on the weights of a Hugging Face directory (a base model or exported sampler weights)."""
+        """A sampler on the weights of a Hugging Face directory (a base model or exported sampler weights).
+        Sampler weights of a LoRA model on this rank's shared base are a frozen adapter on the shared engine
+        (their ADAPTER_DIR; tinker-cookbook's save_weights_for_sampler -> create_sampling_client(path)), else
+        an engine of their own on the merged weights."""
         self._check_new(sampler_id)
+        if self._open_as_adapter(sampler_id, Path(path)):
+            return
         self.samplers[sampler_id] = Sampler(self._new_engine(path))
+
+    def _open_as_adapter(self, sampler_id: str, path: Path) -> bool:
+        config_file = path / ADAPTER_DIR / "adapter_config.json"
+        if self.settings.rollout_name != "native" or not config_file.is_file():
+            return False
+        config = json.loads(config_file.read_text())
+        base = str(config.get("base_model_name_or_path") or "")
+        if not Path(base).is_dir():
+            return False
+        if self._shared is not None and Path(self._shared_base).resolve() != Path(base).resolve():
+            return False  # this rank's shared engine is another base's
+        shared = self._shared_engine(base)
+        if shared is None:
+            return False
+        engine, router = shared
+        spec = AdapterSpec(int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"]))
+        adapter = router.add(sampler_id, spec, torch.float32, next(engine.model.parameters()).device, seed=0)  # type: ignore[attr-defined]
+        try:
+            adapter.load_peft(path / ADAPTER_DIR)
+        except Exception:
+            router.remove(sampler_id)
+            raise
+        adapter.requires_grad_(False)
+        self.samplers[sampler_id] = Sampler(engine, adapter=sampler_id)
+        return True
 
     def close(self, sampler_id: str) -> None:
         sampler = self.samplers.pop(sampler_id, None)

@@ -37,7 +37,7 @@ from posttrain.models import is_vision_language, load_config
 from posttrain.models.attention import sliding_window
 from posttrain.models.vl import VISION_TOWER_MODES
 from posttrain.rollout.base import SamplingParams
-from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
+from posttrain.workers.api_samplers import ADAPTER_DIR, ApiSamplers, SamplerSettings
 from posttrain.workers.process import prepare_worker_process, rank_seed
 from posttrain.workers.prompt_scoring import PromptScoring
 
@@ -284,8 +284,13 @@ class ApiWorker:
         self._model(model_id).load(Path(path) / "model", with_optimizer=with_optimizer)
 
     def export_sampler_weights(self, model_id: str, out_dir: str) -> None:
-        """The model as a Hugging Face directory a sampler loads (LoRA merged), written by rank 0."""
-        self._model(model_id).export_hf(out_dir, merged=True)
+        """The model as a Hugging Face directory a sampler loads (LoRA merged), written by rank 0; a LoRA
+        model's adapter also in peft's format under ADAPTER_DIR, so that a sampler opened on the directory
+        here is a frozen adapter on the shared engine (batched with other tenants') and not a model copy."""
+        model = self._model(model_id)
+        model.export_hf(out_dir, merged=True)
+        if isinstance(model, AdapterModel) and self.rank == 0:
+            model.adapter.save_peft(Path(out_dir) / ADAPTER_DIR, model.config.model_path)
 
     # ---- samplers (workers/api_samplers.py) -----------------------------------------------------
     def snapshot_sampler(self, sampler_id: str, model_id: str) -> dict[str, float]:

@@ -225,6 +225,31 @@ def test_a_training_pass_frees_the_samplers_kv_cache(
     assert engine.cache_bytes() == 0
 
 
+def test_a_sampler_on_saved_sampler_weights_is_an_adapter_on_the_shared_engine(
+    service: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    """tinker-cookbook's save_weights_for_sampler -> create_sampling_client(path): a frozen adapter on the one
+    shared base engine (batched with every other tenant's samples), not a whole model copy per sampler; it
+    samples as the in-memory snapshot of the same weights does."""
+    tc = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5)
+    tok = tc.get_tokenizer()
+    tc.forward_backward([sft_datum(tok, "3+4=7")], "cross_entropy")
+    tc.optim_step(ADAM).result()
+    snapshot = tc.save_weights_and_get_sampling_client()
+    path = tc.save_weights_for_sampler("for-sampling").result().path
+    opened = service.create_sampling_client(model_path=path)
+    prompt = types.ModelInput.from_ints(tok.encode("3+4="))
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=9)
+    want = snapshot.sample(prompt, 3, params).result()
+    got = opened.sample(prompt, 3, params).result()
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+    for a, b in zip(got.sequences, want.sequences, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    samplers = service.backend.group.dispatcher.worker.samplers
+    sampler = samplers.samplers[opened.sampler_id]
+    assert sampler.adapter is not None and sampler.engine is samplers._shared
+
+
 def test_adam_params_torch_would_refuse_are_errors_naming_them(
     service: tinker.ServiceClient, tiny_model_dir: Path
 ) -> None:
