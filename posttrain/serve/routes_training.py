@@ -167,9 +167,20 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
     async def load_weights(request: Request) -> dict:
         tenant = await api.tenant(request)
         body: types.LoadWeightsRequest = await api.body(request, types.LoadWeightsRequest)
+        token_refusal = None
+        if (
+            body.weights_access_token
+        ):  # tinker: another account's checkpoint; here a tenant loads only its own
+            token_refusal = HTTPException(
+                400,
+                "weights_access_token: loading another account's checkpoints is not supported by this server "
+                "(a tenant loads its own); leave it out",
+            )
         if body.model_id is not None:  # onto an existing model, in its sequence
             model = state.model(body.model_id, tenant)
             try:
+                if token_refusal is not None:
+                    raise token_refusal
                 state.check_path(body.path, tenant, "weights")
             except HTTPException as refusal:
                 raise api.refused_in_order(model, body.seq_id, tenant, "load_weights", refusal) from None
@@ -179,6 +190,8 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
                 return load(body.path)
 
             return api.in_order(model, body.seq_id, tenant, "load_weights", start, as_json)
+        if token_refusal is not None:
+            raise token_refusal
         state.check_path(body.path, tenant, "weights")
         _check_optimizer(body.optimizer_config)
         if body.session_id is None or body.model_seq_id is None:

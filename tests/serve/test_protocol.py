@@ -193,3 +193,7 @@ def test_malformed_bodies_are_400s_naming_the_problem(server: Running, alice_mod
         metadata = {**unknown, "base_model": "tiny", "user_metadata": {"k": "v" * 5000}}
         too_long = alice.post("/api/v1/create_model", json=metadata)
         assert too_long.status_code == 400 and "user_metadata" in too_long.text
+        other_account = {"session_id": session_id, "model_seq_id": 10, "path": "tinker://x/weights/y"}
+        other_account["weights_access_token"] = "someone-elses"
+        refused = alice.post("/api/v1/load_weights", json=other_account)
+        assert refused.status_code == 400 and "weights_access_token" in refused.text
