@@ -21,5 +21,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==${POSTTRAIN_CPU_TORCH:-2.13.0}" ${POSTTRAIN_TORCH_INDEX:+--index-url "$POSTTRAIN_TORCH_INDEX"}
   fi
 fi
-"${pip[@]}" -e ".[test,wandb,mlflow,docs]"
+# POSTTRAIN_CONSTRAINTS (CI: .ci/constraints.txt): pins for this install only, not for torch's above
+"${pip[@]}" -e ".[test,wandb,mlflow,docs]" ${POSTTRAIN_CONSTRAINTS:+-c "$POSTTRAIN_CONSTRAINTS"}
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

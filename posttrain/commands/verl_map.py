@@ -91,6 +91,13 @@ def rule(verl: str, target: str, note: str = "", apply_default: bool = True) -> 
     return Rule(verl, (target,), same(target), note, apply_default)
 
 
+def _template_kwargs(v: Any, ctx: Context) -> dict[str, Any]:
+    """verl's whole mapping, as one `+data.apply_chat_template_kwargs.<name>=value` per argument."""
+    if not isinstance(v, dict):
+        raise Unmappable(f"{v!r} is not a mapping of the chat template's arguments")
+    return {f"data.apply_chat_template_kwargs.{k}": value for k, value in v.items()}
+
+
 def _times_n(target: str) -> Convert:
     return lambda v, ctx: {target: int(v) * int(ctx.get(f"{R}n"))}
 
@@ -343,7 +350,7 @@ RULES: tuple[Rule, ...] = (
     rule(f"{D}max_prompt_length", "data.max_prompt_length"),
     rule(f"{D}max_response_length", "data.max_response_length"),
     rule(f"{D}shuffle", "data.shuffle"),
-    rule(f"{D}apply_chat_template_kwargs", "data.apply_chat_template_kwargs", "the same arguments, passed to the chat template wherever it renders (each key also as data.apply_chat_template_kwargs.<name>)"),
+    Rule(f"{D}apply_chat_template_kwargs", ("data.apply_chat_template_kwargs",), _template_kwargs, "the same arguments, passed to the chat template wherever it renders (each key also as data.apply_chat_template_kwargs.<name>)"),
     Rule(f"{D}filter_overlong_prompts", ("data.overlong_prompts",), _overlong, "True: filter; False with truncation=error: error"),
     Rule(f"{D}truncation", (), _truncation, "error only; posttrain never truncates"),
     Rule(f"{D}prompt_key", (), _must_be("prompt", "posttrain reads the 'prompt' column: rename the column", "the same column"), "prompt only"),

@@ -27,7 +27,9 @@ content. Must not import engine, rollout, worker, Ray or model code.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -205,11 +207,35 @@ def _generation_mask(
 END_MARKER = "\u2063posttrain-end-of-turn\u2063"  # a text no template alters, to find what follows it
 
 
-def end_of_turn_token(tokenizer: Any) -> str:
+def model_stop_ids(tokenizer: Any) -> set[int]:
+    """The ids generation stops at: the tokenizer's eos and its model directory's generation_config.json eos
+    list (the rollout engines' rule, rollout.base.eos_token_ids)."""
+    ids = {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids |= {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
+    return ids
+
+
+def end_of_turn_token(tokenizer: Any, stops_only: bool = False) -> str:
     """The token that ends an assistant turn in the model's chat template: the first special token the template
     renders after an assistant message (Qwen's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>, where
-    the tokenizer's eos is <eos>); the tokenizer's eos when the template has none or cannot render a turn."""
+    the tokenizer's eos is <eos>); the tokenizer's eos when the template has none or cannot render a turn.
+    `stops_only`: that token only if generation stops at it (`model_stop_ids`), else the eos: a base model's
+    template (Qwen2.5 base: <|im_end|>, its eos <|endoftext|>) would teach SFT an end the rollout runs past."""
     eos = str(getattr(tokenizer, "eos_token", "") or "")
+    found = _template_end_of_turn(tokenizer, eos)
+    if (
+        stops_only
+        and found != eos
+        and tokenizer.convert_tokens_to_ids(found) not in model_stop_ids(tokenizer)
+    ):
+        return eos
+    return found
+
+
+def _template_end_of_turn(tokenizer: Any, eos: str) -> str:
     messages = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": END_MARKER}]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)

@@ -67,7 +67,8 @@ class SFTDataset:
         if not eos:
             raise DataError("SFTDataset: the tokenizer has no eos_token; responses must end with one")
         # a prompt row's response ends as the template ends an assistant turn (Gemma: <end_of_turn>, not <eos>)
-        self.end_of_turn = end_of_turn_token(tokenizer)
+        # when generation stops there, else with eos (as verl's SFT)
+        self.end_of_turn = end_of_turn_token(tokenizer, stops_only=True)
         self.files = as_paths(files)
         self.max_length = max_length
         self.response_key = response_key

@@ -13,6 +13,9 @@ def sliding_window(config: Any) -> int | None:
     window = getattr(text, "sliding_window", None)
     if not window:
         return None
+    context = getattr(text, "max_position_embeddings", None)
+    if context and int(window) >= int(context):  # Phi-3.5/Phi-4-mini: a window no sequence can outgrow
+        return None
     if "sliding_attention" in (getattr(text, "layer_types", None) or []):
         return int(window)
     if getattr(text, "use_sliding_window", None) is False:  # Qwen2's switch, off: full attention everywhere

@@ -304,6 +304,7 @@ class Adapters:
             return False
         with self._lock:
             model.releasing = False
+            model.grads_pending = False  # gone with the adapter (a save holds no gradients)
             reload = model.wanted
             model.gate = pending if reload else None
         log.info("released the adapter of %s (%s; saved to %s)", model.model_id, why, model.restore_path)
@@ -311,12 +312,21 @@ class Adapters:
             self._load(model, pending)
         return True
 
-    def release_later(self, models: list[TrainingModel], why: str) -> None:
-        """Release these models' loaded adapters on a thread of their own (a busy one is left to the idle
-        sweep); returns at once."""
+    def release_later(self, models: list[TrainingModel], why: str, wait_s: float = 600.0) -> None:
+        """Release these models' loaded adapters on a thread of their own, a busy one once its requests are
+        done (within `wait_s`); returns at once."""
         for model in models:
             if model.loaded:
-                self._releaser.submit(self.release, model, why)
+                self._releaser.submit(self._release_when_idle, model, why, wait_s)
+
+    def _release_when_idle(self, model: TrainingModel, why: str, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while model.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.release(model, why):
+            log.warning(
+                "%s: its adapter was not released (%s): still busy after %g s", model.model_id, why, wait_s
+            )
 
     def sweep(self, idle_seconds: float) -> int:
         """Release every adapter unused for `idle_seconds`; how many."""

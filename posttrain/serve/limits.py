@@ -64,8 +64,13 @@ class Limits:
             raise HTTPException(400, f"LoRA rank {rank} is over the limit max_lora_rank={self.max_lora_rank}")
 
     def check_adapters(self, tenant_count: int, total: int) -> None:
-        if tenant_count >= self.adapters_per_tenant:
-            raise HTTPException(403, f"limit adapters_per_tenant={self.adapters_per_tenant} reached")
+        if (
+            tenant_count >= self.adapters_per_tenant
+        ):  # a slot frees when one is released (idle, a session ends)
+            raise HTTPException(
+                429 if self.adapter_idle_seconds > 0 else 403,
+                f"limit adapters_per_tenant={self.adapters_per_tenant} reached (adapters loaded)",
+            )
         if total >= self.adapters_total:  # released when idle: worth the SDK's backing off (429), else final
             status = 429 if self.adapter_idle_seconds > 0 else 403
             raise HTTPException(

@@ -80,6 +80,8 @@ class ApiSamplers:
         """The engine LoRA samplers share, built on first use; None if the rollout engine takes no adapters."""
         if self.settings.rollout_name != "native":
             return None
+        if self._shared is not None and Path(self._shared_base).resolve() != Path(base_model).resolve():
+            return None  # the shared engine is another base's: an adapter on it would sample from that base
         if self._shared is None:
             engine = self._new_engine(base_model)
             router = MultiLora(engine.model)  # type: ignore[attr-defined]
@@ -124,8 +126,6 @@ class ApiSamplers:
         base = str(config.get("base_model_name_or_path") or "")
         if not Path(base).is_dir():
             return False
-        if self._shared is not None and Path(self._shared_base).resolve() != Path(base).resolve():
-            return False  # this rank's shared engine is another base's
         shared = self._shared_engine(base)
         if shared is None:
             return False

@@ -250,6 +250,21 @@ def test_a_sampler_on_saved_sampler_weights_is_an_adapter_on_the_shared_engine(
     assert sampler.adapter is not None and sampler.engine is samplers._shared
 
 
+def test_the_shared_sampling_engine_serves_one_base_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An adapter on the shared engine samples from that engine's base: a request for another base gets
+    none (the caller then makes an engine of its own), or a LoRA on base A would sample from base B."""
+    import shutil
+
+    from posttrain.workers.api_samplers import ApiSamplers, SamplerSettings
+
+    other = tmp_path / "other-base"
+    shutil.copytree(tiny_model_dir, other)
+    samplers = ApiSamplers(SamplerSettings("native", "cpu", "float32", 8, "sdpa", 0))
+    engine, _ = samplers._shared_engine(str(tiny_model_dir))
+    assert samplers._shared_engine(str(tiny_model_dir))[0] is engine
+    assert samplers._shared_engine(str(other)) is None
+
+
 def test_adam_params_torch_would_refuse_are_errors_naming_them(
     service: tinker.ServiceClient, tiny_model_dir: Path
 ) -> None:

@@ -208,3 +208,6 @@ def test_chat_template_arguments_carry_over_as_verl_writes_them() -> None:
     assert "+data.apply_chat_template_kwargs.enable_thinking=false" in out.overrides()
     cfg = load_config(RLConfig, "rl", out.overrides())
     assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+
+    whole = convert({"data.apply_chat_template_kwargs": {"enable_thinking": False}})  # verl's dict form
+    assert "+data.apply_chat_template_kwargs.enable_thinking=false" in whole.overrides()

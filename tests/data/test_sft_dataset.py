@@ -87,9 +87,11 @@ def test_a_prompt_rows_response_ends_as_the_template_ends_an_assistant_turn(tmp_
     """Gemma's template ends a turn with <end_of_turn> while its eos is <eos>: the response must end with the
     former, or SFT teaches a terminator the chat format never uses (and agents could not render a turn)."""
     import copy
+    import json
 
     from posttrain.agents.chat_render import ChatRenderer
     from posttrain.data.chat_masks import end_of_turn_token
+    from posttrain.models import load_tokenizer
 
     assert end_of_turn_token(tokenizer) == tokenizer.eos_token  # Qwen's <|im_end|> is both
     gemma = copy.deepcopy(tokenizer)
@@ -99,10 +101,20 @@ def test_a_prompt_rows_response_ends_as_the_template_ends_an_assistant_turn(tmp_
         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
     )
     assert end_of_turn_token(gemma) == "<end_of_turn>" != gemma.eos_token
-    assert ChatRenderer(gemma).end_of_turn == "<end_of_turn>"
+    assert ChatRenderer(gemma).end_of_turn == "<end_of_turn>"  # the agents stop on it themselves
     path = write_rows(tmp_path / "rows.jsonl", [make_row(0)])
-    ids = SFTDataset(path, gemma, max_length=64)[0]["input_ids"]
-    assert ids[-1] == gemma.convert_tokens_to_ids("<end_of_turn>")
+    end_of_turn = gemma.convert_tokens_to_ids("<end_of_turn>")
+    for stops, last in (
+        ([gemma.eos_token_id, end_of_turn], end_of_turn),
+        ([gemma.eos_token_id], gemma.eos_token_id),
+    ):
+        # SFT ends a response with the turn's end only where generation stops at it (Gemma-it's eos list);
+        # a base model's template (Qwen2.5 base) would teach an end the rollout runs past: eos then
+        model_dir = tmp_path / f"model-{len(stops)}"
+        gemma.save_pretrained(model_dir)
+        (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+        saved = load_tokenizer(model_dir)
+        assert SFTDataset(path, saved, max_length=64)[0]["input_ids"][-1] == last
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     assert end_of_turn_token(bare) == tokenizer.eos_token  # no template: the eos

@@ -53,6 +53,8 @@ def test_which_configs_have_a_window() -> None:
     assert sliding_window(MistralConfig(sliding_window=None)) is None
     assert sliding_window(Qwen2Config(sliding_window=4096)) is None  # use_sliding_window is off
     assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0)) == 64
+    # Phi-3.5/Phi-4-mini: a window wider than the context is none
+    assert sliding_window(MistralConfig(sliding_window=262144, max_position_embeddings=131072)) is None
 
 
 def test_training_engines_keep_the_window_on_sequences_longer_than_it(

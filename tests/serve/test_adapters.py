@@ -138,6 +138,16 @@ def test_a_finished_sessions_adapters_are_released_and_free_the_tenants_slots(
         assert again.status_code == 200  # the model is still the tenant's
         busy = alice.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}})
         assert busy.status_code == 429 and "adapters_per_tenant=" in busy.text  # loading it needs a slot
+        busy_model = state.models[result(alice, created.json()["request_id"])["model_id"]]
+        busy_model.busy += 1  # a request of it still running when its session finishes
+        assert alice.post(f"/api/v1/sessions/{other}/finish").status_code == 200
+        time.sleep(0.3)
+        assert busy_model.loaded  # not under the running request
+        busy_model.busy -= 1
+        deadline = time.time() + 10
+        while busy_model.loaded or busy_model.releasing:  # once it is done: released
+            assert time.time() < deadline, "the busy adapter of a finished session was never released"
+            time.sleep(0.05)
 
 
 def test_a_released_adapter_waits_for_a_free_slot(server: Running, alice_model: tuple[str, str]) -> None:
