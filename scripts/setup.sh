@@ -23,4 +23,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 # POSTTRAIN_CONSTRAINTS (CI: .ci/constraints.txt): pins for this install only, not for torch's above
 "${pip[@]}" -e ".[test,wandb,mlflow,docs]" ${POSTTRAIN_CONSTRAINTS:+-c "$POSTTRAIN_CONSTRAINTS"}
+# tinker-cookbook for tests/serve/test_cookbook.py, without its pins: the test extra above has its requirements
+# but tml-renderers (its Inkling/Kimi tokenizers, never imported by the loops the test runs)
+"${pip[@]}" --no-deps "tinker-cookbook==0.6.1"
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
