@@ -59,6 +59,10 @@ RESPONSE_TEXT = "response_text"  # str: decoded response
 INDEX = "index"  # int: the row's position in its dataset
 STOP_REASON = "stop_reason"  # str: "stop" (eos / stop token / stop string) or "length"
 SCORE = "score"  # float: the reward function's score of the response (before shaping and KL)
+# with a reward model (reward.model.path): its score (an ensemble's combined, before reward.model.weight), and
+# the rule reward when it is added (reward.model.with_rule_rewards); SCORE is then their weighted sum
+MODEL_SCORE = "model_score"  # float
+RULE_SCORE = "rule_score"  # float
 
 # Meta
 GLOBAL_TOKENS = "global_tokens"  # int: valid response tokens in the whole mini-batch (loss normaliser)

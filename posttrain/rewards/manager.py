@@ -88,6 +88,17 @@ class RewardManager:
         self._scorer_kwargs = {k: dict(v) for k, v in scorer_kwargs.items()}
         self._numeric_keys = tuple(numeric_keys)
 
+    def scores_source(self, data_source: str) -> bool:
+        """Whether rows of `data_source` have a rule score here: the custom function scores every row, the
+        built-in scorers their own data sources."""
+        if self._compute_score is not None:
+            return True
+        try:
+            get_scorer(data_source)
+        except RewardError:
+            return False
+        return True
+
     def score(
         self,
         data_sources: Sequence[str],

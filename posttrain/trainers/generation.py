@@ -18,7 +18,7 @@ from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.data.dataloader import PromptDataLoader
 from posttrain.rollout.base import SamplingParams
-from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.rewarding import RewardStage, filter_scores
 from posttrain.workers.sampling import concat_padded
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,7 @@ def generate_step_batch(
         rounds += 1
         batch = sample_and_score(rollout, loader.next_batch().repeat(n, interleave=True), sampling, rewards)
         generated += float(batch[keys.RESPONSE_MASK].sum())
-        # filter on the task's own score (DAPO filters on accuracy), not on the overlong-shaped reward
-        scores = torch.tensor(list(batch[keys.SCORE]), dtype=torch.float32)
-        varied = groups_with_reward_variance(batch[keys.UID], scores)
+        varied = groups_with_reward_variance(batch[keys.UID], filter_scores(batch))
         kept.append(batch.index(varied))
         dropped.append(batch.index(~varied))
         n_kept += int(varied.sum()) // n

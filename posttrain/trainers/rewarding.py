@@ -4,7 +4,9 @@ the reward.
 `score` turns decoded responses into `token_level_scores`: the rule reward (built-in scorer or custom function),
 or with `reward.model.path` the reward model's score times `reward.model.weight`, plus the rule reward when
 `reward.model.with_rule_rewards` (trainers/rm_scoring.py renders the rows for the reward model's worker group,
-attached with `attach_model`). Validation (`score_texts`) always takes the rule reward. `apply_kl` turns scores into
+attached with `attach_model`). Validation (`score_validation`) reports the reward the run trains on and, where
+rows have a rule scorer, their accuracy (with a reward model alone, data sources without one get no accuracy,
+as an RLHF prompt set has no right answer). `apply_kl` turns scores into
 `token_level_rewards` (minus coef * KL to the reference when `algorithm.use_kl_in_reward`).
 Failed scores are watched: `begin_step`/`end_step` bracket a training step's scoring and apply the stop
 policy of rewards/health.py (`check_validation` for a validation); the first failure's traceback is
@@ -14,6 +16,7 @@ printed once, to stderr.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +33,25 @@ from posttrain.rewards.isolation import IsolatedFunction
 from posttrain.rewards.manager import RewardManager, RewardResult, scores_to_token_level
 from posttrain.rewards.user import load_reward_function
 from posttrain.trainers.rm_scoring import RewardModelScorer, check_reward_model
+
+
+def filter_scores(scored: Batch) -> torch.Tensor:
+    """What dynamic sampling keeps a group on: the task's own score (DAPO filters on accuracy), not the
+    overlong-shaped reward; with a reward model and rule rewards, the rule score (the model's continuous
+    score would give every group variance, and the filter would keep them all)."""
+    key = keys.RULE_SCORE if keys.RULE_SCORE in scored else keys.SCORE
+    return torch.tensor(list(scored[key]), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class ValidationScores:
+    """A validation's scores per row: `rewards` as training would compute them (rule, weighted model score or
+    their sum), `correct` from the rule score (None where the row has no rule scorer: a reward model alone on
+    data without one), and the metrics of the scoring itself."""
+
+    rewards: list[float]
+    correct: list[bool | None]
+    metrics: dict[str, float]
 
 
 class RewardStage:
@@ -55,8 +77,6 @@ class RewardStage:
         check_reward_model(cfg)
         self.model = RewardModelScorer(reward.model) if reward.model.path else None
         self.use_rules = self.model is None or reward.model.with_rule_rewards
-        self._model_scores: list[float] = []  # this step's reward-model scores and rule scores (metrics)
-        self._rule_scores: list[float] = []
         self.step = 0  # the training step being scored (begin_step)
         self._tally = StepFailures(0, 0)  # the rows this step scored so far
         self._traceback_shown = False
@@ -80,12 +100,43 @@ class RewardStage:
             list(batch[keys.EXTRA_INFO]),
         )
 
+    def score_validation(self, batch: Batch, correct_score: float) -> ValidationScores:
+        """Validation's rewards and accuracy (module docstring); a rule score >= `correct_score` is correct.
+        RewardError when every rule score failed (`check_validation`)."""
+        n = len(batch)
+        sources = list(batch[keys.DATA_SOURCE])
+        ruled = [i for i in range(n) if self.use_rules or self.manager.scores_source(sources[i])]
+        rule_scores: list[float | None] = [None] * n
+        metrics: dict[str, float] = {}
+        if ruled:
+            texts, truths, extras = (
+                batch[keys.RESPONSE_TEXT],
+                batch[keys.GROUND_TRUTH],
+                batch[keys.EXTRA_INFO],
+            )
+            result = self.manager.score(
+                [sources[i] for i in ruled],
+                [texts[i] for i in ruled],
+                [truths[i] for i in ruled],
+                [extras[i] for i in ruled],
+            )
+            metrics.update(self.check_validation(result))
+            for i, value in zip(ruled, result.scores, strict=True):
+                rule_scores[i] = value
+        rewards = [value if value is not None and self.use_rules else 0.0 for value in rule_scores]
+        if self.model is not None:
+            model_scores = self.model.score(batch).tolist()
+            metrics["val/model_score/mean"] = sum(model_scores) / max(n, 1)
+            weight = self.cfg.reward.model.weight
+            rewards = [r + weight * m for r, m in zip(rewards, model_scores, strict=True)]
+        correct = [None if v is None else v >= correct_score for v in rule_scores]
+        return ValidationScores(rewards, correct, metrics)
+
     # ---- failed scores ---------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Training step `step` starts: its scoring is counted from here to `end_step`."""
         self.step = step
         self._tally = StepFailures(0, 0)
-        self._model_scores, self._rule_scores = [], []
 
     def count(self, result: RewardResult) -> None:
         """Count scores made outside `score` (agent episodes score their final answers) in this step."""
@@ -99,9 +150,8 @@ class RewardStage:
         self.health.observe_step(self.step, tally)
         self._show_first_traceback(tally.first_traceback)
         metrics = {"reward/errors": float(tally.errors), "reward/error_rate": tally.rate}
-        if self.model is not None:
-            metrics.update(self.model.metrics(self._model_scores, self._rule_scores))
-        self._model_scores, self._rule_scores = [], []
+        if self.model is not None:  # the step's reward/model_score/* are batch_metrics' (the rows trained on)
+            metrics.update(self.model.ensemble_metrics())
         return metrics
 
     def check_validation(self, result: RewardResult) -> dict[str, float]:
@@ -139,11 +189,12 @@ class RewardStage:
             result = self.score_texts(batch)
             self._tally = self._tally.add(result)
         values = list(result.scores)
+        columns: dict[str, list[float]] = {}
         if self.model is not None:
             model_scores = self.model.score(batch).tolist()
-            self._model_scores += model_scores
+            columns[keys.MODEL_SCORE] = model_scores
             if self.use_rules:
-                self._rule_scores += values
+                columns[keys.RULE_SCORE] = values
             weight = self.cfg.reward.model.weight
             values = [rule + weight * model for rule, model in zip(values, model_scores, strict=True)]
         scores = torch.tensor(values, dtype=torch.float32)
@@ -160,6 +211,7 @@ class RewardStage:
             {keys.TOKEN_LEVEL_SCORES: scores_to_token_level(shaped, batch[keys.RESPONSE_MASK])},
             {
                 keys.SCORE: values,
+                **columns,
                 # GDPO's reward components: values the reward function returned besides "score"
                 **{k: result.extra.get(k, [None] * len(batch)) for k in self.cfg.algorithm.gdpo_reward_keys},
             },

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 
@@ -174,20 +173,12 @@ class RewardModelScorer:
         self._disagreement.extend(ensemble_disagreement(stacked).tolist())
         return combine_ensemble_scores(stacked, self.config.combine, self.config.uwo_coef)
 
-    def metrics(self, scores: list[float], rule_scores: list[float]) -> dict[str, Any]:
-        """A step's `reward/model_score/*` (and the rule reward's mean when it is added)."""
-        if not scores:
+    def ensemble_metrics(self) -> dict[str, float]:
+        """`reward/model_score/ensemble_std`: the ensemble's spread per response, averaged over every response
+        scored since the last call (a step's, ReMax's greedy baselines and dynamic sampling's dropped rounds
+        included); {} for one model."""
+        if not self._disagreement:
             return {}
-        values = torch.tensor(scores, dtype=torch.float64)
-        out = {
-            "reward/model_score/mean": float(values.mean()),
-            "reward/model_score/std": float(values.std(unbiased=False)),
-            "reward/model_score/max": float(values.max()),
-            "reward/model_score/min": float(values.min()),
-        }
-        if rule_scores:
-            out["reward/rule_score/mean"] = float(torch.tensor(rule_scores, dtype=torch.float64).mean())
-        if self._disagreement:  # the ensemble's spread per response, averaged over the step's responses
-            out["reward/model_score/ensemble_std"] = float(torch.tensor(self._disagreement).mean())
-            self._disagreement = []
-        return out
+        spread = float(torch.tensor(self._disagreement).mean())
+        self._disagreement = []
+        return {"reward/model_score/ensemble_std": spread}

@@ -38,6 +38,27 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
     timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.perf_counter() - start
 
 
+def score_metrics(batch: Batch, scores: torch.Tensor) -> Metrics:
+    """`acc`, the share of rows whose rule score is >= 1 (a correct answer; none with a reward model alone,
+    whose scores are no accuracy), and with a reward model `reward/model_score/*` and `reward/rule_score/mean`,
+    all over the rows trained on (not ReMax's greedy baselines, not dynamic sampling's dropped groups)."""
+    out: Metrics = {}
+    if keys.MODEL_SCORE in batch:
+        model = torch.tensor(list(batch[keys.MODEL_SCORE]), dtype=torch.float64)
+        out |= {
+            "reward/model_score/mean": float(model.mean()),
+            "reward/model_score/std": float(model.std(unbiased=False)),
+            "reward/model_score/max": float(model.max()),
+            "reward/model_score/min": float(model.min()),
+        }
+        if keys.RULE_SCORE not in batch:
+            return out
+        scores = torch.tensor(list(batch[keys.RULE_SCORE]), dtype=torch.float32)
+        out["reward/rule_score/mean"] = float(scores.mean())
+    out["acc"] = float((scores >= 1.0).float().mean())
+    return out
+
+
 def batch_metrics(batch: Batch, epoch: int) -> Metrics:
     """Rewards, accuracy, lengths and rollout/trainer log-prob agreement of a step's scored samples."""
     mask = batch[keys.RESPONSE_MASK]
@@ -54,7 +75,7 @@ def batch_metrics(batch: Batch, epoch: int) -> Metrics:
     return {
         **logprob_diff,
         "reward/mean": float(scores.mean()),
-        "acc": float((scores >= 1.0).float().mean()),
+        **score_metrics(batch, scores),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),  # verl's names; a long tail shows in max, not mean
         "response_length/min": float(lengths.min()),

@@ -27,6 +27,7 @@ from posttrain.controller.roles import STREAM_ID
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.trainers.async_rollout import versions_column
+from posttrain.trainers.rewarding import filter_scores
 from posttrain.workers.sampling import concat_padded
 
 log = logging.getLogger(__name__)
@@ -170,9 +171,7 @@ class BatchFormer:
             # scored together: one call to the reward stage
             rows = concat_padded([g.rows for g in unscored], self.pad_id)
             scored = self.score(rows)
-            varied = groups_with_reward_variance(
-                rows[keys.UID], torch.tensor(list(scored[keys.SCORE]), dtype=torch.float32)
-            )
+            varied = groups_with_reward_variance(rows[keys.UID], filter_scores(scored))
             start = 0
             for group in unscored:
                 size = len(group.rows)

@@ -32,7 +32,10 @@ def validate(
     step: int = 0,
     collate: CollateFn = collate_prompts,
 ) -> dict[str, float]:
-    """`val/acc` is the share of responses scoring >= 1 (a correct answer), per data source too.
+    """`val/acc` is the share of responses whose rule score is >= 1 (a correct answer), per data source too,
+    over the rows that have a rule scorer (none with a reward model alone on RLHF data: no `val/acc` then);
+    `val/reward` the mean reward the run trains on (with a reward model: its weighted score, and
+    `val/model_score/mean`).
 
     With `samples_dir`, the samples table of this validation: `val_step_<step>.jsonl` (prompt, response,
     reward, ground truth, ... per row) and `val_step_<step>.html` there. `collate`: the dataset's collate
@@ -43,24 +46,29 @@ def validate(
     batch = collate(items, pad_token_id=pad_id, uids=[f"val-{it['index']}" for it in items])
     out = sample_rows(rollout, batch, sampling)
     out = out.union(batch.select(tensor_keys=[]))
-    result = rewards.score_texts(out)
-    error_rate = rewards.check_validation(result)  # RewardError when every score failed
-    scores = torch.tensor(result.scores)
-    metrics = {
-        "val/acc": float((scores >= CORRECT_SCORE).float().mean()),
-        "val/reward": float(scores.mean()),
-        "val/response_length": float(out[keys.RESPONSE_MASK].sum(-1).mean()),
-        **error_rate,
-    }
-    sources = out[keys.DATA_SOURCE]
+    scored = rewards.score_validation(out, CORRECT_SCORE)  # RewardError when every rule score failed
+    metrics: dict[str, float] = {}
+    judged = [c for c in scored.correct if c is not None]
+    if judged:
+        metrics["val/acc"] = sum(judged) / len(judged)
+    metrics["val/reward"] = float(torch.tensor(scored.rewards).mean())
+    metrics["val/response_length"] = float(out[keys.RESPONSE_MASK].sum(-1).mean())
+    metrics.update(scored.metrics)
+    sources = list(out[keys.DATA_SOURCE])
     for source in sorted(set(sources)):
-        picked = torch.tensor(sources == source)
-        metrics[f"val/acc/{source}"] = float((scores[picked] >= CORRECT_SCORE).float().mean())
+        mine = [c for c, s in zip(scored.correct, sources, strict=True) if s == source and c is not None]
+        if mine:
+            metrics[f"val/acc/{source}"] = sum(mine) / len(mine)
     if samples_dir is not None:
-        summary = f"step {step} · accuracy {metrics['val/acc']:.3f} · mean reward {metrics['val/reward']:.4g}"
+        accuracy = f"accuracy {metrics['val/acc']:.3f} · " if "val/acc" in metrics else ""
+        summary = f"step {step} · {accuracy}mean reward {metrics['val/reward']:.4g}"
         title = f"Validation samples, step {step}"
         write_samples(
-            samples_table(out, result.scores, step), samples_dir, f"val_step_{step}", title, summary
+            samples_table(out, scored.rewards, scored.correct, step),
+            samples_dir,
+            f"val_step_{step}",
+            title,
+            summary,
         )
     return metrics
 
@@ -70,8 +78,11 @@ def _plain(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
-def samples_table(out: Batch, scores: list[float], step: int) -> list[dict[str, Any]]:
-    """One row per validation prompt: its text, the greedy response, the reward and the ground truth."""
+def samples_table(
+    out: Batch, scores: list[float], correct: list[bool | None], step: int
+) -> list[dict[str, Any]]:
+    """One row per validation prompt: its text, the greedy response, the reward, whether it is correct (None
+    without a rule scorer) and the ground truth."""
     lengths = out[keys.RESPONSE_MASK].sum(-1).tolist()
     columns = {
         name: list(out[key]) if key in out else [None] * len(out)
@@ -88,8 +99,6 @@ def samples_table(out: Batch, scores: list[float], step: int) -> list[dict[str, 
     for i, score in enumerate(scores):
         row: dict[str, Any] = {"step": step}
         row.update({name: _plain(values[i]) for name, values in columns.items()})
-        row.update(
-            reward=float(score), correct=float(score) >= CORRECT_SCORE, response_tokens=int(lengths[i])
-        )
+        row.update(reward=float(score), correct=correct[i], response_tokens=int(lengths[i]))
         rows.append(row)
     return rows

@@ -59,11 +59,13 @@ def test_the_ensemble_scores_each_response_with_every_model_and_combines_them(
     stage.begin_step(1)
     out = stage.score(batch)
     assert list(out[keys.SCORE]) == pytest.approx((2.0 * expected).tolist(), abs=1e-5)
+    assert list(out[keys.MODEL_SCORE]) == pytest.approx(expected.tolist(), abs=1e-5)
     metrics = stage.end_step()
-    assert metrics["reward/model_score/mean"] == pytest.approx(float(expected.mean()), abs=1e-5)
     spread = per_model.std(dim=0, unbiased=False).mean()
     assert metrics["reward/model_score/ensemble_std"] == pytest.approx(float(spread), abs=1e-5)
-    assert stage.score_texts(batch).scores == [1.0, 0.0, 1.0], "validation keeps the rule scorer"
+    val = stage.score_validation(batch, correct_score=1.0)  # the combined score; the rule scorer's accuracy
+    assert val.rewards == pytest.approx((2.0 * expected).tolist(), abs=1e-5)
+    assert val.correct == [True, False, True]
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,12 @@ from posttrain.controller.roles import RewardModelGroup
 from posttrain.controller.worker_group import LocalWorkerGroup
 from posttrain.data import keys
 from posttrain.data.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, RewardError
 from posttrain.models import load_tokenizer
-from posttrain.trainers.rewarding import RewardStage
+from posttrain.trainers.rewarding import RewardStage, filter_scores
 from posttrain.trainers.rl import RLTrainer
 from posttrain.trainers.rm_scoring import reward_model_spec
+from posttrain.trainers.step_metrics import score_metrics
 from posttrain.workers.reward_model import RewardModelWorker
 from tests.trainers.test_rl_e2e import rl_overrides, rows
 
@@ -86,13 +87,36 @@ def test_reward_stage_scores_with_the_reward_models_own_template(
     expected = [r + 0.5 * m for r, m in zip(rules, expected_model, strict=True)]
     assert list(out[keys.SCORE]) == pytest.approx(expected, abs=1e-5)
     assert out[keys.TOKEN_LEVEL_SCORES][:, -1].tolist() == pytest.approx(expected, abs=1e-5)
-    metrics = stage.end_step()
+    assert stage.end_step()["reward/errors"] == 0.0
+    # the step's model and rule scores are the rows' (batch_metrics: the rows trained on, no baselines)
+    metrics = score_metrics(out, torch.tensor(expected))
     assert metrics["reward/model_score/mean"] == pytest.approx(sum(expected_model) / 3, abs=1e-5)
     assert metrics["reward/model_score/max"] == pytest.approx(max(expected_model), abs=1e-5)
     assert ("reward/rule_score/mean" in metrics) == with_rules
-    assert metrics["reward/errors"] == 0.0
-    # validation keeps the rule reward (the accuracy a run with the model alone never trains on)
-    assert stage.score_texts(batch).scores == [1.0, 0.0, 1.0]
+    # acc is the rule scorer's (2 of 3 right), never the share of model-added scores >= 1
+    assert metrics.get("acc") == (pytest.approx(2 / 3) if with_rules else None)
+    # dynamic sampling keeps a group on the rule score when there is one (the model's continuous score would
+    # give every group variance)
+    assert filter_scores(out).tolist() == pytest.approx(rules if with_rules else expected, abs=1e-5)
+    # validation: the reward trained on, and the rule scorer's accuracy (a run with the model alone never
+    # trains on it, but the arithmetic rows have a right answer)
+    val = stage.score_validation(batch, correct_score=1.0)
+    assert val.rewards == pytest.approx(expected, abs=1e-5)
+    assert val.correct == [True, False, True]
+    assert val.metrics["val/model_score/mean"] == pytest.approx(sum(expected_model) / 3, abs=1e-5)
+    # RLHF prompts (no rule scorer for their data source): with the model alone, no accuracy and no error;
+    # with rule rewards on, the unknown data source is the error it is in training
+    unscored = Batch.from_dict(
+        {keys.RESPONSE_MASK: batch[keys.RESPONSE_MASK]},
+        {**{k: list(v) for k, v in batch.non_tensors.items()}, keys.DATA_SOURCE: ["Anthropic/hh-rlhf"] * 3},
+    )
+    if with_rules:
+        with pytest.raises(RewardError, match="Anthropic/hh-rlhf"):
+            stage.score_validation(unscored, correct_score=1.0)
+    else:
+        val = stage.score_validation(unscored, correct_score=1.0)
+        assert val.correct == [None, None, None]
+        assert val.rewards == pytest.approx([0.5 * m for m in expected_model], abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -204,3 +228,41 @@ def test_grpo_with_the_reward_model_group_on_two_ray_workers(
     for r in (r for r in metrics if "reward/mean" in r):
         expected = r["reward/rule_score/mean"] + r["reward/model_score/mean"]
         assert r["reward/mean"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_rows_score_is_its_last_tokens_whatever_the_configs_pad_id(rm_dir: Path, tmp_path: Path) -> None:
+    """Hugging Face pools at the last token that is not config.pad_token_id; rows are padded with the
+    tokenizer's pad. With the two apart (a config naming a pad id of its own), a short row was scored on
+    padding when batched with a longer one (2.763 alone, 1.94 batched)."""
+    import shutil
+
+    moved = tmp_path / "rm"
+    shutil.copytree(rm_dir, moved)
+    config = json.loads((moved / "config.json").read_text())
+    assert load_tokenizer(moved).pad_token_id != 5
+    (moved / "config.json").write_text(json.dumps({**config, "pad_token_id": 5}))
+    cfg = rl_cfg(rm_dir, f"reward.model.path={moved}")
+
+    def scores(responses: list[str]) -> list[float]:
+        stage = RewardStage(cfg)
+        group = LocalWorkerGroup(RewardModelWorker, reward_model_spec(cfg, threads=1), role="reward_model")
+        stage.attach_model(RewardModelGroup(group))
+        n = len(responses)
+        batch = Batch.from_dict(
+            {keys.RESPONSE_MASK: torch.ones(n, 4)},
+            {
+                keys.PROMPT_MESSAGES: [[{"role": "user", "content": "What is 3+4?"}]] * n,
+                keys.RESPONSE_TEXT: responses,
+                keys.GROUND_TRUTH: ["7"] * n,
+                keys.DATA_SOURCE: ["arithmetic"] * n,
+                keys.EXTRA_INFO: [{}] * n,
+                keys.INDEX: list(range(n)),
+            },
+        )
+        stage.begin_step(1)
+        return list(stage.score(batch)[keys.SCORE])
+
+    alone = scores(["7"])[0]
+    batched = scores(["7", "7 is the answer to this one, written out at length"])
+    assert batched[0] == pytest.approx(alone, abs=1e-5)
+    assert batched[1] != pytest.approx(alone, abs=1e-3)
