@@ -98,6 +98,12 @@ def _template_kwargs(v: Any, ctx: Context) -> dict[str, Any]:
     return {f"data.apply_chat_template_kwargs.{k}": value for k, value in v.items()}
 
 
+def _critic_warmup(v: Any, ctx: Context) -> dict[str, Any]:
+    """verl counts steps from 1 and updates the actor once `critic_warmup <= global_steps`: N gives N - 1
+    critic-only steps; posttrain's algorithm.critic_warmup is the number of critic-only steps."""
+    return {"algorithm.critic_warmup": max(int(v) - 1, 0)}
+
+
 def _times_n(target: str) -> Convert:
     return lambda v, ctx: {target: int(v) * int(ctx.get(f"{R}n"))}
 
@@ -421,7 +427,7 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{T}save_freq", ("trainer.save_every",), _freq("trainer.save_every"), "-1 = 0 (posttrain still saves at the end)"),
     Rule(f"{T}test_freq", ("trainer.val_every",), _freq("trainer.val_every"), "-1 = 0 (never)"),
     rule(f"{T}val_before_train", "trainer.val_before_train"),
-    rule(f"{T}critic_warmup", "algorithm.critic_warmup"),
+    Rule(f"{T}critic_warmup", ("algorithm.critic_warmup",), _critic_warmup, "verl's N: actor from its (1-based) step N = N-1 critic-only steps"),
     rule(f"{T}balance_batch", "trainer.balance_batch"),
     rule(f"{T}max_actor_ckpt_to_keep", "trainer.max_checkpoints_to_keep", apply_default=False),
     rule(f"{T}device", "trainer.device", apply_default=False),

@@ -139,14 +139,30 @@ def _free_name(path: Path) -> Path:
 
 
 class TensorboardBackend:
-    """TensorBoard event files under `<log_dir>/tensorboard`."""
+    """TensorBoard event files under `<log_dir>/tensorboard`. A new run in a directory that holds another
+    run's events moves them aside (`tensorboard.1`, ...: two runs in one folder draw one interleaved curve);
+    a resumed run hides the steps after its checkpoint (`rewind`: SummaryWriter's purge_step), so redone
+    steps are not drawn twice, as JsonlBackend drops its rows."""
 
-    def __init__(self, log_dir: Path, config_text: str | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # slow import, only when asked for
-
-        self.writer = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
+    def __init__(self, log_dir: Path, config_text: str | None = None, new_run: bool = False) -> None:
+        self.folder = log_dir / "tensorboard"
+        if new_run and self.folder.is_dir() and any(self.folder.iterdir()):
+            moved = _free_name(self.folder)
+            self.folder.rename(moved)
+            logger.warning("an earlier run's TensorBoard events moved to %s", moved.name)
+        self.writer = self._open(None)
         if config_text is not None:
             self.writer.add_text("config", f"```\n{config_text}\n```")
+
+    def _open(self, purge_step: int | None):  # noqa: ANN202 (SummaryWriter: imported lazily)
+        from torch.utils.tensorboard import SummaryWriter  # slow import, only when asked for
+
+        return SummaryWriter(log_dir=str(self.folder), purge_step=purge_step)
+
+    def rewind(self, keep_through: int) -> None:
+        """Steps after `keep_through` are hidden from here on (they are logged again)."""
+        self.writer.close()
+        self.writer = self._open(keep_through + 1)
 
     def log(self, metrics: Mapping[str, float | int], step: int) -> None:
         for key, value in metrics.items():
@@ -246,7 +262,7 @@ class Tracker:
                     if config_text is not None:
                         (self.log_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
                 elif name == "tensorboard":
-                    self._backends.append(TensorboardBackend(self.log_dir, config_text))
+                    self._backends.append(TensorboardBackend(self.log_dir, config_text, new_run))
                 elif name == "wandb":
                     self._backends.append(WandbBackend(self.log_dir, run_name, run_config))
                 elif name == "mlflow":
@@ -258,9 +274,10 @@ class Tracker:
 
     def rewind(self, keep_through: int) -> None:
         """The run continues from step `keep_through` (a resumed checkpoint; -1: from scratch): the jsonl
-        file keeps only the steps up to it (JsonlBackend.rewind). Other backends keep what they logged."""
+        file keeps only the steps up to it (JsonlBackend.rewind), TensorBoard hides the later ones. W&B and
+        MLflow keep what they logged."""
         for backend in self._backends:
-            if isinstance(backend, JsonlBackend):
+            if isinstance(backend, JsonlBackend | TensorboardBackend):
                 backend.rewind(keep_through)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:

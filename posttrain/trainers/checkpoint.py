@@ -10,7 +10,8 @@ Layout: `<run>/step_<N>/actor/` (sharded, written by the workers), `<run>/step_<
 A kill at any moment while saving leaves the previous checkpoint loadable: the new one becomes visible by
 a rename once complete, and `latest` moves (another rename) only after that. What a crash can leave behind
 (`.tmp-step_<N>`, a replaced `.old-step_<N>`, a half-deleted `.del-step_<N>`) is restored or cleaned up
-by `latest()`.
+by `recover()`, which only the run's trainer calls, holding the run directory's lock (`RunLock`): `latest()`
+is a pure read, so `posttrain export`/`eval` on a live run never touch the save in progress.
 """
 
 from __future__ import annotations
@@ -115,7 +116,34 @@ class CheckpointManager:
         return final
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None; leftovers of an interrupted save are cleaned up."""
+        """The newest complete checkpoint, or None; reads only (a trainer may be saving beside it).
+
+        `latest` names it; a step moved aside by a save that was killed before its rename is read where it
+        is (`.old-step_<N>`, until `recover()` puts it back); without the pointer, the highest complete
+        `step_<N>`, with a warning (a hand-deleted pointer must not make the next start overwrite them)."""
+        pointer = self.run_dir / LATEST
+        if not pointer.exists():
+            complete = [
+                p for p in self.run_dir.glob("step_*") if _step(p) is not None and (p / STATE_FILE).exists()
+            ]
+            if not complete:
+                return None
+            newest = max(complete, key=lambda p: _step(p) or 0)
+            log.warning("%s is missing; the newest complete checkpoint is %s", pointer, newest)
+            return newest
+        path = self.run_dir / pointer.read_text().strip()
+        if (path / STATE_FILE).exists():
+            return path
+        moved = self.run_dir / f".old-{path.name}"
+        if (moved / STATE_FILE).exists():
+            return moved
+        raise ConfigError(
+            f"{pointer} names {path.name}, which is incomplete or missing; remove it to start over"
+        )
+
+    def recover(self) -> None:
+        """Clean up or restore what an interrupted save left (module docstring). The trainer calls it at
+        start, holding the run directory's lock, before anything reads or writes checkpoints."""
         for stale in [*self.run_dir.glob(".tmp-step_*"), *self.run_dir.glob(".del-step_*")]:
             shutil.rmtree(stale, ignore_errors=True)
         for old in self.run_dir.glob(".old-step_*"):  # killed between moving it aside and the rename
@@ -126,15 +154,6 @@ class CheckpointManager:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(old, final)
-        pointer = self.run_dir / LATEST
-        if not pointer.exists():
-            return None
-        path = self.run_dir / pointer.read_text().strip()
-        if not (path / STATE_FILE).exists():
-            raise ConfigError(
-                f"{pointer} names {path.name}, which is incomplete or missing; remove it to start over"
-            )
-        return path
 
     def load_state(self, path: Path) -> dict[str, Any]:
         state = torch.load(path / STATE_FILE, weights_only=False)
@@ -155,7 +174,7 @@ class CheckpointManager:
             return (state.stat().st_mtime_ns if state.exists() else 0, int(path.name.split("_")[1]))
 
         steps = sorted(
-            (p for p in self.run_dir.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()),
+            (p for p in self.run_dir.glob("step_*") if p.is_dir() and _step(p) is not None),
             key=written,
         )
         others = [p for p in steps if p != keep]
@@ -164,6 +183,46 @@ class CheckpointManager:
             doomed = self.run_dir / f".del-{old.name}"
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _step(path: Path) -> int | None:
+    """N of a `step_<N>` folder, else None."""
+    number = path.name.removeprefix("step_")
+    return int(number) if path.name.startswith("step_") and number.isdigit() and path.is_dir() else None
+
+
+class RunLock:
+    """An exclusive lock on a run directory for a trainer's lifetime (`<run>/.lock`, flock): a second
+    trainer on the same directory would delete the first one's save in progress and interleave their
+    checkpoints. Released when the process ends, however it ends. `export`/`eval` only read and take none."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(
+                f"{self.path.parent} is in use by another trainer (pid {holder}); two runs in one "
+                "run_dir would overwrite each other's checkpoints: wait for it, or set trainer.run_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
 
 
 def _fsync(path: Path) -> None:

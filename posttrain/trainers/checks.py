@@ -282,10 +282,40 @@ def check_rl_config(cfg: RLConfig) -> None:
             )
     if cfg.actor.micro_batch_size <= 0:
         raise ConfigError(f"actor.micro_batch_size must be > 0, got {cfg.actor.micro_batch_size}")
+    check_update_counts(cfg)
     if cfg.reward.custom_function_path:
         load_reward_function(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
     check_backends(cfg.trainer.loggers, key="trainer.loggers")  # unknown names; wandb/mlflow not installed
     check_settings_in_effect(cfg)  # keys set while the switch that uses them is off
+
+
+def check_update_counts(cfg: RLConfig) -> None:
+    """Settings under which a model would never train, or that fail only at the first update (after a whole
+    generation): refused before the workers start."""
+    if cfg.actor.ppo_epochs < 1:
+        raise ConfigError(
+            f"actor.ppo_epochs must be >= 1 (passes over each batch), got {cfg.actor.ppo_epochs}"
+        )
+    warmup, total = cfg.algorithm.critic_warmup, cfg.trainer.total_steps
+    if warmup < 0:
+        raise ConfigError(f"algorithm.critic_warmup must be >= 0, got {warmup}")
+    if not cfg.critic.enable:
+        return
+    critic = cfg.critic
+    if critic.ppo_epochs < 1:
+        raise ConfigError(f"critic.ppo_epochs must be >= 1 (passes over each batch), got {critic.ppo_epochs}")
+    if critic.micro_batch_size <= 0:
+        raise ConfigError(f"critic.micro_batch_size must be > 0, got {critic.micro_batch_size}")
+    if not critic.cliprange_value > 0:
+        raise ConfigError(
+            f"critic.cliprange_value must be > 0 (the value clip around the old values), got "
+            f"{critic.cliprange_value}"
+        )
+    if warmup >= total:
+        raise ConfigError(
+            f"algorithm.critic_warmup={warmup} critic-only steps leave none of trainer.total_steps={total} "
+            "for the actor"
+        )
 
 
 def check_algorithm(cfg: RLConfig, estimator: Callable[..., Any]) -> None:

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.load import to_dict
 from posttrain.config.schema import RLConfig
 from posttrain.errors import ConfigError
 from posttrain.models import load_config
@@ -24,18 +25,28 @@ def model_fingerprint(path: str) -> dict[str, Any]:
     return {k: config.get(k) for k in fields}
 
 
+def _same(value: Any) -> Any:
+    """A config value compared as a set where it is a list of names (their order does not matter)."""
+    return sorted(map(str, value)) if isinstance(value, list | tuple) else value
+
+
 def check_resumable(latest: Path, state: dict[str, Any], cfg: RLConfig) -> None:
     """Raise ConfigError naming the mismatch when checkpoint `latest` (its trainer `state`) cannot resume."""
     fingerprint = model_fingerprint(cfg.model.path)
     if state["model"] != fingerprint:
         raise ConfigError(f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}")
     saved = state.get("config", {})
-    lora = saved.get("model", {}).get("lora", {}).get("rank", 0)
-    if lora != cfg.model.lora.rank:
-        raise ConfigError(
-            f"checkpoint {latest} was trained with model.lora.rank={lora}; this run has "
-            f"model.lora.rank={cfg.model.lora.rank}"
-        )
+    lora = saved.get("model", {}).get("lora", {})
+    now = to_dict(cfg)["model"]["lora"]
+    # what the trained adapter is: its rank (the shapes), alpha (the scale of its delta) and the layers it
+    # adapts (DCP loads the keys the model asks for: fewer target modules silently dropped the others')
+    adapted = ("rank", "alpha", "target_modules", "target_parameters") if now["rank"] > 0 else ("rank",)
+    for key in adapted:
+        if key in lora and _same(lora[key]) != _same(now[key]):
+            raise ConfigError(
+                f"checkpoint {latest} was trained with model.lora.{key}={lora[key]}; this run has "
+                f"model.lora.{key}={now[key]} (resuming would change the trained adapter)"
+            )
     if (latest / "critic").exists() != cfg.critic.enable:
         has = "has" if (latest / "critic").exists() else "has no"
         raise ConfigError(f"checkpoint {latest} {has} critic; this run has critic.enable={cfg.critic.enable}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.config.load import from_dict
-from posttrain.config.schema import RLConfig
+from posttrain.config.schema_shared import ModelConfig
 from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.trainers.checkpoint import STATE_FILE, CheckpointManager
@@ -31,11 +31,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, adapter_only: boo
     """Write the policy of `checkpoint` to `out`; with LoRA, merged into the base unless `adapter_only`."""
     path = resolve_checkpoint(checkpoint)
     state = CheckpointManager(path.parent).load_state(path)
-    cfg = from_dict(RLConfig, state["config"])
-    if adapter_only and cfg.model.lora.rank <= 0:
+    # the model section only: a checkpoint of an older version, whose other sections hold keys since
+    # renamed or dropped, still exports
+    model = from_dict(ModelConfig, state["config"]["model"])
+    if adapter_only and model.lora.rank <= 0:
         raise ConfigError(f"--adapter: the run of {path} trained the full model (model.lora.rank=0)")
     # one process reads the whole checkpoint: the run's sequence parallelism does not apply here
-    engine = TrainEngine(engine_config(cfg.model, trainable=False, sequence_parallel_size=1))
+    engine = TrainEngine(engine_config(model, trainable=False, sequence_parallel_size=1))
     engine.load(path / "actor")
     engine.export_hf(out, merged=not adapter_only)
     return Path(out)

@@ -30,7 +30,7 @@ from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.agent_generation import AgentStage
 from posttrain.trainers.async_driver import Producer, publish_weights, start_producer, take_batch
-from posttrain.trainers.checkpoint import CheckpointManager, DriverState
+from posttrain.trainers.checkpoint import CheckpointManager, DriverState, RunLock
 from posttrain.trainers.checks import check_rl_config
 from posttrain.trainers.compat import check_resumable
 from posttrain.trainers.fault import StopSignals, check_fault_config, run_with_restarts
@@ -124,8 +124,12 @@ class RLTrainer:
         A worker failure restarts the workers from the last checkpoint up to `trainer.max_restarts` times,
         then raises a WorkerError naming the role and rank (see trainers/fault.py).
         """
+        with RunLock(self.run_dir):  # one trainer per run directory
+            self.checkpoints.recover()
+            return self._fit()
+
+    def _fit(self) -> list[dict[str, float]]:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         owns_ray = cfg.trainer.backend == "ray" and not ray_is_running()
         # before the workers start: a stale `latest` pointer or an unwritable run directory stops nothing
         resumes = cfg.trainer.resume and self.checkpoints.latest() is not None
@@ -475,6 +479,13 @@ class RLTrainer:
         self.history = [h for h in self.history if h["step"] <= self.step_count]
         log.info("resumed from %s at step %d", latest, self.step_count)
         print(f"resumed from {latest} at step {self.step_count}", flush=True)
+        if self.step_count >= self.cfg.trainer.total_steps and not after_failure:
+            log.warning(
+                "the checkpoint is at step %d, trainer.total_steps is %d: nothing to train (raise total_steps "
+                "to continue the run)",
+                self.step_count,
+                self.cfg.trainer.total_steps,
+            )
 
     def _reset_progress(self) -> None:
         """Step 0 state of the driver: seed, dataloader, KL controller, validation history."""

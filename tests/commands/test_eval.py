@@ -109,6 +109,17 @@ def test_eval_trainer_checkpoint(tiny_model_dir: Path, arithmetic_data: dict, tm
     assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
     _, exported = run_eval(tmp_path / "hf", arithmetic_data["test"], tmp_path / "x")
     assert [s["response"] for s in samples] == [s["response"] for s in exported]
+    # a save in progress (a live run) is left alone: export and eval only read (it was deleted, and the
+    # run died); and a checkpoint whose config holds a key this version dropped still exports (the model
+    # section is all export needs)
+    in_progress = run / ".tmp-step_2" / "actor"
+    in_progress.mkdir(parents=True)
+    state_file = run / "step_1" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    state["config"]["actor"]["an_option_of_an_older_version"] = 1
+    torch.save(state, state_file)
+    assert main(["export", str(run), "--out", str(tmp_path / "hf2")]) == 0
+    assert in_progress.is_dir()
 
 
 @pytest.mark.parametrize(

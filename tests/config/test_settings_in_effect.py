@@ -271,3 +271,35 @@ def test_distill_refuses_rl_batch_key(tiny_model_dir: Path, text_rows: str) -> N
     )
     with pytest.raises(ConfigError, match=r"data.train_batch_prompts=7 is set, but distill batches"):
         check_distill_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["actor.ppo_epochs=0"], r"actor.ppo_epochs must be >= 1"),
+        (["critic.ppo_epochs=0"], r"critic.ppo_epochs must be >= 1"),
+        (["critic.micro_batch_size=0"], r"critic.micro_batch_size must be > 0"),
+        (["critic.cliprange_value=0"], r"critic.cliprange_value must be > 0"),
+        (
+            ["algorithm.critic_warmup=10"],
+            r"critic_warmup=10 critic-only steps leave none of trainer.total_steps=10",
+        ),
+    ],
+)
+def test_a_model_that_would_never_train_is_refused_before_the_workers_start(
+    overrides: list[str], message: str
+) -> None:
+    """ppo_epochs=0 left the actor or critic untrained with exit status 0; a warm-up as long as the run never
+    trained the actor; the others failed only at the first update, after a whole generation."""
+    from posttrain.trainers.checks import check_update_counts
+
+    cfg = _rl("critic.enable=true", "algorithm.adv_estimator=gae", "trainer.total_steps=10", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        check_update_counts(cfg)
+    check_update_counts(_rl("critic.enable=true", "algorithm.adv_estimator=gae", "algorithm.critic_warmup=9"))
+
+
+def test_verls_critic_warmup_counts_from_step_one() -> None:
+    """verl updates the actor once critic_warmup <= global_steps (from 1): its N is N - 1 critic-only steps."""
+    overrides = convert({"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 3}).overrides()
+    assert "algorithm.critic_warmup=2" in overrides

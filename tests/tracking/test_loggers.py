@@ -114,6 +114,29 @@ def test_tensorboard_scalars(tmp_path):
     assert [(e.step, e.value) for e in events] == [(1, 0.25), (2, 0.75)]
 
 
+def tensorboard_steps(folder, tag="reward"):
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_hides_redone_steps_and_moves_an_earlier_runs_events_aside(tmp_path):
+    """A resume redoes the steps after its checkpoint: drawn once, with the redone values; a new run in the
+    same directory starts its own curve (the earlier one moves to tensorboard.1)."""
+    with Tracker(["tensorboard"], tmp_path) as tracker:
+        for step in (1, 2, 3, 4):
+            tracker.log({"reward": float(step)}, step=step)
+    with Tracker(["tensorboard"], tmp_path, new_run=False) as tracker:  # resumed from step 2's checkpoint
+        tracker.rewind(2)
+        for step in (3, 4):
+            tracker.log({"reward": 10.0 * step}, step=step)
+    assert tensorboard_steps(tmp_path / "tensorboard") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    with Tracker(["tensorboard"], tmp_path, new_run=True) as tracker:  # a new run (trainer.resume=false)
+        tracker.log({"reward": -1.0}, step=1)
+    assert tensorboard_steps(tmp_path / "tensorboard") == [(1, -1.0)]
+    assert tensorboard_steps(tmp_path / "tensorboard.1")[-1] == (4, 40.0)
+
+
 def test_unknown_backend_lists_valid_ones(tmp_path):
     with pytest.raises(ConfigError, match="'wandbb'.*console, jsonl, tensorboard"):
         Tracker(["console", "wandbb"], tmp_path)

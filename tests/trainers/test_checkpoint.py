@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import ConfigError
-from posttrain.trainers.checkpoint import CheckpointManager
+from posttrain.trainers.checkpoint import CheckpointManager, RunLock
 
 
 def save(manager: CheckpointManager, step: int) -> Path:
@@ -34,6 +34,8 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> N
     tmp = manager.begin(2)  # the process dies here, before publish
     (tmp / "actor").mkdir()
     assert manager.latest() == tmp_path / "step_1"
+    assert tmp.exists(), "a reader leaves it: it may be a live trainer's save in progress"
+    manager.recover()  # the next trainer, holding the run's lock
     assert not tmp.exists(), "a stale temporary folder is cleaned up"
 
 
@@ -71,6 +73,8 @@ def test_saving_a_step_again_is_safe_against_a_kill_between_the_renames(tmp_path
     # the process dies after moving the old step_2 aside, before the new one is renamed into place
     (tmp_path / "step_2").rename(tmp_path / ".old-step_2")
     (tmp_path / ".tmp-step_2").mkdir()
+    assert manager.latest() == tmp_path / ".old-step_2"  # a reader reads it where it is
+    manager.recover()
     assert manager.latest() == tmp_path / "step_2"
     assert manager.load_state(tmp_path / "step_2") == {"step": 2}
     assert not list(tmp_path.glob(".*-step_*")), "leftovers are cleaned up"
@@ -101,3 +105,24 @@ def test_retention_keeps_this_runs_previous_checkpoint_over_an_earlier_runs_high
     save(run, 4)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_4"]
     assert run.latest() == tmp_path / "step_4"
+
+
+def test_without_the_pointer_the_newest_complete_checkpoint_is_latest(tmp_path: Path) -> None:
+    """A lost `latest` must not make the next start a new run that overwrites the step folders."""
+    manager = CheckpointManager(tmp_path, max_to_keep=0)
+    for step in (2, 10, 4):
+        save(manager, step)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step_12").mkdir()  # incomplete: no trainer state
+    assert manager.latest() == tmp_path / "step_10"
+
+
+def test_one_trainer_per_run_directory(tmp_path: Path) -> None:
+    """A second trainer on a run directory in use is refused (it would delete the first one's save in
+    progress); the lock goes with the first one's end. Another process is what holds it in real use: flock
+    locks belong to open files, so a second open in this process conflicts too."""
+    with RunLock(tmp_path):
+        with pytest.raises(ConfigError, match=rf"in use by another trainer \(pid {os.getpid()}\)"):
+            RunLock(tmp_path).__enter__()
+    with RunLock(tmp_path):
+        pass

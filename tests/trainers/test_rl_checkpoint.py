@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from posttrain.config.load import load_config, to_dict
+from posttrain.config.schema import RLConfig
+from posttrain.errors import ConfigError
 from posttrain.trainers.checkpoint import CheckpointManager
+from posttrain.trainers.compat import check_resumable, model_fingerprint
 from posttrain.trainers.rl_checkpoint import CheckpointCadence, resume_hint
 
 
@@ -49,3 +55,24 @@ def test_the_resume_hint_names_the_checkpoint_and_the_setting(tmp_path: Path) ->
     )
     (tmp_path / "latest").write_text("step_9")  # a pointer to nothing: the loader's message, not a crash
     assert "step_9, which is incomplete or missing" in resume_hint(checkpoints, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("model.lora.alpha=64", r"model.lora.alpha=8.0; this run has model.lora.alpha=64.0"),
+        ("model.lora.target_modules=[q_proj,v_proj]", r"model.lora.target_modules=\['q_proj', 'k_proj'"),
+        ("model.lora.rank=8", r"model.lora.rank=4; this run has model.lora.rank=8"),
+    ],
+)
+def test_a_changed_adapter_cannot_resume_its_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path, change: str, message: str
+) -> None:
+    """A larger alpha rescaled the trained adapter; fewer target modules dropped the others' trained weights
+    (DCP loads the keys the model asks for). Both were accepted: only the rank was compared."""
+    base = [f"model.path={tiny_model_dir}", "model.lora.rank=4", "model.lora.alpha=8"]
+    saved = load_config(RLConfig, "rl", base)
+    state = {"model": model_fingerprint(str(tiny_model_dir)), "config": to_dict(saved), "world_size": 1}
+    check_resumable(tmp_path, state, load_config(RLConfig, "rl", [*base, "model.lora.target_modules=[v_proj,q_proj,k_proj,o_proj,gate_proj,up_proj,down_proj]"]))  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        check_resumable(tmp_path, state, load_config(RLConfig, "rl", [*base, change]))
