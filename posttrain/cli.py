@@ -15,6 +15,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from posttrain.commands import config_cmd, data_cmd, eval_cmd, plot_cmd, preflight
 from posttrain.commands.help import show_defaults
@@ -37,7 +38,16 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sft(args: argparse.Namespace) -> None:
+def _offline_done(trainer: Any) -> int:
+    """The exit status of an offline trainer's command: 0 with its HF directory written; 128 + the signal's
+    number when SIGINT/SIGTERM stopped it after a checkpoint (no export)."""
+    if trainer.stop_signal is not None:
+        return 128 + trainer.stop_signal
+    print(f"wrote {trainer.hf_dir}")
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
     from posttrain.config.load import load_config
     from posttrain.config.schema import SFTConfig
     from posttrain.trainers.sft import SFTTrainer
@@ -46,10 +56,10 @@ def _sft(args: argparse.Namespace) -> None:
     preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = SFTTrainer(cfg)
     trainer.fit()
-    print(f"wrote {trainer.hf_dir}")
+    return _offline_done(trainer)
 
 
-def _dpo(args: argparse.Namespace) -> None:
+def _dpo(args: argparse.Namespace) -> int:
     from posttrain.config.load import load_config
     from posttrain.config.schema import DPOConfig
     from posttrain.trainers.dpo import DPOTrainer
@@ -58,10 +68,10 @@ def _dpo(args: argparse.Namespace) -> None:
     preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = DPOTrainer(cfg)
     trainer.fit()
-    print(f"wrote {trainer.hf_dir}")
+    return _offline_done(trainer)
 
 
-def _distill(args: argparse.Namespace) -> None:
+def _distill(args: argparse.Namespace) -> int:
     from posttrain.config.load import load_config
     from posttrain.config.schema import DistillConfig
     from posttrain.trainers.distill import DistillTrainer
@@ -70,12 +80,12 @@ def _distill(args: argparse.Namespace) -> None:
     preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = DistillTrainer(cfg)
     metrics = trainer.fit()
-    if "val/kl_to_teacher" in metrics:
+    if "val/kl_to_teacher" in metrics and trainer.stop_signal is None:
         print(f"held-out KL(student || teacher) per token {metrics['val/kl_to_teacher']:.4f}")
-    print(f"wrote {trainer.hf_dir}")
+    return _offline_done(trainer)
 
 
-def _rm(args: argparse.Namespace) -> None:
+def _rm(args: argparse.Namespace) -> int:
     from posttrain.config.load import load_config
     from posttrain.config.schema import RMConfig
     from posttrain.trainers.rm import RMTrainer
@@ -84,12 +94,14 @@ def _rm(args: argparse.Namespace) -> None:
     preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = RMTrainer(cfg)
     trainer.fit()
+    if trainer.stop_signal is not None:
+        return _offline_done(trainer)
     if trainer.final_eval:
         e = trainer.final_eval
         print(f"held-out pairwise accuracy {e['val/accuracy']:.4f} over {int(e['val/pairs'])} pairs")
     else:
         print("no held-out pairs (data.val_files): no pairwise accuracy")
-    print(f"wrote {trainer.hf_dir}")
+    return _offline_done(trainer)
 
 
 def _make_model(args: argparse.Namespace) -> None:

@@ -55,6 +55,11 @@ class SFTTrainerConfig:
     plots: bool = True  # PNG figures of metrics.jsonl in <run_dir>/plots when the run ends (needs jsonl)
     threads_per_worker: int = 0
     save_hf_dir: str = ""  # where the trained model is written as a HF directory; empty = <run_dir>/hf
+    # checkpoints in <run_dir>/step_<N> (weights, optimizer, data position, RNG) every save_every steps
+    # (0: none periodically; a SIGINT/SIGTERM stop still saves one), resumed from on the next start
+    save_every: int = 0
+    max_checkpoints_to_keep: int = 2
+    resume: bool = True  # resume from <run_dir>/latest when present
     stop_at_val_nll: float = 0.0  # early stop: end (and export) once a validation's NLL is at most this
 
     @property

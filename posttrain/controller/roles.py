@@ -374,6 +374,12 @@ class RewardModelGroup(RoleGroup):
     def export_hf(self, out_dir: Path) -> None:
         self.dispatcher.call("export_hf", str(out_dir))
 
+    def save_state(self, path: Path) -> None:
+        self.dispatcher.call("save_state", str(path))
+
+    def load_state(self, path: Path) -> None:
+        self.dispatcher.call("load_state", str(path))
+
 
 class ApiGroup(RoleGroup):
     """The explicit API's role (`ApiWorker`): training models and samplers by id."""

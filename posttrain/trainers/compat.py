@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.load import to_dict
-from posttrain.config.schema import RLConfig
 from posttrain.errors import ConfigError
 from posttrain.models import load_config
 
@@ -30,8 +29,9 @@ def _same(value: Any) -> Any:
     return sorted(map(str, value)) if isinstance(value, list | tuple) else value
 
 
-def check_resumable(latest: Path, state: dict[str, Any], cfg: RLConfig) -> None:
-    """Raise ConfigError naming the mismatch when checkpoint `latest` (its trainer `state`) cannot resume."""
+def check_resumable(latest: Path, state: dict[str, Any], cfg: Any) -> None:
+    """Raise ConfigError naming the mismatch when checkpoint `latest` (its trainer `state`) cannot resume
+    `cfg` (an RL config, or an offline trainer's: model, trainer.world_size)."""
     fingerprint = model_fingerprint(cfg.model.path)
     if state["model"] != fingerprint:
         raise ConfigError(f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}")
@@ -47,9 +47,10 @@ def check_resumable(latest: Path, state: dict[str, Any], cfg: RLConfig) -> None:
                 f"checkpoint {latest} was trained with model.lora.{key}={lora[key]}; this run has "
                 f"model.lora.{key}={now[key]} (resuming would change the trained adapter)"
             )
-    if (latest / "critic").exists() != cfg.critic.enable:
+    critic = getattr(cfg, "critic", None)  # the RL trainer's; the offline trainers have none
+    if critic is not None and (latest / "critic").exists() != critic.enable:
         has = "has" if (latest / "critic").exists() else "has no"
-        raise ConfigError(f"checkpoint {latest} {has} critic; this run has critic.enable={cfg.critic.enable}")
+        raise ConfigError(f"checkpoint {latest} {has} critic; this run has critic.enable={critic.enable}")
     if state["world_size"] != cfg.trainer.world_size:
         log.warning(
             "checkpoint %s was written by %d workers, this run has %d: weights and optimizer state are "

@@ -4,12 +4,21 @@ around its steps, so that each trainer holds only what differs (its data, its lo
 `StepTrainer.fit`: start the worker group; then per optimizer step `train_step` (the trainer's batch, loss and
 update), its wall time and throughput, validation every `trainer.val_every` steps and after the last one,
 one metrics row to the trackers and the progress line, and an optional early stop; finally the trained model
-as a Hugging Face directory. The group, its pools, the trackers and the progress line are released on every
-exit, an exception included.
+as a Hugging Face directory, written under a temporary name and renamed into place (a kill mid-export never
+leaves a `hf/` that looks complete). The group, its pools, the trackers and the progress line are released on
+every exit, an exception included.
+
+Checkpoints, as the RL trainer's (trainers/checkpoint.py, one trainer per run directory): every
+`trainer.save_every` steps the group's sharded weights and optimizer, the data position, the step and the
+driver's RNG go to `<run_dir>/step_<N>`; the next start resumes from the newest (`trainer.resume`), checked
+against the model and adapter it was trained with. SIGINT/SIGTERM finish the current step, save a checkpoint
+and stop without the export (`stop_signal`; the command exits 128 + the signal's number).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -18,14 +27,24 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from posttrain.config.load import to_dict
 from posttrain.controller.resource_pool import ResourcePool
+from posttrain.errors import ConfigError
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
+from posttrain.trainers.checkpoint import CheckpointManager, DriverState, RunLock
+from posttrain.trainers.compat import check_resumable
+from posttrain.trainers.fault import StopSignals
+from posttrain.trainers.rl_checkpoint import checkpoint_meta
+from posttrain.workers.process import ProcessRNG
 
 
 class TrainedGroup(Protocol):
-    """What the loop needs of a worker group: write the model, and stop."""
+    """What the loop needs of a worker group: write the model, save and load its state, and stop."""
 
     def export_hf(self, out_dir: Path, /) -> None: ...
+
+    def save_state(self, path: Path, /) -> None: ...
+
+    def load_state(self, path: Path, /) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -49,6 +68,8 @@ class StepTrainer(ABC, Generic[GroupT]):
     progress_keys: ClassVar[tuple[str, ...]]  # metrics the progress line shows
     cfg: Any  # the command's config dataclass (has `.trainer`)
     val_set: Any  # held-out data, or None: no validation
+    loader: Any  # the training data's loader (its position is checkpointed: state_dict/load_state_dict)
+    stop_signal: int | None = None  # set when SIGINT/SIGTERM stopped fit() early
 
     @property
     def run_dir(self) -> Path:
@@ -84,11 +105,28 @@ class StepTrainer(ABC, Generic[GroupT]):
         every, last = self.cfg.trainer.val_every, step == self.cfg.trainer.total_steps
         return self.val_set is not None and ((every and step % every == 0) or last)
 
+    def driver_states(self) -> dict[str, DriverState]:
+        """The driver-side parts of a checkpoint: the data position and the driver's RNG."""
+        return {"dataloader": self.loader, "rng": ProcessRNG()}
+
     def fit(self) -> dict[str, float]:
-        """Train `trainer.total_steps` optimizer steps (or until `stop_early`), write the HF directory,
-        return the last step's metrics."""
+        """Train `trainer.total_steps` optimizer steps (or until `stop_early` or a stop signal), resuming from
+        the newest checkpoint; write the HF directory unless stopped by a signal; the last step's metrics."""
+        self.stop_signal: int | None = None
+        with RunLock(self.run_dir):
+            checkpoints = CheckpointManager(self.run_dir, self.cfg.trainer.max_checkpoints_to_keep)
+            checkpoints.recover()
+            return self._fit(checkpoints)
+
+    def _fit(self, checkpoints: CheckpointManager) -> dict[str, float]:
         trainer = self.cfg.trainer
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if trainer.save_every < 0:
+            raise ConfigError(
+                f"trainer.save_every must be >= 0 (0 = no periodic checkpoint), got {trainer.save_every}"
+            )
+        latest = checkpoints.latest() if trainer.resume else None
+        if latest is not None:  # before the workers start: a mismatch stops nothing
+            check_resumable(latest, checkpoints.load_state(latest), self.cfg)
         group, pools = self.start()
         tracker = Tracker(
             trainer.loggers,
@@ -96,33 +134,80 @@ class StepTrainer(ABC, Generic[GroupT]):
             run_name=self.run_name,
             config=to_dict(self.cfg),
             plots=trainer.plots,
-            new_run=True,  # these trainers always start from step 0
+            new_run=latest is None,
         )
         metrics: dict[str, float] = {}
+        step = 0
         progress = RunProgress(trainer.total_steps, desc=self.run_name, show=self.progress_keys).start()
+        stop = StopSignals()
         try:
-            self.before_steps(group, progress)
-            for step in range(1, trainer.total_steps + 1):
-                start = time.perf_counter()
-                result = self.train_step(group, progress)
-                seconds = time.perf_counter() - start
-                metrics = {**result.metrics, "timing/step": seconds}
-                if result.tokens is not None:
-                    metrics["throughput/tokens_per_s"] = result.tokens / seconds
-                if self._validates_at(step):
-                    with progress.stage("validate"):
-                        metrics.update(self.validate(group))
-                tracker.log(metrics, step)
-                progress.step_done(step, metrics)
-                if self.stop_early(step, metrics):
-                    break
-            self.after_steps()
-            with progress.stage("export"):
-                group.export_hf(self.hf_dir)
+            with stop:
+                # before a restore: DPO's precomputed reference log-probs are the starting weights'
+                self.before_steps(group, progress)
+                if latest is not None:
+                    step = checkpoints.restore(latest, [group], self.driver_states())["step"]
+                    progress.step = step
+                    tracker.rewind(step)  # rows a stopped run logged after its checkpoint are redone
+                    print(f"resumed from {latest} at step {step}", flush=True)
+                while step < trainer.total_steps:
+                    step += 1
+                    metrics, stopping = self._step(group, progress, tracker, step)
+                    periodic = trainer.save_every and step % trainer.save_every == 0
+                    if stop.requested or (periodic and step < trainer.total_steps and not stopping):
+                        with progress.stage("checkpoint"):
+                            checkpoints.save(step, [group], self.driver_states(), checkpoint_meta(self.cfg))
+                    if stop.requested or stopping:
+                        break
+                if not stop.requested:
+                    self.after_steps()
+                    with progress.stage("export"):
+                        self._export(group)
         finally:
             progress.close()
             tracker.close()
             group.shutdown()
             for pool in pools.values():
                 pool.remove()
+        if stop.requested:
+            self.stop_signal = stop.signum
+            hint = (
+                "the same command resumes"
+                if trainer.resume
+                else "the same command with trainer.resume=true resumes"
+            )
+            print(f"stopped by {stop.name} after step {step}; {hint} from {checkpoints.latest()}", flush=True)
         return metrics
+
+    def _step(
+        self, group: GroupT, progress: RunProgress, tracker: Tracker, step: int
+    ) -> tuple[dict[str, float], bool]:
+        """Step `step`: train, validate when due, log; its metrics and whether to stop early."""
+        start = time.perf_counter()
+        result = self.train_step(group, progress)
+        seconds = time.perf_counter() - start
+        metrics = {**result.metrics, "timing/step": seconds}
+        if result.tokens is not None:
+            metrics["throughput/tokens_per_s"] = result.tokens / seconds
+        if self._validates_at(step):
+            with progress.stage("validate"):
+                metrics.update(self.validate(group))
+        tracker.log(metrics, step)
+        progress.step_done(step, metrics)
+        return metrics, self.stop_early(step, metrics)
+
+    def _export(self, group: GroupT) -> None:
+        """The HF directory, written beside its place and renamed into it (an older one replaced)."""
+        final = self.hf_dir
+        partial = final.with_name(f".{final.name}.partial")
+        if partial.exists():
+            shutil.rmtree(partial)
+        group.export_hf(partial)
+        if final.exists():
+            aside = final.with_name(f".{final.name}.old")
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(final, aside)
+            os.replace(partial, final)
+            shutil.rmtree(aside)
+        else:
+            os.replace(partial, final)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from posttrain.algorithms.reward_model_loss import bradley_terry_loss
 from posttrain.data import keys
@@ -25,7 +27,7 @@ from posttrain.engine.reward_engine import RewardEngine
 from posttrain.errors import ConfigError
 from posttrain.workers.losses import LossSpec, build_loss, register_loss
 from posttrain.workers.preference import check_pairs
-from posttrain.workers.process import prepare_worker_process, rank_seed
+from posttrain.workers.process import ProcessRNG, prepare_worker_process, rank_seed
 
 RM_SCORE = "rm_score"  # (B,) float: the reward model's score of each row
 BT_OPTIONS = ("center_rewards_coefficient",)
@@ -98,3 +100,17 @@ class RewardModelWorker:
     def export_hf(self, out_dir: str) -> None:
         """The reward model as a HF directory that `AutoModelForSequenceClassification` loads."""
         self.engine.export_hf(out_dir)
+
+    def save_state(self, path: str) -> None:
+        """Sharded weights + optimizer of the trained model, and this rank's RNG states (`posttrain rm`)."""
+        folder = Path(path) / "reward_model"
+        self.engine.save(folder)
+        torch.save(ProcessRNG().state_dict(), folder / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+
+    def load_state(self, path: str) -> None:
+        folder = Path(path) / "reward_model"
+        self.engine.load(folder)
+        rng_file = folder / f"rng_rank{self.rank}.pt"
+        if rng_file.exists():
+            ProcessRNG().load_state_dict(torch.load(rng_file, weights_only=False))
