@@ -161,6 +161,12 @@ class RewardModelConfig:
     ensemble: list[str] = field(default_factory=list)
     combine: Literal["mean", "min", "uwo"] = "mean"  # min: worst case; uwo: mean - uwo_coef * variance
     uwo_coef: float = 0.0  # uwo's lambda on the variance across the models (> 0 with combine=uwo only)
+    # the longest input (prompt + response in the reward model's own template) it scores; 0 = its context
+    # window (config.max_position_embeddings). Longer: error (a RewardError naming the row), or left = keep
+    # the last max_length tokens (the response's end, where the score is read), counted in
+    # reward/model_truncated
+    max_length: int = 0
+    truncation: Literal["error", "left"] = "error"
 
 
 @dataclass(frozen=True)

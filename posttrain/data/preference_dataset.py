@@ -62,12 +62,14 @@ class PreferenceDataset:
         self.with_reference = with_reference
         self.n_filtered = 0
         self.has_margin: bool | None = None  # decided by the first row (margin_column set)
+        self.formats: set[str] = set()  # "text" and/or "chat": how the rows' pairs are written
         self._items: list[dict[str, Any]] = []
         n_total = 0
         for path, i, row in iter_rows(self.files):
             n_total += 1
             where = f"{path}: row {i}"
             item = _pair(tokenizer, row, eos, where)
+            self.formats.add("text" if isinstance(row.get("prompt"), str) else "chat")
             if margin_column:
                 self._read_margin(row, margin_column, item, where)
             longest = max(len(item["chosen"]), len(item["rejected"]))

@@ -11,6 +11,7 @@ takes in RL.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,7 @@ from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.tracking.progress import RunProgress
 from posttrain.trainers.checks import check_files, check_model_options
 from posttrain.trainers.pairs import check_pair_batches, pair_data
+from posttrain.trainers.rm_scoring import RM_INFO_FILE
 from posttrain.trainers.settings_in_effect import check_offline_settings_in_effect
 from posttrain.trainers.setup import engine_config
 from posttrain.trainers.sft import optim_only
@@ -134,6 +136,14 @@ class RMTrainer(StepTrainer[RewardModelGroup]):
             metrics = group.forward_backward(batch, self.loss)
             metrics.update(group.optim_step())
         return StepResult(metrics, float(batch[keys.ATTENTION_MASK].sum()))
+
+    def describe_export(self, folder: Path) -> None:
+        """`posttrain_rm.json`: how its training pairs were written (text or chat). RL scores a response as
+        the prompt's messages plus the response rendered with the chat template, so a model trained on text
+        pairs is refused there (trainers/rm_scoring.py) rather than scored on a format it never saw."""
+        formats = sorted(self.train_set.formats)
+        fmt = formats[0] if len(formats) == 1 else "mixed"
+        (folder / RM_INFO_FILE).write_text(json.dumps({"input_format": fmt}) + "\n")
 
     def after_steps(self) -> None:
         if self.final_eval:

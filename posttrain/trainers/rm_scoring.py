@@ -11,7 +11,9 @@ reward (trainers/rewarding.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -61,9 +63,22 @@ def check_reward_model(cfg: RLConfig) -> None:
         )
 
 
+RM_INFO_FILE = "posttrain_rm.json"  # `posttrain rm` writes it beside the model: its training pairs' format
+
+
 def check_reward_model_dir(key: str, path: str) -> None:
-    """`path` (the setting `key`) holds a sequence classifier whose tokenizer has a chat template."""
+    """`path` (the setting `key`) holds a sequence classifier whose tokenizer has a chat template, trained
+    (when `posttrain rm` says how) on chat pairs: RL renders its inputs with the chat template."""
     check_model_dir(path)
+    info = Path(path) / RM_INFO_FILE
+    if info.exists():
+        fmt = json.loads(info.read_text()).get("input_format", "chat")
+        if fmt != "chat":
+            raise ConfigError(
+                f"{key}={path} was trained on {fmt} pairs (prompt + completion as plain text, {info.name}); "
+                "RL scores each response as the prompt's messages plus the response in the chat template, a "
+                "format it never saw: train it on chat pairs (prompt, chosen, rejected as message lists)"
+            )
     architectures = getattr(load_config(path), "architectures", None) or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         raise ConfigError(
@@ -100,6 +115,20 @@ def check_ensemble(rm: RewardModelConfig) -> None:
         )
 
 
+def input_limit(config: RewardModelConfig, path: str) -> int:
+    """The longest input reward model `path` scores: reward.model.max_length, or its context window."""
+    context = getattr(load_config(path), "max_position_embeddings", None)
+    if config.max_length < 0:
+        raise ConfigError(
+            f"reward.model.max_length must be >= 0 (0 = the model's context), got {config.max_length}"
+        )
+    if config.max_length and context and config.max_length > context:
+        raise ConfigError(
+            f"reward.model.max_length={config.max_length} is over {path}'s context of {context} tokens"
+        )
+    return config.max_length or int(context or 2**31)
+
+
 def reward_model_spec(cfg: RLConfig, threads: int) -> RewardModelSpec:
     """The reward model's frozen engine: the model section's precision and attention, right-padded rows."""
     rm, model = cfg.reward.model, cfg.model
@@ -126,9 +155,12 @@ class RewardModelScorer:
 
     def __init__(self, config: RewardModelConfig) -> None:
         self.config = config
-        self.tokenizers = [load_tokenizer(path) for path in [config.path, *config.ensemble]]
+        paths = [config.path, *config.ensemble]
+        self.tokenizers = [load_tokenizer(path) for path in paths]
+        self.max_lengths = [input_limit(config, path) for path in paths]
         self.group: RewardModelGroup | None = None
         self._disagreement: list[float] = []  # this step's per-response spread of the ensemble's scores
+        self._truncated = 0  # inputs cut to max_length (truncation=left) since the last metrics
 
     def attach(self, group: RewardModelGroup | None) -> None:
         """The running `reward_model` group (None while the workers are down)."""
@@ -145,6 +177,16 @@ class RewardModelScorer:
             where = f"reward model input of row {i} (prompt index {batch[keys.INDEX][i]})"
             completion = [{"role": "assistant", "content": str(response)}]
             ids, _ = completion_tokens(tokenizer, list(messages), completion, where)
+            limit = self.max_lengths[model]
+            if len(ids) > limit:
+                if self.config.truncation == "error":
+                    raise RewardError(
+                        f"{where} is {len(ids)} tokens, over the {limit} the reward model "
+                        f"{[self.config.path, *self.config.ensemble][model]} takes (reward.model.max_length, "
+                        "default its context); reward.model.truncation=left keeps its last tokens"
+                    )
+                ids = ids[-limit:]
+                self._truncated += 1
             items.append({"input_ids": ids, keys.LOSS_MASK: [0] * len(ids), "index": i})
         return collate_sft(items, int(tokenizer.pad_token_id)).select(RM_INPUTS, [])
 
@@ -176,9 +218,12 @@ class RewardModelScorer:
     def ensemble_metrics(self) -> dict[str, float]:
         """`reward/model_score/ensemble_std`: the ensemble's spread per response, averaged over every response
         scored since the last call (a step's, ReMax's greedy baselines and dynamic sampling's dropped rounds
-        included); {} for one model."""
-        if not self._disagreement:
-            return {}
-        spread = float(torch.tensor(self._disagreement).mean())
-        self._disagreement = []
-        return {"reward/model_score/ensemble_std": spread}
+        included; none for one model); `reward/model_truncated`: the inputs cut to max_length since then."""
+        out = {}
+        if self.config.truncation == "left":
+            out["reward/model_truncated"] = float(self._truncated)
+            self._truncated = 0
+        if self._disagreement:
+            out["reward/model_score/ensemble_std"] = float(torch.tensor(self._disagreement).mean())
+            self._disagreement = []
+        return out

@@ -98,6 +98,9 @@ class StepTrainer(ABC, Generic[GroupT]):
         """Whether to stop after `step` (its metrics, validation included) rather than run on."""
         return False
 
+    def describe_export(self, folder: Path) -> None:
+        """Files of this trainer's own beside the exported model (before it is renamed into place)."""
+
     def after_steps(self) -> None:
         """Work once after the last step, before the export (e.g. writing the final evaluation)."""
 
@@ -202,6 +205,7 @@ class StepTrainer(ABC, Generic[GroupT]):
         if partial.exists():
             shutil.rmtree(partial)
         group.export_hf(partial)
+        self.describe_export(partial)
         if final.exists():
             aside = final.with_name(f".{final.name}.old")
             if aside.exists():

@@ -20,6 +20,7 @@ from posttrain.data.tasks.arithmetic_pairs import write_arithmetic_pairs
 from posttrain.errors import ConfigError
 from posttrain.models import load_tokenizer
 from posttrain.trainers.rm import EVAL_FILE, RMTrainer
+from posttrain.trainers.rm_scoring import RM_INFO_FILE, check_reward_model_dir
 from tests.data.conftest import write_rows
 
 
@@ -81,6 +82,12 @@ def test_rm_cli_trains_reports_accuracy_and_writes_a_classifier(
     assert accuracy == pytest.approx(final["val/accuracy"])
     margin = float((scores[0::2] - scores[1::2]).double().mean())
     assert margin == pytest.approx(final["val/margin"], abs=1e-5)
+    # it says how its pairs were written: RL takes a chat-trained reward model, refuses a text-trained one
+    assert json.loads((run / "hf" / RM_INFO_FILE).read_text()) == {"input_format": "chat"}
+    check_reward_model_dir("reward.model.path", str(run / "hf"))
+    (run / "hf" / RM_INFO_FILE).write_text(json.dumps({"input_format": "text"}))
+    with pytest.raises(ConfigError, match="was trained on text pairs .* train it on chat pairs"):
+        check_reward_model_dir("reward.model.path", str(run / "hf"))
 
 
 @pytest.mark.parametrize(

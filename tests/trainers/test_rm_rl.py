@@ -266,3 +266,43 @@ def test_a_rows_score_is_its_last_tokens_whatever_the_configs_pad_id(rm_dir: Pat
     batched = scores(["7", "7 is the answer to this one, written out at length"])
     assert batched[0] == pytest.approx(alone, abs=1e-5)
     assert batched[1] != pytest.approx(alone, abs=1e-3)
+
+
+def test_an_input_longer_than_the_reward_model_takes_is_an_error_or_cut_from_the_left(
+    tiny_model_dir: Path, rm_dir: Path
+) -> None:
+    """Nothing checked inputs against the reward model's context: a 16-position model silently scored rows of
+    31-110 tokens. Now: a RewardError naming the row, or (truncation=left) its last max_length tokens, counted."""
+    batch = scored_batch()
+    limit = 12  # the rendered rows are longer: the template alone takes a dozen tokens
+
+    def stage_with(*extra: str) -> RewardStage:
+        cfg = rl_cfg(
+            tiny_model_dir, f"reward.model.path={rm_dir}", f"reward.model.max_length={limit}", *extra
+        )
+        stage = RewardStage(cfg)
+        group = LocalWorkerGroup(RewardModelWorker, reward_model_spec(cfg, threads=1), role="reward_model")
+        stage.attach_model(RewardModelGroup(group))
+        stage.begin_step(1)
+        return stage
+
+    with pytest.raises(RewardError, match=rf"reward model input of row 0 .* is \d+ tokens, over the {limit}"):
+        stage_with().score(batch)
+    stage = stage_with("reward.model.truncation=left")
+    out = stage.score(batch)
+    assert stage.end_step()["reward/model_truncated"] == 3.0
+    # what was scored: each row's last `limit` tokens, as Hugging Face scores them alone
+    from transformers import AutoModelForSequenceClassification
+
+    tok = load_tokenizer(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    inputs = stage.model.inputs(batch)  # type: ignore[union-attr]
+    for row in range(3):
+        ids = inputs[keys.INPUT_IDS][row][inputs[keys.ATTENTION_MASK][row].bool()]
+        assert len(ids) == limit and ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+        with torch.no_grad():
+            expected = float(model(input_ids=ids[None]).logits[0, 0])
+        assert out[keys.MODEL_SCORE][row] == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ConfigError, match="over .* context of"):
+        rl_cfg_stage = rl_cfg(tiny_model_dir, f"reward.model.path={rm_dir}", "reward.model.max_length=100000")
+        RewardStage(rl_cfg_stage)
