@@ -76,3 +76,21 @@ def test_a_changed_adapter_cannot_resume_its_checkpoint(
     check_resumable(tmp_path, state, load_config(RLConfig, "rl", [*base, "model.lora.target_modules=[v_proj,q_proj,k_proj,o_proj,gate_proj,up_proj,down_proj]"]))  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         check_resumable(tmp_path, state, load_config(RLConfig, "rl", [*base, change]))
+
+
+def test_a_resume_under_another_data_order_is_refused_and_other_changes_are_named(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loader resumes at batch k of the epoch's permutation: another batch size skipped 8 of 32 rows of
+    the epoch, another seed repeated rows, silently; a new learning rate was logged at INFO only."""
+    base = [f"model.path={tiny_model_dir}", "data.train_batch_prompts=4"]
+    saved = load_config(RLConfig, "rl", base)
+    state = {"model": model_fingerprint(str(tiny_model_dir)), "config": to_dict(saved), "world_size": 1}
+    for change in ("data.train_batch_prompts=8", "trainer.seed=5", "data.shuffle=False"):
+        key = change.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"trained with {key}=.*this run has {change}"):
+            check_resumable(tmp_path, state, load_config(RLConfig, "rl", [*base, change]))
+    with caplog.at_level("WARNING"):
+        check_resumable(tmp_path, state, load_config(RLConfig, "rl", [*base, "actor.optim.lr=0.002", "trainer.total_steps=99"]))  # fmt: skip
+    assert "settings changed since it was saved: actor.optim.lr: 1e-05 -> 0.002" in caplog.text
+    assert "total_steps" not in caplog.text  # a longer run is what a resume is for
