@@ -63,6 +63,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="sdpa",
         help="the model's attention as transformers loads it (eager: a model without sdpa, e.g. Gemma-2)",
     )
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=_template_kwargs,
+        default=None,
+        help="JSON object of the chat template's arguments, as data.apply_chat_template_kwargs (e.g. "
+        "'{\"enable_thinking\": false}'); default: a checkpoint's own setting, else none",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -73,13 +80,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _template_kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of the template's arguments, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class EvalModel:
-    """What to generate with: a model directory, and a LoRA adapter to merge into it (or None)."""
+    """What to generate with: a model directory, and a LoRA adapter to merge into it (or None); a checkpoint's
+    chat template arguments (its run's data.apply_chat_template_kwargs), so its prompts are validation's."""
 
     path: Path
     kind: str  # "model" | "checkpoint" | "adapter"
     adapter: Path | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 def resolve_model(arg: str, base: str | None, workdir: Path) -> EvalModel:
@@ -100,11 +119,18 @@ def resolve_model(arg: str, base: str | None, workdir: Path) -> EvalModel:
                 f"LoRA adapter {path}: its base model {base_dir!r} is not a local directory; give --base DIR"
             )
         return EvalModel(check_model_dir(base_dir), "adapter", adapter=path)
-    from posttrain.trainers.checkpoint import STATE_FILE
+    from posttrain.trainers.checkpoint import STATE_FILE, CheckpointManager
     from posttrain.trainers.export import export_checkpoint, resolve_checkpoint
 
     # a run directory holds a config.json too (the run's config), so checkpoints are recognised first
-    if not ((path / STATE_FILE).exists() or (path / "latest").exists()) and (path / "config.json").is_file():
+    run_dir = (path / "metrics.jsonl").exists() or (path / "run_info.json").exists()
+    has_checkpoint = (path / STATE_FILE).exists() or CheckpointManager(path).latest() is not None
+    if run_dir and not has_checkpoint:  # an offline trainer's run (its model in hf/), or a run not yet saved
+        if (path / "hf" / "config.json").is_file():
+            logger.warning("eval: %s is a run directory; evaluating its model %s", path, path / "hf")
+            return EvalModel(check_model_dir(path / "hf"), "model")
+        raise ModelError(f"{path} is a run directory with no checkpoint and no hf/ model yet")
+    if not has_checkpoint and (path / "config.json").is_file():
         return EvalModel(check_model_dir(path), "model")
     try:
         checkpoint = resolve_checkpoint(path)
@@ -114,7 +140,10 @@ def resolve_model(arg: str, base: str | None, workdir: Path) -> EvalModel:
             "checkpoint (no trainer_state.pt) or a run directory with a complete checkpoint"
         ) from None
     logger.warning("eval: exporting checkpoint %s (merged) to %s", checkpoint, workdir)
-    return EvalModel(export_checkpoint(checkpoint, workdir / "model"), "checkpoint")
+    saved = CheckpointManager(checkpoint.parent).load_state(checkpoint).get("config", {})
+    kwargs = saved.get("data", {}).get("apply_chat_template_kwargs") or None
+    exported = export_checkpoint(checkpoint, workdir / "model")
+    return EvalModel(exported, "checkpoint", template_kwargs=kwargs)
 
 
 def pass_ks(spec: str, n: int) -> list[int]:
@@ -142,7 +171,8 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp:
         model = resolve_model(args.model, args.base, Path(tmp))
         results, samples = evaluate(model, args, ks)
-    results["model"] = {"path": str(args.model), "kind": model.kind}
+    kwargs = args.chat_template_kwargs if args.chat_template_kwargs is not None else model.template_kwargs
+    results["model"] = {"path": str(args.model), "kind": model.kind, "chat_template_kwargs": kwargs or {}}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
         for row in samples:
@@ -155,6 +185,7 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
     """(results, samples): generate n samples per prompt with the rollout engine, score them with the
     reward manager, summarise."""
     from posttrain.data.dataset import PromptDataset
+    from posttrain.data.template_options import with_template_kwargs
     from posttrain.engine.distributed import resolve_device
     from posttrain.models import load_tokenizer
     from posttrain.rollout import make_rollout_engine
@@ -162,7 +193,10 @@ def evaluate(model: EvalModel, args: argparse.Namespace, ks: list[int]) -> tuple
     from posttrain.workers.sampling import untie_rollout_head
 
     start = time.perf_counter()
-    tokenizer = load_tokenizer(model.path)
+    kwargs = args.chat_template_kwargs if args.chat_template_kwargs is not None else model.template_kwargs
+    if kwargs and args.chat_template_kwargs is None:
+        print(f"eval: the checkpoint's chat template arguments {json.dumps(kwargs)} (--chat-template-kwargs)")
+    tokenizer = with_template_kwargs(load_tokenizer(model.path), kwargs or {}, str(model.path))
     dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.overlong_prompts)
     count = min(args.max_prompts or len(dataset), len(dataset))
     items = [dataset[i] for i in range(count)]

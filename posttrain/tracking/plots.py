@@ -33,7 +33,11 @@ class Figure:
 # workers/losses.py, rewarding.py for the in-reward KL, sft.py, dpo.py)
 FIGURES = (
     Figure("reward", "Reward", ("reward/mean", "val/reward")),
-    Figure("accuracy", "Accuracy (held-out, training)", ("val/acc", "acc")),
+    Figure(
+        "accuracy",
+        "Accuracy (held-out, training; reward models and DPO: pairwise)",
+        ("val/acc", "acc", "val/accuracy", "rm/accuracy", "dpo/rewards_accuracy", "val/rewards_accuracy"),
+    ),
     Figure("response_length", "Response length (tokens)", ("response_length/mean", "val/response_length")),
     Figure(
         "kl",
@@ -49,7 +53,22 @@ FIGURES = (
     Figure("mfu", "Model FLOPs utilisation", ("perf/mfu", "perf/mfu/*")),
     Figure("time_shares", "Share of the step's time", ("timing_share/*",)),
     Figure(
-        "loss", "Losses", ("actor/pg_loss", "critic/vf_loss", "sft/nll", "val/nll", "dpo/loss", "val/loss")
+        "loss",
+        "Losses",
+        (
+            "actor/pg_loss",
+            "critic/vf_loss",
+            "sft/nll",
+            "val/nll",
+            "loss",
+            "dpo/loss_*",
+            "val/loss",
+            "rm/loss",
+            "rm/bt_loss",
+            "distill/jsd",
+            "distill/kl_to_teacher",
+            "val/kl_to_teacher",
+        ),
     ),
 )
 FIGURE_NAMES = tuple(f.name for f in FIGURES)

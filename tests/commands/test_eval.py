@@ -170,3 +170,28 @@ def test_eval_runs_a_model_under_eager_attention_as_under_sdpa(
         tiny_model_dir, arithmetic_data["test"], tmp_path / "e", "--attn-implementation", "eager"
     )
     assert [s["response"] for s in eager] == [s["response"] for s in sdpa]
+
+
+def test_eval_renders_with_the_chat_template_arguments_and_reads_a_run_directorys_model(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """A run trained with data.apply_chat_template_kwargs (Qwen3's enable_thinking=false) validated on other
+    prompts than eval rendered; `--chat-template-kwargs` (a checkpoint's own by default) renders alike. An
+    offline trainer's run directory is evaluated through its hf/ model (it said "no tokenizer files")."""
+    import shutil
+
+    from tests.data.test_template_options import THINKING
+
+    model = tmp_path / "run" / "hf"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING}))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    _, plain = run_eval(tmp_path / "run", arithmetic_data["test"], tmp_path / "a")
+    results, quiet = run_eval(
+        tmp_path / "run", arithmetic_data["test"], tmp_path / "b", "--chat-template-kwargs", '{"enable_thinking": false}'
+    )  # fmt: skip
+    assert not plain[0]["prompt"].endswith("</think>\n\n")
+    assert all(s["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for s in quiet)
+    assert results["model"]["chat_template_kwargs"] == {"enable_thinking": False}

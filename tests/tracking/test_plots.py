@@ -141,3 +141,25 @@ def test_tracker_plots_never_fail_the_run(tmp_path: Path, monkeypatch: pytest.Mo
     with Tracker(["console"], tmp_path / "console-only", plots=True):  # no jsonl: nothing to draw
         pass
     assert not (tmp_path / "console-only").exists()
+
+
+def test_the_offline_trainers_losses_and_pairwise_accuracies_are_drawn(tmp_path: Path) -> None:
+    """DPO logs `loss` and `dpo/loss_<type>`, RM `rm/bt_loss` and `val/accuracy`, distill `distill/jsd`: the
+    loss figure showed none of them (only val/loss), and distill's was skipped."""
+    runs = {
+        "dpo": {"loss": 0.6, "dpo/loss_sigmoid": 0.6, "dpo/rewards_accuracy": 0.5},
+        "rm": {"rm/bt_loss": 0.7, "rm/accuracy": 0.6, "val/accuracy": 0.55},
+        "distill": {"distill/jsd": 0.2, "val/kl_to_teacher": 0.3},
+    }
+    for name, metrics in runs.items():
+        with Tracker(["jsonl"], tmp_path / name) as tracker:
+            for step in (1, 2):
+                tracker.log(metrics, step=step)
+    result = plot_runs([tmp_path / name for name in runs], tmp_path / "plots", metrics=["loss", "accuracy"])
+    assert set(result.series["loss"]) == {
+        ("dpo", "loss"), ("dpo", "dpo/loss_sigmoid"), ("rm", "rm/bt_loss"), ("distill", "distill/jsd"),
+        ("distill", "val/kl_to_teacher"),
+    }  # fmt: skip
+    assert set(result.series["accuracy"]) == {
+        ("dpo", "dpo/rewards_accuracy"), ("rm", "rm/accuracy"), ("rm", "val/accuracy"),
+    }  # fmt: skip
