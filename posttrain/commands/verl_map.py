@@ -300,7 +300,19 @@ def _run_dir(v: Any, ctx: Context) -> dict[str, Any]:
 def _resume(v: Any, ctx: Context) -> dict[str, Any]:
     if v in ("auto", "disable"):
         return {"trainer.resume": v == "auto"}
-    raise Unmappable("resume_mode=resume_path: posttrain resumes from <run_dir>/latest (trainer.resume)")
+    if v == "resume_path":
+        path = ctx.get(f"{T}resume_from_path")
+        if not path:
+            raise Unmappable("resume_mode=resume_path needs trainer.resume_from_path")
+        return {"trainer.resume": True, "trainer.resume_from": str(path)}
+    raise Unmappable(f"resume_mode={v!r}: verl's modes are auto, disable, resume_path")
+
+
+def _resume_path(v: Any, ctx: Context) -> dict[str, Any]:
+    """Read by resume_mode's rule; verl ignores it under the other modes."""
+    if ctx.get(f"{T}resume_mode") != "resume_path":
+        raise NoEffect("verl reads it with resume_mode=resume_path only")
+    return {}
 
 
 def _must_be(expected: Any, reason: str, effect: str) -> Convert:
@@ -441,7 +453,8 @@ RULES: tuple[Rule, ...] = (
         "wandb runs offline (files in <run_dir>/wandb; `wandb sync` uploads them), mlflow in <run_dir>/mlflow.db",
         False,
     ),
-    Rule(f"{T}resume_mode", ("trainer.resume",), _resume, "auto: true, disable: false"),
+    Rule(f"{T}resume_from_path", (), _resume_path, "with resume_mode=resume_path (there)", False),
+    Rule(f"{T}resume_mode", ("trainer.resume", "trainer.resume_from"), _resume, "auto: true, disable: false, resume_path: resume_from = resume_from_path (a posttrain checkpoint folder)"),
     rule("ray_kwargs.ray_init.num_cpus", "ray.num_cpus", apply_default=False),
     rule("ray_init.num_cpus", "ray.num_cpus", "older name", False),
     Rule("actor_rollout_ref.hybrid_engine", (), _must_be(True, "posttrain's rollout is always the hybrid engine", "posttrain's default"), "True only"),

@@ -287,6 +287,9 @@ class TrainerConfig:
     save_every: int = 10  # steps; 0 = only at the end
     max_checkpoints_to_keep: int = 2
     resume: bool = True  # resume from <run_dir>/latest when present
+    # resume from this checkpoint instead (step_N of run_dir, or any checkpoint folder's path: a run forked
+    # from another's step); verl's resume_mode=resume_path with resume_from_path
+    resume_from: str = ""
     max_restarts: int = 0  # after a worker failure: new workers, resume from the last checkpoint; 0 = exit
     restart_wait_s: float = 120.0  # a restart waits this long for the failed workers' resources to be freed
     collective_timeout_s: float = 1800.0  # torch.distributed timeout and the driver's wait on a worker call

@@ -60,6 +60,7 @@ class SFTTrainerConfig:
     save_every: int = 0
     max_checkpoints_to_keep: int = 2
     resume: bool = True  # resume from <run_dir>/latest when present
+    resume_from: str = ""  # resume from this checkpoint instead (step_N of run_dir, or a checkpoint's path)
     stop_at_val_nll: float = 0.0  # early stop: end (and export) once a validation's NLL is at most this
 
     @property

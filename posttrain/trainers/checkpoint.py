@@ -141,6 +141,21 @@ class CheckpointManager:
             f"{pointer} names {path.name}, which is incomplete or missing; remove it to start over"
         )
 
+    def start_point(self, resume: bool, resume_from: str) -> Path | None:
+        """The checkpoint a run starts from: `resume_from` (a `step_N` of this run directory, or a checkpoint
+        folder's path), else the latest when `resume`, else None; ConfigError when `resume_from` is none."""
+        if not resume_from:
+            return self.latest() if resume else None
+        path = Path(resume_from).expanduser()
+        if not path.is_absolute() and not path.exists():
+            path = self.run_dir / resume_from
+        if not (path / STATE_FILE).exists():
+            raise ConfigError(
+                f"trainer.resume_from={resume_from}: {path} is not a checkpoint (no {STATE_FILE}); give step_N "
+                f"of {self.run_dir} or a checkpoint folder's path"
+            )
+        return path
+
     def recover(self) -> None:
         """Clean up or restore what an interrupted save left (module docstring). The trainer calls it at
         start, holding the run directory's lock, before anything reads or writes checkpoints."""

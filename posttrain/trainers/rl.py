@@ -132,7 +132,7 @@ class RLTrainer:
         cfg = self.cfg
         owns_ray = cfg.trainer.backend == "ray" and not ray_is_running()
         # before the workers start: a stale `latest` pointer or an unwritable run directory stops nothing
-        resumes = cfg.trainer.resume and self.checkpoints.latest() is not None
+        resumes = self.checkpoints.start_point(cfg.trainer.resume, cfg.trainer.resume_from) is not None
         tracker = Tracker(
             cfg.trainer.loggers,
             self.run_dir,
@@ -465,9 +465,11 @@ class RLTrainer:
         run wrote it. After a failure with nothing to load, the run starts over from step 0."""
         if after_failure:
             self._reset_progress()
-        if not (self.cfg.trainer.resume or (after_failure and self._published)):
-            return
-        latest = self.checkpoints.latest()
+        trainer = self.cfg.trainer
+        if after_failure:  # this run's own newest checkpoint
+            latest = self.checkpoints.latest() if trainer.resume or self._published else None
+        else:
+            latest = self.checkpoints.start_point(trainer.resume, trainer.resume_from)
         if latest is None:
             return
         check_resumable(latest, self.checkpoints.load_state(latest), self.cfg)

@@ -127,7 +127,7 @@ class StepTrainer(ABC, Generic[GroupT]):
             raise ConfigError(
                 f"trainer.save_every must be >= 0 (0 = no periodic checkpoint), got {trainer.save_every}"
             )
-        latest = checkpoints.latest() if trainer.resume else None
+        latest = checkpoints.start_point(trainer.resume, trainer.resume_from)
         if latest is not None:  # before the workers start: a mismatch stops nothing
             check_resumable(latest, checkpoints.load_state(latest), self.cfg)
         group, pools = self.start()

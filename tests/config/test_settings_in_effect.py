@@ -303,3 +303,8 @@ def test_verls_critic_warmup_counts_from_step_one() -> None:
     """verl updates the actor once critic_warmup <= global_steps (from 1): its N is N - 1 critic-only steps."""
     overrides = convert({"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 3}).overrides()
     assert "algorithm.critic_warmup=2" in overrides
+
+
+def test_verls_resume_path_mode_maps_to_resume_from() -> None:
+    given = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "runs/a/step_4"}
+    assert {"trainer.resume=true", "trainer.resume_from=runs/a/step_4"} <= set(convert(given).overrides())

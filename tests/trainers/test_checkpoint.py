@@ -126,3 +126,19 @@ def test_one_trainer_per_run_directory(tmp_path: Path) -> None:
             RunLock(tmp_path).__enter__()
     with RunLock(tmp_path):
         pass
+
+
+def test_a_run_starts_from_the_checkpoint_resume_from_names(tmp_path: Path) -> None:
+    """trainer.resume_from (verl's resume_mode=resume_path): a step_N of the run, or any checkpoint's path
+    (a run forked from another's step); without it, latest when trainer.resume."""
+    manager = CheckpointManager(tmp_path / "run", max_to_keep=0)
+    for step in (2, 4):
+        save(manager, step)
+    other = CheckpointManager(tmp_path / "other")
+    save(other, 7)
+    assert manager.start_point(True, "") == tmp_path / "run" / "step_4"
+    assert manager.start_point(False, "") is None
+    assert manager.start_point(True, "step_2") == tmp_path / "run" / "step_2"
+    assert manager.start_point(False, str(tmp_path / "other" / "step_7")) == tmp_path / "other" / "step_7"
+    with pytest.raises(ConfigError, match=r"trainer.resume_from=step_3: .* is not a checkpoint"):
+        manager.start_point(True, "step_3")

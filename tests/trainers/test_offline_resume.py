@@ -69,6 +69,12 @@ def test_a_killed_offline_run_resumes_exactly(
     assert f"resumed from {killed / 'step_2'} at step 2" in second.stdout
     assert steps(killed) == steps(straight)  # the same losses, step for step
     assert (killed / "hf" / "config.json").exists()
+    if name == "sft":  # a run forked from another's checkpoint (trainer.resume_from) goes on as it did
+        fork = tmp_path / "fork"
+        run = command(name, tiny_model_dir, data, fork, *args, f"trainer.resume_from={killed / 'step_2'}")
+        done = subprocess.run(run, env=driver_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert steps(fork) == {k: v for k, v in steps(straight).items() if k > 2}
 
 
 def test_sigterm_saves_and_the_next_start_finishes(
