@@ -39,10 +39,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _offline_done(trainer: Any) -> int:
-    """The exit status of an offline trainer's command: 0 with its HF directory written; 128 + the signal's
-    number when SIGINT/SIGTERM stopped it after a checkpoint (no export)."""
-    if trainer.stop_signal is not None:
-        return 128 + trainer.stop_signal
+    """The exit status of an offline trainer's finished command: 0, its HF directory written. (Stopped by
+    SIGINT/SIGTERM after a checkpoint, `fit` raised RunStopped: `main` exits 128 + the signal's number.)"""
     print(f"wrote {trainer.hf_dir}")
     return 0
 
@@ -80,7 +78,7 @@ def _distill(args: argparse.Namespace) -> int:
     preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = DistillTrainer(cfg)
     metrics = trainer.fit()
-    if "val/kl_to_teacher" in metrics and trainer.stop_signal is None:
+    if "val/kl_to_teacher" in metrics:
         print(f"held-out KL(student || teacher) per token {metrics['val/kl_to_teacher']:.4f}")
     return _offline_done(trainer)
 
@@ -94,8 +92,6 @@ def _rm(args: argparse.Namespace) -> int:
     preflight.check_ray_address(cfg.ray.address if cfg.trainer.backend == "ray" else "")
     trainer = RMTrainer(cfg)
     trainer.fit()
-    if trainer.stop_signal is not None:
-        return _offline_done(trainer)
     if trainer.final_eval:
         e = trainer.final_eval
         print(f"held-out pairwise accuracy {e['val/accuracy']:.4f} over {int(e['val/pairs'])} pairs")
@@ -267,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.workers.process import quiet_transformers
 
     quiet_transformers()
+    from posttrain.trainers.fault import RunStopped
+
     try:
         return args.func(args) or 0
+    except RunStopped as stopped:  # SIGINT/SIGTERM after a checkpoint (the message is printed): 128 + signal
+        return 128 + stopped.signum
     except PosttrainError as exc:
         print(f"posttrain {args.command}: error: {exc}", file=sys.stderr)
         return 2

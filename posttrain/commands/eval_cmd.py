@@ -124,8 +124,10 @@ def resolve_model(arg: str, base: str | None, workdir: Path) -> EvalModel:
 
     # a run directory holds a config.json too (the run's config), so checkpoints are recognised first
     run_dir = (path / "metrics.jsonl").exists() or (path / "run_info.json").exists()
-    has_checkpoint = (path / STATE_FILE).exists() or CheckpointManager(path).latest() is not None
-    if run_dir and not has_checkpoint:  # an offline trainer's run (its model in hf/), or a run not yet saved
+    latest = CheckpointManager(path).latest() if run_dir else None
+    has_checkpoint = (path / STATE_FILE).exists() or latest is not None
+    offline = latest is not None and CheckpointManager(path).load_state(latest).get("trainer", "rl") != "rl"
+    if run_dir and (offline or not has_checkpoint):  # an offline trainer's run: its model is hf/
         if (path / "hf" / "config.json").is_file():
             logger.warning("eval: %s is a run directory; evaluating its model %s", path, path / "hf")
             return EvalModel(check_model_dir(path / "hf"), "model")

@@ -138,7 +138,8 @@ class CheckpointManager:
         if (moved / STATE_FILE).exists():
             return moved
         raise ConfigError(
-            f"{pointer} names {path.name}, which is incomplete or missing; remove it to start over"
+            f"{pointer} names {path.name}, which is incomplete or missing; set trainer.resume_from to another "
+            "checkpoint, or trainer.resume=false to start over"
         )
 
     def start_point(self, resume: bool, resume_from: str) -> Path | None:

@@ -66,9 +66,16 @@ def _same(value: Any) -> Any:
     return sorted(map(str, value)) if isinstance(value, list | tuple) else value
 
 
-def check_resumable(latest: Path, state: dict[str, Any], cfg: Any) -> None:
+def check_resumable(latest: Path, state: dict[str, Any], cfg: Any, trainer_name: str = "rl") -> None:
     """Raise ConfigError naming the mismatch when checkpoint `latest` (its trainer `state`) cannot resume
     `cfg` (an RL config, or an offline trainer's: model, trainer.world_size)."""
+    wrote = state.get("trainer", "rl")  # which command's checkpoint (older ones: posttrain train's)
+    if wrote != trainer_name:
+        raise ConfigError(
+            f"checkpoint {latest} was written by `posttrain {'train' if wrote == 'rl' else wrote}`; this is "
+            f"`posttrain {'train' if trainer_name == 'rl' else trainer_name}`: give it a run directory of its own "
+            "(trainer.run_dir)"
+        )
     fingerprint = model_fingerprint(cfg.model.path)
     if state["model"] != fingerprint:
         raise ConfigError(f"checkpoint {latest} is of another model ({state['model']}) than {fingerprint}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ from posttrain.models import check_model_dir, load_tokenizer
 from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rollout.base import SamplingParams
 from posttrain.tracking.progress import RunProgress
+from posttrain.trainers.checkpoint import DriverState
 from posttrain.trainers.checks import check_files, check_model_options
 from posttrain.trainers.pixel_bounds import pixel_bounds_set
 from posttrain.trainers.settings_in_effect import check_offline_settings_in_effect
@@ -201,6 +203,10 @@ class DistillTrainer(StepTrainer[DistillGroup]):
             max_tokens=cfg.data.max_response_length, temperature=cfg.distill.temperature
         )
 
+    def driver_states(self) -> dict[str, DriverState]:
+        """Also the coin of which steps sample from the student (a resume draws on where it stopped)."""
+        return {**super().driver_states(), "coin": _CoinState(self.coin)}
+
     def start(self) -> tuple[DistillGroup, dict[str, ResourcePool]]:
         cfg = self.cfg
         spec = ActorRolloutRefSpec(
@@ -263,3 +269,17 @@ class DistillTrainer(StepTrainer[DistillGroup]):
         d = self.cfg.distill
         out = group.gkd(batch, beta=d.beta, temperature=d.temperature, backward=False)
         return {f"val/{k.split('/', 1)[1]}": v for k, v in out.items()}
+
+
+class _CoinState:
+    """A `random.Random` as a checkpoint part."""
+
+    def __init__(self, coin: random.Random) -> None:
+        self.coin = coin
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.coin.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "state" in state:  # a checkpoint of a run without one keeps the fresh coin
+            self.coin.setstate(state["state"])

@@ -31,6 +31,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, adapter_only: boo
     """Write the policy of `checkpoint` to `out`; with LoRA, merged into the base unless `adapter_only`."""
     path = resolve_checkpoint(checkpoint)
     state = CheckpointManager(path.parent).load_state(path)
+    if state.get("trainer") == "rm":
+        raise ConfigError(
+            f"{path} is a reward model's checkpoint (posttrain rm); `posttrain export` writes policies: the "
+            f"trained reward model is {path.parent / 'hf'} (trainer.save_hf_dir), written when the run ends"
+        )
     # the model section only: a checkpoint of an older version, whose other sections hold keys since
     # renamed or dropped, still exports
     model = from_dict(ModelConfig, state["config"]["model"])

@@ -44,6 +44,15 @@ def kill_point(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class RunStopped(Exception):
+    """An offline trainer stopped by SIGINT/SIGTERM after saving a checkpoint (no export): the command exits
+    128 + `signum`; a script calling `fit()` stops here rather than going on without the trained model."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 class StopSignals:
     """SIGINT/SIGTERM handlers for the duration of a `with` block; the previous handlers come back after.
 

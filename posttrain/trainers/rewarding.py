@@ -120,13 +120,20 @@ class RewardStage:
                 [truths[i] for i in ruled],
                 [extras[i] for i in ruled],
             )
-            metrics.update(self.check_validation(result))
+            if self.use_rules:  # the reward trained on: every score failing stops the run (check_validation)
+                metrics.update(self.check_validation(result))
+            else:  # a reward model alone: the rule scores only measure accuracy, their failures are counted
+                metrics["val/rule_error_rate"] = result.n_errors / len(ruled)
             for i, value in zip(ruled, result.scores, strict=True):
                 rule_scores[i] = value
         rewards = [value if value is not None and self.use_rules else 0.0 for value in rule_scores]
         if self.model is not None:
             model_scores = self.model.score(batch).tolist()
             metrics["val/model_score/mean"] = sum(model_scores) / max(n, 1)
+            # this scoring's ensemble spread and truncations are validation's, not the next step's
+            metrics.update(
+                {f"val/{k.removeprefix('reward/')}": v for k, v in self.model.ensemble_metrics().items()}
+            )
             weight = self.cfg.reward.model.weight
             rewards = [r + weight * m for r, m in zip(rewards, model_scores, strict=True)]
         correct = [None if v is None else v >= correct_score for v in rule_scores]

@@ -53,6 +53,7 @@ def checkpoint_parts(
 def checkpoint_meta(cfg: RLConfig) -> dict[str, Any]:
     """What a resume checks against (trainers/compat.py): the world size, the model, the whole config."""
     return {
+        "trainer": "rl",  # which command wrote it (the offline trainers put their own name)
         "world_size": cfg.trainer.world_size,
         "model": model_fingerprint(cfg.model.path),
         "config": to_dict(cfg),

@@ -12,11 +12,13 @@ Checkpoints, as the RL trainer's (trainers/checkpoint.py, one trainer per run di
 `trainer.save_every` steps the group's sharded weights and optimizer, the data position, the step and the
 driver's RNG go to `<run_dir>/step_<N>`; the next start resumes from the newest (`trainer.resume`), checked
 against the model and adapter it was trained with. SIGINT/SIGTERM finish the current step, save a checkpoint
-and stop without the export (`stop_signal`; the command exits 128 + the signal's number).
+and stop without the export, raising RunStopped (the command exits 128 + the signal's number; a script
+calling `fit()` stops too rather than going on without the trained model).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -30,11 +32,13 @@ from posttrain.controller.resource_pool import ResourcePool
 from posttrain.errors import ConfigError
 from posttrain.tracking import Tracker
 from posttrain.tracking.progress import RunProgress
-from posttrain.trainers.checkpoint import CheckpointManager, DriverState, RunLock
+from posttrain.trainers.checkpoint import STATE_FILE, CheckpointManager, DriverState, RunLock
 from posttrain.trainers.compat import check_resumable
-from posttrain.trainers.fault import StopSignals
+from posttrain.trainers.fault import RunStopped, StopSignals
 from posttrain.trainers.rl_checkpoint import checkpoint_meta
 from posttrain.workers.process import ProcessRNG
+
+log = logging.getLogger(__name__)
 
 
 class TrainedGroup(Protocol):
@@ -127,9 +131,10 @@ class StepTrainer(ABC, Generic[GroupT]):
             raise ConfigError(
                 f"trainer.save_every must be >= 0 (0 = no periodic checkpoint), got {trainer.save_every}"
             )
+        self._check_hf_dir()
         latest = checkpoints.start_point(trainer.resume, trainer.resume_from)
         if latest is not None:  # before the workers start: a mismatch stops nothing
-            check_resumable(latest, checkpoints.load_state(latest), self.cfg)
+            check_resumable(latest, checkpoints.load_state(latest), self.cfg, trainer_name=self.run_name)
         group, pools = self.start()
         tracker = Tracker(
             trainer.loggers,
@@ -152,13 +157,24 @@ class StepTrainer(ABC, Generic[GroupT]):
                     progress.step = step
                     tracker.rewind(step)  # rows a stopped run logged after its checkpoint are redone
                     print(f"resumed from {latest} at step {step}", flush=True)
+                    if step >= trainer.total_steps:
+                        log.warning(
+                            "the checkpoint is at step %d, trainer.total_steps is %d: nothing to train; "
+                            "the restored model is exported (raise total_steps to continue the run)",
+                            step,
+                            trainer.total_steps,
+                        )
                 while step < trainer.total_steps:
                     step += 1
                     metrics, stopping = self._step(group, progress, tracker, step)
-                    periodic = trainer.save_every and step % trainer.save_every == 0
-                    if stop.requested or (periodic and step < trainer.total_steps and not stopping):
+                    # with periodic checkpoints, the last step's too: `latest` is then the trained model
+                    due = trainer.save_every and (
+                        step % trainer.save_every == 0 or step == trainer.total_steps
+                    )
+                    if stop.requested or due or (stopping and trainer.save_every):
                         with progress.stage("checkpoint"):
-                            checkpoints.save(step, [group], self.driver_states(), checkpoint_meta(self.cfg))
+                            meta = {**checkpoint_meta(self.cfg), "trainer": self.run_name}
+                            checkpoints.save(step, [group], self.driver_states(), meta)
                     if stop.requested or stopping:
                         break
                 if not stop.requested:
@@ -172,14 +188,34 @@ class StepTrainer(ABC, Generic[GroupT]):
             for pool in pools.values():
                 pool.remove()
         if stop.requested:
+            assert stop.signum is not None
             self.stop_signal = stop.signum
             hint = (
                 "the same command resumes"
                 if trainer.resume
                 else "the same command with trainer.resume=true resumes"
             )
-            print(f"stopped by {stop.name} after step {step}; {hint} from {checkpoints.latest()}", flush=True)
+            message = f"stopped by {stop.name} after step {step}; {hint} from {checkpoints.latest()}"
+            print(message, flush=True)
+            raise RunStopped(stop.signum, message)
         return metrics
+
+    def _check_hf_dir(self) -> None:
+        """Before training: the export replaces `hf_dir` as a whole, so it must be a model directory of its
+        own (or not exist yet): not the run directory or a folder holding it, not a folder of other files."""
+        hf, run = self.hf_dir.resolve(), self.run_dir.resolve()
+        if hf == run or hf in run.parents:
+            raise ConfigError(
+                f"trainer.save_hf_dir={self.cfg.trainer.save_hf_dir}: the export replaces that folder, which "
+                f"holds the run directory {self.run_dir}; give a folder of its own (default <run_dir>/hf)"
+            )
+        if hf.is_dir() and any(hf.iterdir()):
+            foreign = [n for n in ("latest", "metrics.jsonl", STATE_FILE) if (hf / n).exists()]
+            if foreign or not (hf / "config.json").is_file():
+                raise ConfigError(
+                    f"{hf} exists and holds {'a run (' + ', '.join(foreign) + ')' if foreign else 'no model'}: "
+                    "the export replaces it as a whole; give trainer.save_hf_dir a folder of its own"
+                )
 
     def _step(
         self, group: GroupT, progress: RunProgress, tracker: Tracker, step: int

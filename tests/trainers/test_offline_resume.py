@@ -100,3 +100,54 @@ def test_sigterm_saves_and_the_next_start_finishes(
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(steps(run)) == list(range(1, stopped_at + 3))
     assert (run / "hf" / "config.json").exists()
+
+
+def test_what_a_run_directory_holds_is_not_taken_for_something_else(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """The export replaced trainer.save_hf_dir as a whole: pointed at the run directory it deleted the
+    checkpoints and metrics, and exited 0. A dpo run in an sft run's directory resumed the sft checkpoint.
+    `posttrain export` of a reward model's checkpoint crashed in DCP (it reads a policy's actor/)."""
+    import torch
+
+    from posttrain.config.load import load_config, to_dict
+    from posttrain.config.schema import SFTConfig
+    from posttrain.errors import ConfigError
+    from posttrain.trainers.compat import check_resumable, model_fingerprint
+    from posttrain.trainers.export import export_checkpoint
+    from posttrain.trainers.sft import SFTTrainer
+
+    run = tmp_path / "run"
+    base = [
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{arithmetic_data['train']}]",
+        f"trainer.run_dir={run}",
+    ]
+    for hf, message in ((run, "holds the run directory"), (tmp_path, "holds the run directory")):
+        with pytest.raises(ConfigError, match=message):
+            SFTTrainer(load_config(SFTConfig, "sft", [*base, f"trainer.save_hf_dir={hf}"])).fit()
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds no model: the export replaces it"):
+        SFTTrainer(load_config(SFTConfig, "sft", [*base, f"trainer.save_hf_dir={other}"])).fit()
+    assert (other / "todo.txt").read_text() == "mine"
+
+    cfg = load_config(SFTConfig, "sft", base)
+    state = {
+        "trainer": "sft",
+        "model": model_fingerprint(str(tiny_model_dir)),
+        "config": to_dict(cfg),
+        "world_size": 1,
+    }
+    check_resumable(tmp_path, state, cfg, trainer_name="sft")
+    with pytest.raises(ConfigError, match=r"written by `posttrain sft`; this is `posttrain dpo`"):
+        check_resumable(tmp_path, state, cfg, trainer_name="dpo")
+    with pytest.raises(ConfigError, match=r"written by `posttrain sft`; this is `posttrain train`"):
+        check_resumable(tmp_path, state, cfg)
+
+    step = tmp_path / "rm_run" / "step_2"
+    step.mkdir(parents=True)
+    torch.save({**state, "trainer": "rm", "step": 2}, step / "trainer_state.pt")
+    with pytest.raises(ConfigError, match="a reward model's checkpoint .* the trained reward model is"):
+        export_checkpoint(step, tmp_path / "out")
