@@ -315,6 +315,29 @@ def _resume_path(v: Any, ctx: Context) -> dict[str, Any]:
     return {}
 
 
+RM = "reward_model."
+
+
+def _reward_model(v: Any, ctx: Context) -> dict[str, Any]:
+    """verl's reward model: with enable=true its score is the reward (the rule reward is not computed), as
+    posttrain's reward.model.path with with_rule_rewards=false. The directory must hold a sequence classifier
+    (posttrain checks it at start)."""
+    if not v:
+        raise NoEffect("function rewards, as posttrain")
+    if f"{RM}model.path" not in ctx.given:
+        raise Unmappable("reward_model.enable=true needs reward_model.model.path (a sequence classifier)")
+    return {"reward.model.path": str(ctx.get(f"{RM}model.path"))}
+
+
+def _with_reward_model(target: str) -> Convert:
+    def convert(v: Any, ctx: Context) -> dict[str, Any]:
+        if not ctx.get(f"{RM}enable"):
+            raise NoEffect("verl reads it with reward_model.enable=true only")
+        return {target: v} if target else {}
+
+    return convert
+
+
 def _must_be(expected: Any, reason: str, effect: str) -> Convert:
     def convert(v: Any, ctx: Context) -> dict[str, Any]:
         if v == expected or (isinstance(expected, tuple) and v in expected):
@@ -430,7 +453,10 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_model.overlong_buffer.enable", (), _overlong_enable, "true: the len below"),
     Rule("reward_model.overlong_buffer.len", ("reward.overlong_buffer_len",), _overlong_buffer("reward.overlong_buffer_len"), "with enable=true only"),
     Rule("reward_model.overlong_buffer.penalty_factor", ("reward.overlong_penalty_factor",), _overlong_buffer("reward.overlong_penalty_factor"), "with enable=true only"),
-    Rule("reward_model.enable", (), _must_be(False, "verl's reward model is not converted: posttrain's is reward.model.path (a sequence classifier, e.g. what posttrain rm writes), set by hand", "function rewards, as posttrain"), "False only"),
+    Rule("reward_model.enable", ("reward.model.path",), _reward_model, "true: reward.model.path = reward_model.model.path, its score alone (as verl)", False),
+    Rule("reward_model.model.path", (), _with_reward_model(""), "with enable=true (there)", False),
+    Rule("reward_model.micro_batch_size_per_gpu", ("reward.model.micro_batch_size",), _with_reward_model("reward.model.micro_batch_size"), "with enable=true only", False),
+    Rule("reward_model.max_length", ("reward.model.max_length",), _with_reward_model("reward.model.max_length"), "with enable=true only", False),
     Rule("reward_model.reward_manager", (), _must_be(("naive", "dapo"), "posttrain's reward manager is verl's naive one (+ DAPO overlong shaping)", "posttrain's reward manager"), "naive, dapo"),
     rule(f"{T}total_training_steps", "trainer.total_steps"),
     Rule(f"{T}total_epochs", ("trainer.total_steps",), _epochs, "epochs x (train rows // train_batch_size)"),

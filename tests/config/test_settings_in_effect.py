@@ -308,3 +308,17 @@ def test_verls_critic_warmup_counts_from_step_one() -> None:
 def test_verls_resume_path_mode_maps_to_resume_from() -> None:
     given = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "runs/a/step_4"}
     assert {"trainer.resume=true", "trainer.resume_from=runs/a/step_4"} <= set(convert(given).overrides())
+
+
+def test_verls_reward_model_maps_to_reward_model_path() -> None:
+    """verl's reward_model.enable=true scores with the model alone (its reward manager returns rm_scores);
+    it was refused as 'not converted'."""
+    given = {
+        "reward_model.enable": True,
+        "reward_model.model.path": "/m/rm",
+        "reward_model.micro_batch_size_per_gpu": 8,
+    }
+    assert {"reward.model.path=/m/rm", "reward.model.micro_batch_size=8"} <= set(convert(given).overrides())
+    off = convert({"reward_model.enable": False, "reward_model.model.path": "/m/rm"})
+    assert not [o for o in off.overrides() if o.startswith("reward.model")]
+    assert "needs reward_model.model.path" in str(convert({"reward_model.enable": True}).unmapped)
