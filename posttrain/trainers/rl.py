@@ -466,9 +466,9 @@ class RLTrainer:
         if after_failure:
             self._reset_progress()
         trainer = self.cfg.trainer
-        if after_failure:  # this run's own newest checkpoint
-            latest = self.checkpoints.latest() if trainer.resume or self._published else None
-        else:
+        if after_failure and self._published:  # this run's own newest checkpoint
+            latest = self.checkpoints.latest()
+        else:  # where the run started from (a restart before its first save starts there again)
             latest = self.checkpoints.start_point(trainer.resume, trainer.resume_from)
         if latest is None:
             return
