@@ -323,7 +323,7 @@ class Backend:
                 "and keeps the vision tower frozen; use create_training_client (full weights) to train the "
                 "tower, or vision_tower='auto' / 'frozen'"
             )
-        for model_id, other in self.models.items():
+        for model_id, other in list(self.models.items()):  # release threads pop from it meanwhile
             if model.lora_rank == 0 or other.lora_rank == 0:
                 raise ValueError(
                     f"a full-weight training client cannot share a backend with other clients ({model_id} "

@@ -143,11 +143,15 @@ class ServiceClient:
         return self._create(model, model_id, check_user_metadata(user_metadata))
 
     def create_training_client_from_state_as(
-        self, model_id: str, path: str, with_optimizer: bool = True
+        self,
+        model_id: str,
+        path: str,
+        with_optimizer: bool = True,
+        user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
         """`create_training_client_from_state(_with_optimizer)` under an id its caller chose (see
-        `create_lora_training_client_as`)."""
-        return self._from_state(path, with_optimizer, model_id)
+        `create_lora_training_client_as`); `user_metadata` None keeps what the id's run has (a reload)."""
+        return self._from_state(path, with_optimizer, model_id, user_metadata)
 
     def _create(
         self, model: ModelSpec, model_id: str | None = None, user_metadata: dict[str, str] | None = None
@@ -172,19 +176,32 @@ class ServiceClient:
             raise
         return TrainingClient(backend, model_id, model)
 
-    def create_training_client_from_state(self, path: str) -> TrainingClient:
-        """A new client with the weights of a saved state (a fresh optimizer)."""
-        return self._from_state(path, with_optimizer=False)
+    def create_training_client_from_state(
+        self, path: str, user_metadata: dict[str, str] | None = None
+    ) -> TrainingClient:
+        """A new client with the weights of a saved state (a fresh optimizer); `user_metadata` kept with its
+        run, as tinker's (the cookbook keeps its renderer there)."""
+        return self._from_state(path, False, None, user_metadata)
 
-    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
-        """A new client with the weights and optimizer state of a saved state."""
-        return self._from_state(path, with_optimizer=True)
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, user_metadata: dict[str, str] | None = None
+    ) -> TrainingClient:
+        """A new client with the weights and optimizer state of a saved state; `user_metadata` as above."""
+        return self._from_state(path, True, None, user_metadata)
 
-    def _from_state(self, path: str, with_optimizer: bool, model_id: str | None = None) -> TrainingClient:
+    def _from_state(
+        self,
+        path: str,
+        with_optimizer: bool,
+        model_id: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
+        if user_metadata is not None:
+            check_user_metadata(user_metadata)
         _, folder = self.backend.resolve(path, "weights")
         saved = json.loads((folder / "model_spec.json").read_text())
         saved["target_modules"] = tuple(saved.get("target_modules", ()))
-        client = self._create(ModelSpec(**saved), model_id)
+        client = self._create(ModelSpec(**saved), model_id, user_metadata)
         loading = client.load_state_with_optimizer(path) if with_optimizer else client.load_state(path)
         loading.result()
         return client

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -210,14 +211,30 @@ def make_app(state: ServerState) -> FastAPI:
     # ---- the rest of the protocol ------------------------------------------------------------
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
     async def not_implemented(rest: str, request: Request) -> JSONResponse:
-        """501, naming the endpoint; `x-should-retry: false` so that the SDK's HTTP layer reports it at once
-        instead of retrying a server error ten times."""
-        await api.tenant(request)
-        return JSONResponse(
-            {"detail": f"/api/v1/{rest} is not implemented by posttrain serve"},
-            status_code=501,
-            headers={"x-should-retry": "false"},
-        )
+        """404, naming the endpoint as not implemented. Not 501: the SDK retries every 5xx for 5 minutes
+        (`InternalClientHolder.execute_with_retries`, whatever `x-should-retry` says), so a user waited that
+        long for this answer. A request that spent a training model's seq_id (save_weights_external) has it
+        consumed with the refusal, so the model's next request is not held behind the gap."""
+        tenant = await api.tenant(request)
+        detail = f"/api/v1/{rest} is not implemented by posttrain serve"
+        refusal = HTTPException(404, detail)
+        if request.method == "POST" and "json" in request.headers.get("content-type", ""):
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                body = None
+            if (
+                isinstance(body, dict)
+                and isinstance(body.get("model_id"), str)
+                and isinstance(body.get("seq_id"), int)
+            ):
+                try:
+                    model = state.model(body["model_id"], tenant)
+                except HTTPException:
+                    model = None
+                if model is not None:
+                    api.refused_in_order(model, body["seq_id"], tenant, rest, refusal)
+        return JSONResponse({"detail": detail}, status_code=404, headers={"x-should-retry": "false"})
 
     bodies.install(app)
     return app

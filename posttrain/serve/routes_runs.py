@@ -138,8 +138,8 @@ def add_run_routes(app: FastAPI, api: Api) -> None:
         path = backend.tinker_path(run_id, kind, name)
         holders = [m.model_id for m in state.models.values() if m.restore_path == path]
         if holders:
-            raise HTTPException(
-                409, f"{path} is the restore point of model {holders[0]}: save another state of it first"
+            raise HTTPException(  # not 409: the SDK retries that for 5 minutes
+                400, f"{path} is the restore point of model {holders[0]}: save another state of it first"
             )
         shutil.rmtree(target)
         return {}

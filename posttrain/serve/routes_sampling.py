@@ -53,6 +53,13 @@ def add_sampling_routes(app: FastAPI, api: Api) -> None:
         if body.sampling_session_id is None:
             raise HTTPException(400, "asample needs a sampling_session_id (create_sampling_session first)")
         sampler = state.sampler(body.sampling_session_id, tenant)
+        if body.record_stability_info:  # refused at the first sample, not at the first update after a batch
+            raise HTTPException(
+                400,
+                "record_stability_info (the sampling side of tinker's stable_reinforce loss) is not supported by "
+                "posttrain serve, nor that loss: train with importance_sampling or ppo (tinker-cookbook: "
+                "Config(loss_fn=...), AsyncConfig(loss_fn='ppo'))",
+            )
         if body.num_samples < 1:
             raise HTTPException(400, f"num_samples must be >= 1, got {body.num_samples}")
         targets = _tensor_data(body.target_prompt_logprobs)

@@ -198,11 +198,16 @@ def add_training_routes(app: FastAPI, api: Api) -> None:
             raise HTTPException(400, "load_weights needs model_id + seq_id, or session_id + model_seq_id")
         state.session(body.session_id, tenant)
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
+        metadata = body.user_metadata or {}  # kept with the new run, as a create_model's
+        try:
+            check_user_metadata(metadata)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
 
         def create() -> types.LoadWeightsResponse:
             try:
                 client = state.service.create_training_client_from_state_as(
-                    model_id, body.path, with_optimizer=body.optimizer
+                    model_id, body.path, with_optimizer=body.optimizer, user_metadata=metadata
                 )
                 info = client.get_info()
                 base_name = state.served_name(info.model_name, body.base_model)

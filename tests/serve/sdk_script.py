@@ -3,6 +3,7 @@ TINKER_API_KEY. Trains a LoRA adapter, samples from it, saves and restores it; p
 
 import json
 import sys
+import time
 
 import numpy as np
 import tinker
@@ -71,6 +72,27 @@ listed = rest.list_checkpoints(run.training_run_id).result()
 runs = rest.list_training_runs().result()
 rest.delete_checkpoint_from_tinker_path(sampler_path).result()
 after_delete = rest.list_checkpoints(run.training_run_id).result()
+
+
+def fails_fast(call) -> dict:  # noqa: ANN001
+    """An endpoint posttrain refuses: the SDK must report it at once (it retries 5xx, 408, 409, 429 for 5 min)."""
+    start = time.perf_counter()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001
+        return {"seconds": time.perf_counter() - start, "error": str(exc)[:300]}
+    return {"seconds": time.perf_counter() - start, "error": ""}
+
+
+unimplemented = fails_fast(lambda: training.save_weights_external("export").result())
+ttl = fails_fast(lambda: rest.set_checkpoint_ttl_from_tinker_path(saved.path, 3600).result())
+start = time.perf_counter()  # the seq_id the refused save_weights_external spent does not hold the model up
+training.forward_backward(data, "cross_entropy").result()
+after_refusal_seconds = time.perf_counter() - start
+restore_point = fails_fast(lambda: rest.delete_checkpoint_from_tinker_path(saved.path).result())
+# a run made from a checkpoint keeps the user_metadata it was made with (the cookbook's renderer_name)
+forked = service.create_training_client_from_state(saved.path, user_metadata={"renderer_name": "role_colon"})
+forked_run = rest.get_training_run(forked.model_id).result()
 print(
     json.dumps(
         {
@@ -102,6 +124,11 @@ print(
             "runs": [r.training_run_id for r in runs.training_runs],
             "sampler_path": sampler_path,
             "after_delete": [c.tinker_path for c in after_delete.checkpoints],
+            "unimplemented": unimplemented,
+            "ttl": ttl,
+            "after_refusal_seconds": after_refusal_seconds,
+            "restore_point_delete": restore_point,
+            "forked_metadata": forked_run.user_metadata,
         }
     )
 )

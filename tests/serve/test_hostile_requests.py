@@ -115,6 +115,16 @@ def test_a_sample_without_max_tokens_counts_what_the_context_leaves(
     assert sample({"max_tokens": 10}).status_code == 200
     unbounded = sample({"temperature": 1.0})  # up to the 1024-position context each: far over 50
     assert unbounded.status_code == 413 and "tokens_per_request=50" in unbounded.text
+    # tinker's stable_reinforce asks samples for stability info: refused at the first sample (it was
+    # accepted and ignored, and the loss failed at the first update, after a whole batch of rollouts)
+    stable = {
+        "sampling_session_id": sampler,
+        "num_samples": 1,
+        "prompt": prompt,
+        "record_stability_info": True,
+    }
+    refused = client.post("/api/v1/asample", json={**stable, "sampling_params": {"max_tokens": 2}})
+    assert refused.status_code == 400 and "stable_reinforce" in refused.text
 
 
 def test_save_state_replaces_a_checkpoint_only_with_overwrite(

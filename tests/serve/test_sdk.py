@@ -62,6 +62,20 @@ def test_the_sdk_gets_prompt_topk_target_and_alternative_token_logprobs(alice_ru
     assert all(v <= 0 for row in scored["alt_logprobs"] for v in row)
 
 
+def test_what_the_server_refuses_the_sdk_reports_at_once(alice_run: dict) -> None:
+    """A 501 (or a 409) is retried by the SDK for 5 minutes; the refused save_weights_external's seq_id held
+    the model's next request 6 minutes more. The refusals name the endpoint or the reason."""
+    assert alice_run["unimplemented"]["seconds"] < 10, alice_run["unimplemented"]
+    assert (
+        "save_weights_external is not implemented by posttrain serve" in alice_run["unimplemented"]["error"]
+    )
+    assert alice_run["ttl"]["seconds"] < 10 and "ttl is not implemented" in alice_run["ttl"]["error"]
+    assert alice_run["after_refusal_seconds"] < 30
+    assert alice_run["restore_point_delete"]["seconds"] < 10
+    assert "is the restore point of model" in alice_run["restore_point_delete"]["error"]
+    assert alice_run["forked_metadata"] == {"renderer_name": "role_colon"}
+
+
 def test_the_sdks_rest_client_reads_runs_and_checkpoints(alice_run: dict, server: Running) -> None:
     run, path = alice_run["run"], alice_run["path"]
     assert path.startswith(f"tinker://{run['id']}/weights/")  # the run is what the path names
@@ -80,7 +94,7 @@ def test_the_sdks_rest_client_reads_runs_and_checkpoints(alice_run: dict, server
         assert deleted.status_code == 404
     with server.client(ALICE) as alice:  # the model's restore point stays until another state is saved
         kept = alice.delete(f"/api/v1/training_runs/{run['id']}/checkpoints/weights/after-six")
-        assert kept.status_code == 409 and "restore point" in kept.text
+        assert kept.status_code == 400 and "restore point" in kept.text  # 409 would be retried by the SDK
         listed = alice.get(f"/api/v1/training_runs/{run['id']}/checkpoints").json()["checkpoints"]
         for hostile in (
             "..%2F..%2Fetc",
