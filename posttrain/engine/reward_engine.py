@@ -2,12 +2,12 @@
 
 The model is the `...ForSequenceClassification` of the policy's family with one label (Qwen2's for a Qwen2
 directory), built from a causal LM's directory (a new `score` head) or restored from a saved reward model. Its
-score is the head's output at each row's last attended token (the attention mask's, read from the head's
-per-position output). Hugging Face's classifier instead takes the rightmost token that is not
-`config.pad_token_id`: a row padded with another id (a config whose pad differs from the tokenizer's) would be
-scored on padding, and its score would depend on what it was batched with. `export_hf` writes the tokenizer's
-pad id into the config, so `from_pretrained` with the tokenizer's padding scores alike (except where a row
-ends with the pad token itself, e.g. pad = eos, which Hugging Face's rule skips over).
+score is the head's output at the sequence's last token, as Hugging Face defines it: the rightmost token that
+is not `config.pad_token_id`. Rows are padded with the tokenizer's pad id, which a config may name otherwise:
+the padding is rewritten to the config's id before the forward, so a short row is never scored on padding
+(its score would depend on what it was batched with). The score is read from the model's own output (under
+FSDP2 the head's parameters are gathered for the backward by hooks on that output). `export_hf` writes the
+tokenizer's pad id into the config, so `from_pretrained` with the tokenizer's padding scores alike.
 
 Batches are right-padded rows (`input_ids`, `attention_mask`, `position_ids`), never packed. Everything but
 construction, the forward pass and export is `TrainEngine`'s: micro-batching, AdamW and its schedule, gradient
@@ -109,14 +109,6 @@ class RewardEngine(TrainEngine):
         self.rank = dist.get_rank()
         model = load_reward_model(config.model_path, DTYPES[config.dtype], config.attn_implementation)
         self.pad_token_id = int(model.config.pad_token_id)
-        head = getattr(model, "score", None)
-        if not isinstance(head, torch.nn.Module):
-            raise ModelError(
-                f"{config.model_path}: {type(model).__name__} has no `score` head (the sequence classifier "
-                "posttrain reads each row's score from)"
-            )
-        self._head_output: torch.Tensor | None = None
-        head.register_forward_hook(self._keep_head_output)
         model.to(self.device)
         same_head_on_every_rank(model)  # a fresh score head is drawn per rank (as the critic's)
         if config.trainable:
@@ -137,28 +129,22 @@ class RewardEngine(TrainEngine):
     def _log_probs(
         self, mb: Batch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B,) scores of right-padded rows: the head at each row's last attended token (float32 at least)."""
+        """(B,) scores of right-padded rows: the head at each row's last token (float32 at least)."""
         ids, mask = mb[keys.INPUT_IDS], mb[keys.ATTENTION_MASK]
         lengths = mask.sum(-1)
         if bool((lengths == 0).any()):
             raise ModelError("a reward model row has no tokens (an empty attention mask)")
         width = int(lengths.max())  # columns past the longest row are padding in every row
-        self._head_output = None
-        self.model(
-            input_ids=ids[:, :width],
-            attention_mask=mask[:, :width],
+        ids, mask = ids[:, :width], mask[:, :width]
+        # the model pools at the last token that is not its config's pad id: padding must be that id
+        ids = ids.masked_fill(mask == 0, self.pad_token_id)
+        scores = self.model(
+            input_ids=ids,
+            attention_mask=mask,
             position_ids=mb[keys.POSITION_IDS][:, :width],
             use_cache=False,
-        )
-        per_position, self._head_output = self._head_output, None
-        assert per_position is not None, "the score head did not run"
-        rows = torch.arange(len(lengths), device=per_position.device)
-        scores = per_position[rows, lengths.to(per_position.device) - 1, 0]
+        ).logits[:, 0]
         return (scores if scores.dtype == torch.float64 else scores.float()), None
-
-    def _keep_head_output(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        """The score head's (B, T, 1) output of the current forward (every position's score)."""
-        self._head_output = output
 
     def compute_scores(self, batch: Batch) -> torch.Tensor:
         """(B,) scores in the batch's row order, without gradients (eval mode)."""
