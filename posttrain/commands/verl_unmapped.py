@@ -10,8 +10,6 @@ from posttrain.commands.verl_map import A, C, D, M, R, T
 
 # keys without a rule: exact key or prefix (ending in ".") -> why there is no posttrain equivalent
 UNMAPPED: dict[str, str] = {
-    f"{R}tensor_model_parallel_size": "vLLM/SGLang tensor parallelism; the built-in engine runs one model copy per worker",
-    f"{R}gpu_memory_utilization": "vLLM's KV-cache share; the built-in engine preallocates rollout.max_batch_size slots",
     f"{R}log_prob_micro_batch_size": "log-prob passes use actor.micro_batch_size / actor.max_token_len_per_worker",
     f"{R}log_prob_micro_batch_size_per_gpu": "log-prob passes use actor.micro_batch_size / actor.max_token_len_per_worker",
     "actor_rollout_ref.ref.": "the reference is the actor's initial weights (LoRA: adapter off), in the actor's workers or on a pool of its own (resources.ref); its batches and offload follow the actor's",
@@ -25,7 +23,8 @@ UNMAPPED: dict[str, str] = {
     f"{R}agent.custom_async_server.": "a vLLM/SGLang server class: the agent loop samples from the built-in engine",
     f"{R}agent.": "a verl agent-loop option with no posttrain equivalent (posttrain's are agent.*, docs/agents.md)",
     f"{R}val_kwargs.": "validation samples untruncated at rollout.val_temperature (greedy by default, as verl's val_kwargs.do_sample=false): no top-p/top-k",
-    f"{R}": "a vLLM/SGLang engine setting; the built-in engine has no equivalent",
+    f"{R}engine_kwargs.": "another engine's arguments (SGLang's): posttrain's vLLM takes rollout.engine_kwargs.vllm",
+    f"{R}": "a vLLM/SGLang engine setting that posttrain does not carry over (vLLM's further arguments: rollout.vllm.engine_kwargs)",
     f"{A}fsdp_config.": "FSDP2 is applied the same way for every model; only model.offload is configurable",
     f"{C}model.fsdp_config.": "the critic's FSDP2 setup follows the actor's (model.offload)",
     f"{C}model.": "the critic shares the actor's model settings (model.*)",

@@ -31,6 +31,7 @@ from posttrain.config.schema_rl import (
     RolloutCorrectionConfig,
     RouterReplayConfig,
     TrainerConfig,
+    VLLMConfig,
 )
 from posttrain.config.schema_sft import (
     DistillConfig,
@@ -88,6 +89,7 @@ __all__ = [
     "RewardConfig",
     "RewardModelConfig",
     "RolloutConfig",
+    "VLLMConfig",
     "RolloutCorrectionConfig",
     "RouterReplayConfig",
     "SFTConfig",

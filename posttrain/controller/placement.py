@@ -240,6 +240,7 @@ def rollout_spec(cfg: RLConfig, threads: int) -> RolloutSpec:
     return RolloutSpec(
         model_path=cfg.model.path,
         name=cfg.rollout.name,
+        vllm=cfg.rollout.vllm,
         dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,
         max_batch_size=cfg.rollout.max_batch_size,

@@ -80,7 +80,9 @@ _UNSUPPORTED_STREAMING: dict[str, Callable[[RLConfig], bool]] = {
     # the pool takes weights only between groups; a group is never split into chunks
     "async_rl.partial_rollout": lambda c: c.async_rl.partial_rollout,
     # groups are queued on the engine's asynchronous request API (continuous batching)
-    "rollout.name=hf (streaming needs rollout.name=native)": lambda c: c.rollout.name != "native",
+    "rollout.name other than native (streaming needs the built-in engine's asynchronous requests)": lambda c: (
+        c.rollout.name != "native"
+    ),
 }
 # ... and with async_rl.partial_rollout
 _UNSUPPORTED_PARTIAL: dict[str, Callable[[RLConfig], bool]] = {

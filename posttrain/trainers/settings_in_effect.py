@@ -102,6 +102,12 @@ def unused_rl_settings(cfg: RLConfig) -> list[Finding]:
             "algorithm.rollout_correction.bypass_mode=true (the rollout's log-probs are the old ones: no pass)",
             fields=("reuse_log_probs_on_policy",),
         )
+    if cfg.rollout.name != "vllm":
+        off(
+            cfg.rollout.vllm,
+            "rollout.vllm",
+            f"rollout.name={cfg.rollout.name} (they configure rollout.name=vllm)",
+        )
     if not (cfg.trainer.val_every or cfg.trainer.val_before_train):
         off(cfg.rollout, "rollout", "no validation (trainer.val_every=0, val_before_train=false)",
             fields=("val_temperature",))  # fmt: skip

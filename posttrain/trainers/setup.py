@@ -228,6 +228,7 @@ def actor_spec(cfg: RLConfig, threads: int) -> ActorRolloutRefSpec:
         with_ref=uses_reference(cfg) and not split_reference(cfg),
         teacher=teacher_engine(cfg),
         rollout_name=cfg.rollout.name,
+        rollout_vllm=cfg.rollout.vllm,
         rollout_max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.trainer.seed,
         threads=threads,

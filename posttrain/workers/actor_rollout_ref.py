@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from posttrain.config.schema_rl import VLLMConfig
 from posttrain.data import keys
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo
@@ -38,6 +39,7 @@ class ActorRolloutRefSpec:
     teacher: EngineConfig | None = None
     rollout_name: str = "native"
     rollout_max_batch_size: int = 256
+    rollout_vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout_name="vllm" only
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave as is
     record_routing: bool = False  # the sampler records each token's experts (routing replay, native engine)
@@ -73,6 +75,7 @@ class ActorRolloutRefWorker:
                 seed=rank_seed(spec.seed, dist_info.rank, "sampler"),
                 attn_implementation=spec.engine.attn_implementation,
                 **({"record_routing": True} if spec.record_routing else {}),
+                **({"vllm": spec.rollout_vllm} if spec.rollout_name == "vllm" else {}),
             )
             if spec.with_rollout
             else None

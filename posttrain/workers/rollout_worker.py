@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain.config.schema_rl import VLLMConfig
 from posttrain.data.batch import Batch
 from posttrain.engine.distributed import DistInfo, resolve_device
 from posttrain.engine.engine_config import DTYPES
@@ -44,6 +45,7 @@ class _Submission:
 class RolloutSpec:
     model_path: str
     name: str = "native"
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # name="vllm" only
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     max_batch_size: int = 256
@@ -74,6 +76,7 @@ class RolloutWorker:
             seed=rank_seed(spec.seed, dist_info.rank, "sampler"),
             attn_implementation=spec.attn_implementation,
             **({"record_routing": True} if spec.record_routing else {}),
+            **({"vllm": spec.vllm} if spec.name == "vllm" else {}),
         )
         if spec.adapted_head:
             untie_rollout_head(self.engine)

