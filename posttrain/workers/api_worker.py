@@ -103,6 +103,11 @@ class ApiWorker:
 
     def __init__(self, spec: ApiWorkerSpec, dist_info: DistInfo | None = None) -> None:
         self.dist_info = dist_info or DistInfo()
+        if spec.rollout_name not in ("native", "hf"):
+            raise ConfigError(
+                f"ApiWorkerSpec(rollout_name={spec.rollout_name!r}): the explicit API's samplers are engines made per "
+                "snapshot and LoRA adapters on a shared base (rollout_name='native'; 'hf' for other architectures)"
+            )
         prepare_worker_process(spec.threads, rank_seed(spec.seed, self.dist_info.rank))
         self.spec = spec
         self.rank = self.dist_info.rank

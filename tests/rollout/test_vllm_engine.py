@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from posttrain.config.schema import VLLMConfig
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, PosttrainError
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, SamplingParams
@@ -74,6 +74,53 @@ def test_greedy_equals_the_built_in_engine(engines, tiny_model_dir: Path) -> Non
         assert a.token_ids == b.token_ids and a.text == b.text and a.stop_reason == b.stop_reason
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-5
     assert {r.stop_reason for r in ours} <= {"stop", "length"}
+
+
+def test_a_partial_update_of_a_fused_layer(engines, tiny_model_dir: Path) -> None:
+    """q_proj alone (a LoRA sync of q and v, say): vLLM's qkv_proj is rebuilt with k and v from the model
+    directory, so the engine samples what the built-in engine does with the same update. A shard given by
+    an earlier update and left out of a later one may not hold the directory's values: the update raises and
+    sampling is refused until a complete update; so is sampling after a reload that failed part way."""
+    fresh, native = engines
+    # before any other test's update (this module's order): vLLM's distributed state is global to the process,
+    # so a second engine made here and freed would take the module's engine down with it
+    assert not fresh.loaded_shards
+    prompts = chat_prompts(tiny_model_dir)
+    sampling = SamplingParams(max_tokens=16, temperature=0.0)
+    original = dict(load_causal_lm(str(tiny_model_dir)).state_dict())
+    generator = torch.Generator().manual_seed(1)
+    q_only = {
+        n: t + 0.2 * torch.randn(t.shape, generator=generator)
+        for n, t in original.items()
+        if "q_proj.weight" in n
+    }
+    try:
+        for _ in range(
+            2
+        ):  # the same partial update again (every LoRA sync): k and v still from the directory
+            assert fresh.load_weights(q_only.items()) == len(q_only) == 4
+        native.load_weights(q_only.items())
+        ours, theirs = fresh.generate(prompts, sampling), native.generate(prompts, sampling)
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-5
+    finally:
+        native.load_weights(original.items())
+    fresh.load_weights(original.items())  # k_proj given: from now on it is not assumed to be the directory's
+    with pytest.raises(
+        ValueError, match="left out model.layers.0.self_attn.k_proj.weight.*given by an earlier"
+    ):
+        fresh.load_weights(q_only.items())
+    with pytest.raises(PosttrainError, match="weights are incomplete"):
+        fresh.generate(prompts, sampling)
+    with pytest.raises(ValueError, match="nope"):
+        fresh.load_weights([("model.nope.weight", torch.zeros(3))])
+    with pytest.raises(PosttrainError, match="failed part way"):
+        fresh.generate(prompts, sampling)
+    fresh.load_weights(original.items())  # a complete update: sampling again, the directory's weights
+    assert [r.token_ids for r in fresh.generate(prompts, sampling)] == [
+        r.token_ids for r in native.generate(prompts, sampling)
+    ]
 
 
 def test_sampled_log_probs_are_the_trainers(engines, tiny_model_dir: Path) -> None:
@@ -134,6 +181,11 @@ def test_new_weights_in_place_and_no_stale_prefix_cache(engines, tiny_model_dir:
         vllm_engine.load_weights(original.items())
         native.load_weights(original.items())
     assert [r.token_ids for r in vllm_engine.generate(prompts, sampling)] == [r.token_ids for r in before]
+
+
+def test_mixture_of_experts_models_are_refused(tiny_moe_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="mixture-of-experts model .*4 experts.*use rollout.name=native"):
+        make_rollout_engine("vllm", str(tiny_moe_dir))
 
 
 def test_samples_repeat_from_the_engines_generator_and_a_requests_seed(engines, tiny_model_dir: Path) -> None:
@@ -203,10 +255,17 @@ def test_settings_refused_loudly(tiny_model_dir: Path, settings: VLLMConfig, mes
         make_rollout_engine("vllm", str(tiny_model_dir), vllm=settings)
 
 
-def test_grpo_trains_with_vllm_sampling(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
-    """`posttrain train rollout.name=vllm`: the trainer's weights reach vLLM after every update (the rollout's
-    log-probs equal the trainer's recomputation of them each step), settings from rollout.vllm; vLLM's
-    start-up leaves the trainer's threads as they were."""
+@pytest.mark.parametrize(
+    "lora",
+    [[], ["model.lora.rank=4"], ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]],
+    ids=["full", "lora", "lora_q_v"],
+)
+def test_grpo_trains_with_vllm_sampling(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, lora: list[str]
+) -> None:
+    """`posttrain train rollout.name=vllm`: the trainer's weights (LoRA: merged into the base) reach vLLM after
+    every update (the rollout's log-probs equal the trainer's recomputation of them each step), settings from
+    rollout.vllm; vLLM's start-up leaves the trainer's threads as they were."""
     torch.set_num_threads(2)
     from posttrain.trainers.rl import RLTrainer
     from tests.trainers.test_rl_e2e import reward_file, rl_config, rows
@@ -223,6 +282,7 @@ def test_grpo_trains_with_vllm_sampling(tiny_model_dir: Path, arithmetic_data: d
         "rollout.vllm.kv_cache_gib=0.5",
         "rollout.vllm.max_model_len=512",
         reward_file(tmp_path),
+        *lora,
     )
     RLTrainer(cfg).fit()
     train_rows = [r for r in rows(run) if "reward/mean" in r]

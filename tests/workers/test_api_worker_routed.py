@@ -133,3 +133,12 @@ def test_a_shared_pass_takes_distinct_adapters_only(worker: ApiWorker) -> None:
     merged = merge_batches([batch, batch])
     with pytest.raises(Exception, match="distinct LoRA adapters"):
         worker.forward_routed(["m0", "m0"], merged, [spec, spec])
+
+
+def test_the_api_samples_with_the_built_in_or_hf_engine_only() -> None:
+    """vLLM is the RL trainer's rollout engine; the explicit API makes sampler engines per snapshot and shares
+    LoRA adapters on one base, which it does not do: refused at once, naming the choices."""
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout_name='vllm'.*rollout_name='native'"):
+        ApiWorker(ApiWorkerSpec(rollout_name="vllm"))
