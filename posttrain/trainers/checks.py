@@ -222,6 +222,11 @@ def check_rl_config(cfg: RLConfig) -> None:
     check_model_dir(cfg.model.path)
     if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{VLLM_INSTALL_HINT}; or rollout.name=native, the built-in engine")
+    if cfg.rollout.name == "vllm" and is_moe(load_config(cfg.model.path)):
+        raise ConfigError(
+            f"rollout.name=vllm with the mixture-of-experts model {cfg.model.path}: vLLM's in-place weight reload "
+            "does not reproduce its updated experts (posttrain/rollout/vllm_engine.py); use rollout.name=native"
+        )
     if is_vision_language(cfg.model.path):
         check_rl_vision_language(cfg)
     check_pixel_bounds(cfg.data, cfg.model.path)

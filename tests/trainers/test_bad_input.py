@@ -193,3 +193,18 @@ def test_vllm_without_the_package_fails_at_start_with_the_install_hint(
     fails_fast(
         cfg, ConfigError, r"rollout.vllm.enforce_eager=False is set, but rollout.name=native \(they configure"
     )
+
+
+def test_vllm_with_a_mixture_of_experts_model_is_refused_at_start(
+    tiny_moe_dir: Path, arithmetic_data: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a)
+    )
+    cfg = config(tiny_moe_dir, arithmetic_data["train"], arithmetic_data["test"], "rollout.name=vllm")
+    fails_fast(
+        cfg, ConfigError, "rollout.name=vllm with the mixture-of-experts model .*use rollout.name=native"
+    )
