@@ -223,6 +223,8 @@ class VLLMRolloutEngine:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )
         self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
+        text_config = self.llm.llm_engine.model_config.hf_config.get_text_config()
+        self.model_context = int(getattr(text_config, "max_position_embeddings", self.max_context))
         self.generator = torch.Generator().manual_seed(seed)  # per-request seeds; checkpointed by the worker
         self.asleep: set[str] = set()  # vLLM memory tags asleep ("weights", "kv_cache")
         # shard name -> the shards of its fused vLLM parameter (q_proj -> q_proj, k_proj, v_proj), from the model
@@ -363,6 +365,11 @@ class VLLMRolloutEngine:
         if request.images:
             return "image prompts: rollout.name=vllm takes text prompts only here (rollout.name=native samples images)"
         if len(request.prompt_ids) + request.sampling.max_tokens > self.max_context:
+            if self.max_context < self.model_context:  # vLLM's limit, set below the model's
+                return (
+                    f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.sampling.max_tokens} exceeds "
+                    f"rollout.vllm.max_model_len={self.max_context}"
+                )
             return context_error(len(request.prompt_ids), request.sampling.max_tokens, self.max_context)
         return None
 

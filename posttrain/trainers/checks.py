@@ -155,6 +155,11 @@ def check_context(cfg: RLConfig, path: str | None = None) -> None:
             f"(max_position_embeddings in {path}/config.json): lower it, or use a model with a longer "
             "context (make-model --preset tiny-32k / small-32k for the built-in ones)"
         )
+    vllm_len = cfg.rollout.vllm.max_model_len
+    if cfg.rollout.name == "vllm" and path == cfg.model.path and 0 < vllm_len < longest:
+        raise ConfigError(
+            f"{keys} = {longest} tokens exceeds rollout.vllm.max_model_len={vllm_len}: raise it"
+        )
 
 
 def check_critic_model(cfg: RLConfig) -> None:
