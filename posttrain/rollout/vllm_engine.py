@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import random
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,6 +85,7 @@ POSTTRAIN_SETS = {
     "enable_sleep_mode": "the platform (on where vLLM has a sleep mode)",
     "tensor_parallel_size": "one engine per worker (1)",
     "distributed_executor_backend": "in-process (uni)",
+    "load_format": "the model directory's weights (a dummy load would sample random weights until the first sync)",
 }
 GIB = 1 << 30
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
@@ -114,6 +117,22 @@ def _check_world() -> None:
                 "placement (resources.pools with the rollout role on a pool of its own: each rollout worker is "
                 "a process of its own), or rollout.name=native"
             )
+
+
+def _reset_layerwise_reload(model: torch.nn.Module) -> None:
+    """After a reload that failed part way: every half-loaded layer gets its kernel tensors back and vLLM's
+    per-layer reload state is cleared, so the next complete update loads from scratch (vLLM would otherwise
+    replay the tensors it buffered, the bad one included). vLLM-private helpers (vllm 0.32's
+    model_loader/reload/layerwise.py), tested in tests/rollout/test_vllm_engine.py."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if info.can_load():
+            for tensor in layerwise.get_layer_tensors(layer).values():
+                tensor.weight_loader = layerwise._get_original_loader(tensor)
+            layerwise._place_kernel_tensors(layer, info)
+            info.reset()
 
 
 def _refuse_mixture_of_experts(model_path: str) -> None:
@@ -166,9 +185,13 @@ class DirectoryTensors:
 def _process_state_kept() -> Iterator[None]:
     """What vLLM's start-up changes in the process it shares with the trainer, put back: its CPU backend sets
     torch to one thread and replaces `torch.set_num_threads` with a no-op (the trainer would run on one core,
-    unable to change it), and it seeds the global RNGs (Python, NumPy, torch) with its own seed."""
+    unable to change it); it seeds the global RNGs (Python, NumPy, torch) with its own seed; it sets environment
+    variables, the multiprocessing start method and sys.excepthook."""
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    environ, excepthook = dict(os.environ), sys.excepthook
+    start_method = multiprocessing.get_start_method(allow_none=True)
     try:
         yield
     finally:
@@ -177,6 +200,17 @@ def _process_state_kept() -> Iterator[None]:
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        # its environment (LD_PRELOAD, LOCAL_WORLD_SIZE, ...) would reach every later subprocess; vLLM's own
+        # VLLM_* settings stay, it reads them while it runs
+        for key in set(os.environ) - set(environ):
+            if not key.startswith("VLLM_"):
+                del os.environ[key]
+        os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+        sys.excepthook = excepthook
+        if multiprocessing.get_start_method(allow_none=True) != start_method:
+            multiprocessing.set_start_method(start_method, force=True)
 
 
 class VLLMRolloutEngine:
@@ -214,6 +248,8 @@ class VLLMRolloutEngine:
             try:
                 self.llm = vllm_package.LLM(**kwargs)
             except TypeError as exc:  # an engine_kwargs name vLLM does not take
+                if not any(name in str(exc) for name in settings.engine_kwargs):
+                    raise
                 raise ConfigError(f"rollout.vllm.engine_kwargs: {exc}") from exc
         self.sampling_params_type = vllm_package.SamplingParams
         self.tokenizer = load_tokenizer(model_path)
@@ -315,8 +351,10 @@ class VLLMRolloutEngine:
 
         try:
             return GenerationConfig.from_pretrained(model_path).eos_token_id
-        except OSError:  # no generation_config.json: the tokenizer's eos alone
-            return None
+        except OSError:  # no generation_config.json: config.json's, as transformers derives it for the model
+            from transformers import AutoConfig
+
+            return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
@@ -348,7 +386,14 @@ class VLLMRolloutEngine:
             params.append(self._vllm_params(request.sampling))
             kept.append(i)
         if prompts:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                try:  # every request is seeded: the process's global RNGs are not vLLM's to move
+                    outputs = self.llm.generate(prompts, params, use_tqdm=False)
+                except BaseException:
+                    # a failed step leaves its requests in vLLM's scheduler, and the next call would wait on them
+                    engine = self.llm.llm_engine
+                    engine.abort_request(list(engine.output_processor.request_states), internal=True)
+                    raise
             for i, output in zip(kept, outputs, strict=True):
                 results[i] = self._result(output, requests[i].sampling)
         return [r for r in results if r is not None]
@@ -360,6 +405,14 @@ class VLLMRolloutEngine:
             return str(exc)
         if not request.prompt_ids:
             return "empty prompt"
+        temperature = request.sampling.temperature
+        if temperature > 2 or 0 < temperature < 0.01:
+            return (
+                f"temperature must be 0 (greedy) or in [0.01, 2] with rollout.name=vllm, got {temperature} (vLLM "
+                "refuses above 2 and samples at 0.01 below it)"
+            )
+        if any(not stop for stop in request.sampling.stop):
+            return "stop strings must be non-empty with rollout.name=vllm"
         if request.adapter is not None:
             return f"adapter {request.adapter!r}: rollout.name=vllm samples the synced weights only (rollout.name=native serves adapters)"
         if request.images:
@@ -397,6 +450,10 @@ class VLLMRolloutEngine:
             seed=seed,
             logprobs=0,  # the sampled token's own
             detokenize=bool(s.stop),  # stop strings are matched on vLLM's text; otherwise the text is ours
+            # ... with special tokens, as the built-in engine matches them (a stop string `<|im_end|>` that is
+            # not an eos), rendered as HF's decode renders them
+            skip_special_tokens=not s.stop,
+            spaces_between_special_tokens=False,
         )
 
     def _result(self, output: Any, sampling: SamplingParams) -> GenerationResult:
@@ -439,15 +496,25 @@ class VLLMRolloutEngine:
                 count += 1
                 yield name, tensor
 
+        # vLLM logs each layer a partial set (a LoRA sync) leaves out, every sync: the shards it needs are completed
+        # above, the rest are meant to stay
+        reload_log = logging.getLogger("vllm.model_executor.model_loader")
+        level = reload_log.level
+        reload_log.setLevel(logging.ERROR)
         try:
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": self._complete_shards(counted(), stale)}
             )
         except Exception as exc:
             self.unusable = f"the last load_weights failed part way ({type(exc).__name__}: {exc})"
+            self.llm.apply_model(_reset_layerwise_reload)
+            self.llm.reset_prefix_cache()
             raise
         finally:
-            self.llm.reset_prefix_cache()
+            reload_log.setLevel(level)
+        if not self.llm.reset_prefix_cache():  # blocks still held would be reused under the new weights
+            self.unusable = "vLLM could not reset its prefix cache after a weight update (blocks still held)"
+            raise PosttrainError(self.unusable)
         self.unusable = None
         if stale:
             self.unusable = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,9 +51,28 @@ def chat_prompts(model_dir: Path, n: int = 6) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path):
     """One vLLM engine for the module (its start-up is ~10 s) beside the built-in engine on the same model."""
+    environ = dict(os.environ)
     vllm_engine = make_rollout_engine("vllm", str(tiny_model_dir), seed=3)
+    ENVIRONMENT_CHANGES.update(
+        k for k in set(os.environ) | set(environ) if os.environ.get(k) != environ.get(k)
+    )
     native = NativeRolloutEngine(str(tiny_model_dir), seed=3)
     return vllm_engine, native
+
+
+ENVIRONMENT_CHANGES: set[str] = set()  # what the engine's start-up changed in os.environ
+
+
+def test_the_process_is_left_as_it_was(engines, tiny_model_dir: Path) -> None:
+    """vLLM's start-up sets LD_PRELOAD, LOCAL_WORLD_SIZE, ... (every later subprocess would inherit them): only
+    its own VLLM_* settings stay; sampling does not move the process's global RNG."""
+    vllm_engine, _ = engines
+    assert ENVIRONMENT_CHANGES and all(k.startswith("VLLM_") for k in ENVIRONMENT_CHANGES), (
+        ENVIRONMENT_CHANGES
+    )
+    state = torch.get_rng_state()
+    vllm_engine.generate(chat_prompts(tiny_model_dir, 2), SamplingParams(max_tokens=8, temperature=1.0))
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def trainer_log_probs(
@@ -117,7 +137,12 @@ def test_a_partial_update_of_a_fused_layer(engines, tiny_model_dir: Path) -> Non
         fresh.load_weights([("model.nope.weight", torch.zeros(3))])
     with pytest.raises(PosttrainError, match="failed part way"):
         fresh.generate(prompts, sampling)
-    fresh.load_weights(original.items())  # a complete update: sampling again, the directory's weights
+    wrong = "model.layers.1.self_attn.o_proj.weight"  # the wrong shape, part way through the layers
+    with pytest.raises(RuntimeError):
+        fresh.load_weights((n, t[:, :64] if n == wrong else t) for n, t in original.items())
+    with pytest.raises(PosttrainError, match="failed part way"):
+        fresh.generate(prompts, sampling)
+    fresh.load_weights(original.items())  # one complete update: sampling again, the directory's weights
     assert [r.token_ids for r in fresh.generate(prompts, sampling)] == [
         r.token_ids for r in native.generate(prompts, sampling)
     ]
@@ -155,12 +180,74 @@ def test_stops_as_the_built_in_engine(engines, tiny_model_dir: Path) -> None:
         assert any(r.stop_reason == "stop" and len(r.token_ids) < 24 for r in ours), sampling
 
 
+def test_a_stop_string_that_is_a_special_tokens_text(engines, tiny_model_dir: Path) -> None:
+    """`<|im_start|>` is not an eos here: as a stop string it ends a response at that token (matched on the text
+    with special tokens, as the built-in engine matches it), in seeded requests that otherwise run past it."""
+    vllm_engine, _ = engines
+    tok = load_tokenizer(tiny_model_dir)
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    assert special not in vllm_engine.eos_ids
+    prompts = chat_prompts(tiny_model_dir, 8)
+    free = [replace(SamplingParams(max_tokens=64, temperature=1.0), seed=s) for s in range(64)]
+    requests = [GenerationRequest(prompts[s % 8], sampling) for s, sampling in enumerate(free)]
+    runs = vllm_engine.generate_requests(requests)
+    with_special = [i for i, r in enumerate(runs) if special in r.token_ids[:-1]]
+    assert with_special, "some responses sample <|im_start|> before their end"
+    stopped = vllm_engine.generate_requests(
+        [
+            GenerationRequest(requests[i].prompt_ids, replace(requests[i].sampling, stop=("<|im_start|>",)))
+            for i in with_special
+        ]
+    )
+    for i, result in zip(with_special, stopped, strict=True):
+        cut = runs[i].token_ids.index(special) + 1
+        assert result.token_ids == runs[i].token_ids[:cut] and result.stop_reason == "stop"
+        assert "<|im_start|>" not in result.text
+
+
+def test_a_failed_engine_step_leaves_no_requests_behind(engines, tiny_model_dir: Path, monkeypatch) -> None:
+    """A step that raises (out of memory, say) fails that call; its requests are aborted, so the next call
+    returns (vLLM would otherwise wait on them forever)."""
+    vllm_engine, _ = engines
+    prompts = chat_prompts(tiny_model_dir)
+    sampling = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = [r.token_ids for r in vllm_engine.generate(prompts, sampling)]
+    runner = vllm_engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    step = runner.execute_model
+    failures = iter([True])
+
+    def flaky(*args, **kwargs):
+        if next(failures, False):
+            raise RuntimeError("a step that failed")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute_model", flaky)
+    with pytest.raises(RuntimeError, match="a step that failed"):
+        vllm_engine.generate(prompts, sampling)
+    assert vllm_engine.llm.llm_engine.get_num_unfinished_requests() == 0
+    assert [r.token_ids for r in vllm_engine.generate(prompts, sampling)] == expected
+
+
+def test_eos_from_config_json_without_a_generation_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "generation_config.json").unlink()
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps(config | {"eos_token_id": [2, 1]}))
+    assert VLLMRolloutEngine._generation_config_eos(str(bare)) == [2, 1]
+
+
 def test_new_weights_in_place_and_no_stale_prefix_cache(engines, tiny_model_dir: Path) -> None:
     """After `load_weights` vLLM samples the new weights, the same prompt included (its cached prefix blocks
     were computed under the old ones): greedy tokens and log-probs equal the built-in engine's on the same
     weights."""
     vllm_engine, native = engines
-    prompts = chat_prompts(tiny_model_dir)
+    prompts = [
+        p * 6 for p in chat_prompts(tiny_model_dir)
+    ]  # longer than a KV block (128 tokens on CPU): cached
+    assert min(len(p) for p in prompts) > 128
     sampling = SamplingParams(max_tokens=16, temperature=0.0)
     before = vllm_engine.generate(prompts, sampling)
     model = load_causal_lm(str(tiny_model_dir))
@@ -230,6 +317,11 @@ def test_bad_requests_name_the_problem_and_the_rest_complete(engines, tiny_model
     assert "top_p must be in (0, 1]" in results[2].error
     assert "rollout.name=vllm samples the synced weights only" in results[3].error
     assert results[4].error is None and results[4].token_ids
+    for temperature in (2.5, 0.005):  # vLLM refuses above 2 and clamps below 0.01: per-request errors here
+        (result,) = vllm_engine.generate_requests(
+            [GenerationRequest(good, SamplingParams(temperature=temperature))]
+        )
+        assert "temperature must be 0 (greedy) or in [0.01, 2] with rollout.name=vllm" in result.error
     with pytest.raises(ConfigError, match="request 0: top_k must be >= 0"):
         vllm_engine.generate([good], SamplingParams(top_k=-1))
 
@@ -329,23 +421,32 @@ def test_agent_episodes_sample_with_vllm(tiny_model_dir: Path, tmp_path: Path) -
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_async_rl_on_a_vllm_rollout_pool(tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path) -> None:
-    """Split placement on Ray: vLLM in a rollout worker process of its own, one step ahead of the trainer
-    (async_rl.staleness=1), its weights published after each update."""
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_async_rl_on_a_vllm_rollout_pool(
+    tiny_model_dir: Path, arithmetic_data: dict, tmp_path: Path, staleness: int
+) -> None:
+    """Split placement on Ray: vLLM in a rollout worker process of its own, its weights published after each
+    update: with staleness 0 every step samples the weights being trained (log-probs equal the trainer's),
+    with 1 the pool runs one step ahead of the trainer."""
     from tests.trainers.test_async_rl import SPLIT
 
     run = tmp_path / "run"
     cfg = rl_config(
-        tiny_model_dir, arithmetic_data, run, *SPLIT, "async_rl.staleness=1", "trainer.total_steps=3",
+        tiny_model_dir, arithmetic_data, run, *SPLIT, f"async_rl.staleness={staleness}", "trainer.total_steps=3",
         "rollout.name=vllm", "rollout.vllm.kv_cache_gib=0.5", reward_file(tmp_path),
     )  # fmt: skip
     RLTrainer(cfg).fit()
-    train = [r for r in rows(run) if "async/staleness" in r]
+    train = [r for r in rows(run) if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert r["actor/grad_norm"] > 0
+    if staleness == 0:  # every step after the first samples weights the pool received from the trainer
+        assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in train)
+        return
     assert max(r["async/staleness"] for r in train) == 1, (
         "later batches were sampled while the trainer trained"
     )
     for r in train:
-        assert r["async/weight_sync_s"] > 0 and r["actor/grad_norm"] > 0
+        assert r["async/weight_sync_s"] > 0
         if r["async/staleness"] == 0:  # sampled with the weights being trained
             assert r["rollout/logprob_diff_max"] < 1e-4
