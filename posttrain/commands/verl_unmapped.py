@@ -23,7 +23,7 @@ UNMAPPED: dict[str, str] = {
     f"{R}agent.custom_async_server.": "a vLLM/SGLang server class: the agent loop samples from the built-in engine",
     f"{R}agent.": "a verl agent-loop option with no posttrain equivalent (posttrain's are agent.*, docs/agents.md)",
     f"{R}val_kwargs.": "validation samples untruncated at rollout.val_temperature (greedy by default, as verl's val_kwargs.do_sample=false): no top-p/top-k",
-    f"{R}engine_kwargs.": "another engine's arguments (SGLang's): posttrain's vLLM takes rollout.engine_kwargs.vllm",
+    f"{R}engine_kwargs.": "another engine's arguments (SGLang's): no SGLang adapter; verl's engine_kwargs.vllm map to rollout.vllm.engine_kwargs",
     f"{R}": "a vLLM/SGLang engine setting that posttrain does not carry over (vLLM's further arguments: rollout.vllm.engine_kwargs)",
     f"{A}fsdp_config.": "FSDP2 is applied the same way for every model; only model.offload is configurable",
     f"{C}model.fsdp_config.": "the critic's FSDP2 setup follows the actor's (model.offload)",

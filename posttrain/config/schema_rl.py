@@ -33,7 +33,9 @@ class VLLMConfig:
     # KV-cache size in GiB; 0 = GPU: from gpu_memory_utilization, CPU: 1 GiB (vLLM's own CPU default takes a
     # large share of RAM, which a colocated trainer needs)
     kv_cache_gib: float = 0.0
-    enforce_eager: bool = True  # no CUDA graphs / torch.compile (verl's default: start-up in seconds)
+    # no CUDA graphs / torch.compile: start-up in seconds (verl's default is false: faster decoding on GPUs
+    # after a longer start)
+    enforce_eager: bool = True
     max_model_len: int = 0  # 0 = the model's context (max_position_embeddings)
     # further vllm.LLM keyword arguments, passed as given (verl: rollout.engine_kwargs.vllm); one that vLLM does
     # not know, or that posttrain sets itself (model, dtype, seed, ...), is a ConfigError

@@ -80,7 +80,7 @@ _UNSUPPORTED_STREAMING: dict[str, Callable[[RLConfig], bool]] = {
     # the pool takes weights only between groups; a group is never split into chunks
     "async_rl.partial_rollout": lambda c: c.async_rl.partial_rollout,
     # groups are queued on the engine's asynchronous request API (continuous batching)
-    "rollout.name other than native (streaming needs the built-in engine's asynchronous requests)": lambda c: (
+    "rollout.name other than native (streaming needs rollout.name=native: the built-in engine's asynchronous requests)": lambda c: (
         c.rollout.name != "native"
     ),
 }

@@ -14,6 +14,7 @@ from posttrain.algorithms.registry import get_advantage_estimator, get_kl_estima
 from posttrain.config.schema import (
     ModelConfig,
     RLConfig,
+    VLLMConfig,
 )
 from posttrain.controller.placement import check_placement
 from posttrain.engine.lora import check_target_modules
@@ -222,16 +223,46 @@ def check_rl_vision_language(cfg: RLConfig) -> None:
             raise ConfigError(f"{why} (model.path={cfg.model.path} is a vision-language model)")
 
 
+def check_vllm_config(cfg: RLConfig) -> None:
+    """rollout.name=vllm: what its engine refuses in each worker, refused here before any worker loads a model
+    (posttrain/rollout/vllm_engine.py says why each is so). vLLM itself is not imported here: it imports Ray,
+    which must not be imported before the local mode's loopback setting (controller/ray_env.py)."""
+    if is_moe(load_config(cfg.model.path)):
+        raise ConfigError(
+            f"rollout.name=vllm with the mixture-of-experts model {cfg.model.path}: vLLM's in-place weight reload "
+            "does not reproduce its updated experts (posttrain/rollout/vllm_engine.py); use rollout.name=native"
+        )
+    if cfg.resources.rollout == "trainer" and cfg.trainer.world_size > 1:
+        raise ConfigError(
+            f"rollout.name=vllm with {cfg.trainer.world_size} colocated training workers: each worker's vLLM would "
+            "take the trainer's torch.distributed world as its own. Use one training worker, the rollout on a pool "
+            "of its own (resources.rollout: each rollout worker is a process of its own), or rollout.name=native"
+        )
+    for key, temperature in (
+        ("rollout.temperature", cfg.rollout.temperature),
+        ("rollout.val_temperature", cfg.rollout.val_temperature),
+    ):
+        if temperature > 2 or 0 < temperature < 0.01:
+            raise ConfigError(f"{key}={temperature}: vLLM samples at 0 (greedy) or in [0.01, 2]")
+    if any(not stop for stop in cfg.rollout.stop):
+        raise ConfigError("rollout.stop: vLLM refuses an empty stop string")
+    if (
+        cfg.trainer.device == "cpu"
+        and cfg.rollout.vllm.gpu_memory_utilization != VLLMConfig().gpu_memory_utilization
+    ):
+        raise ConfigError(
+            f"rollout.vllm.gpu_memory_utilization={cfg.rollout.vllm.gpu_memory_utilization} with trainer.device=cpu: "
+            "not used on CPU; size vLLM's KV cache with rollout.vllm.kv_cache_gib"
+        )
+
+
 def check_rl_config(cfg: RLConfig) -> None:
     """Every check that needs no model weights: names in registries, sizes that divide, files that exist."""
     check_model_dir(cfg.model.path)
     if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{VLLM_INSTALL_HINT}; or rollout.name=native, the built-in engine")
-    if cfg.rollout.name == "vllm" and is_moe(load_config(cfg.model.path)):
-        raise ConfigError(
-            f"rollout.name=vllm with the mixture-of-experts model {cfg.model.path}: vLLM's in-place weight reload "
-            "does not reproduce its updated experts (posttrain/rollout/vllm_engine.py); use rollout.name=native"
-        )
+    if cfg.rollout.name == "vllm":
+        check_vllm_config(cfg)
     if is_vision_language(cfg.model.path):
         check_rl_vision_language(cfg)
     check_pixel_bounds(cfg.data, cfg.model.path)

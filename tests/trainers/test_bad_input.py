@@ -208,3 +208,37 @@ def test_vllm_with_a_mixture_of_experts_model_is_refused_at_start(
     fails_fast(
         cfg, ConfigError, "rollout.name=vllm with the mixture-of-experts model .*use rollout.name=native"
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["trainer.backend=ray", "trainer.n_workers_per_node=2"], "with 2 colocated training workers"),
+        (
+            ["rollout.temperature=2.5"],
+            r"rollout.temperature=2.5: vLLM samples at 0 \(greedy\) or in \[0.01, 2\]",
+        ),
+        (["rollout.val_temperature=0.001"], "rollout.val_temperature=0.001: vLLM samples"),
+        (
+            ["trainer.device=cpu", "rollout.vllm.gpu_memory_utilization=0.6"],
+            "not used on CPU; size vLLM's KV cache",
+        ),
+    ],
+)
+def test_vllm_settings_its_engine_refuses_fail_at_start(
+    tiny_model_dir: Path,
+    arithmetic_data: dict,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: list[str],
+    message: str,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a)
+    )
+    cfg = config(
+        tiny_model_dir, arithmetic_data["train"], arithmetic_data["test"], "rollout.name=vllm", *extra
+    )
+    fails_fast(cfg, ConfigError, message)
