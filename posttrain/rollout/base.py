@@ -107,6 +107,15 @@ class RolloutEngine(Protocol):
         ...
 
 
+def results_or_raise(results: list[GenerationResult]) -> list[GenerationResult]:
+    """`results` of a `generate` call, or the first invalid request's error, naming it: a ConfigError for a
+    setting out of range (its message says what it "must be"), else a ValueError."""
+    for i, result in enumerate(results):
+        if result.error is not None:
+            raise (ConfigError if "must be" in result.error else ValueError)(f"request {i}: {result.error}")
+    return results
+
+
 def eos_token_ids(generation_eos: int | Sequence[int] | None, tokenizer_eos: int | None) -> list[int]:
     """The tokens that end a response: the model's generation_config eos (one id or several) and the
     tokenizer's eos, together (a chat model's config may name <|endoftext|> and its tokenizer <|im_end|>)."""

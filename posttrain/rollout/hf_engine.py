@@ -23,6 +23,7 @@ from posttrain.rollout.base import (
     SamplingParams,
     context_error,
     eos_token_ids,
+    results_or_raise,
     stop_string_prefix,
     stopped_text,
     text_before_stop,
@@ -58,13 +59,9 @@ class HFRolloutEngine:
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
-        results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
-        for i, result in enumerate(results):
-            if result.error is not None:
-                raise (ConfigError if "must be" in result.error else ValueError)(
-                    f"request {i}: {result.error}"
-                )
-        return results
+        return results_or_raise(
+            self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
+        )
 
     def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(requests)

@@ -46,6 +46,7 @@ from posttrain.rollout.base import (
     SamplingParams,
     context_error,
     eos_token_ids,
+    results_or_raise,
     stopped_text,
 )
 from posttrain.rollout.decoder import SUPPORTED, DecoderRunner, supports
@@ -136,12 +137,9 @@ class NativeRolloutEngine:
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
         """One response per prompt; raises (naming the request) if any request was invalid."""
-        results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
-        for i, result in enumerate(results):
-            if result.error is not None:
-                error_type = ConfigError if "must be" in result.error else ValueError
-                raise error_type(f"request {i}: {result.error}")
-        return results
+        return results_or_raise(
+            self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
+        )
 
     def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Results in request order; an invalid request gets an error result, the others complete.

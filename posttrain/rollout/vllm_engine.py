@@ -64,6 +64,7 @@ from posttrain.rollout.base import (
     SamplingParams,
     context_error,
     eos_token_ids,
+    results_or_raise,
     stopped_text,
 )
 
@@ -359,13 +360,9 @@ class VLLMRolloutEngine:
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
         """One response per prompt; raises (naming the request) if any request was invalid."""
-        results = self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
-        for i, result in enumerate(results):
-            if result.error is not None:
-                raise (ConfigError if "must be" in result.error else ValueError)(
-                    f"request {i}: {result.error}"
-                )
-        return results
+        return results_or_raise(
+            self.generate_requests([GenerationRequest(list(p), sampling) for p in prompts])
+        )
 
     def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Results in request order, the valid requests in one vLLM call (its continuous batching); an invalid

@@ -24,6 +24,7 @@ from posttrain.rollout import make_rollout_engine
 from posttrain.rollout.base import GenerationRequest, SamplingParams
 from posttrain.rollout.native import NativeRolloutEngine
 from posttrain.trainers.rl import RLTrainer
+from tests.rollout.test_native import prompts as chat_prompts
 from tests.trainers.test_rl_e2e import reward_file, rl_config, rows
 
 pytestmark = pytest.mark.vllm
@@ -31,21 +32,6 @@ pytestmark = pytest.mark.vllm
 # import (controller/ray_env.py), so the Ray test below starts a loopback-only Ray in this process
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 vllm = pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (bash scripts/vllm_env.sh)")
-
-
-def chat_prompts(model_dir: Path, n: int = 6) -> list[list[int]]:
-    tok = load_tokenizer(model_dir)
-    texts = [f"What is {i * 7}+{i * 13 + 5}?" for i in range(n)]
-    return [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )
-        + [40 + i] * (i % 3)  # ragged lengths
-        for i, t in enumerate(texts)
-    ]
 
 
 @pytest.fixture(scope="module")
