@@ -25,20 +25,7 @@ from transformers import PretrainedConfig
 
 from posttrain.engine.sequence_parallel import SequenceParallel, local_positions, sum_over_group
 from posttrain.errors import ConfigError
-from posttrain.models.routing import router_classes
-
-
-def num_experts(config: PretrainedConfig) -> int:
-    """Routed experts per sparse layer (0 for a dense model); the name differs between families."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
-
-
-def is_moe(config: PretrainedConfig) -> bool:
-    return num_experts(config) > 0 and int(getattr(config, "num_experts_per_tok", 0) or 0) > 0
+from posttrain.models.routing import is_moe, num_experts, router_classes
 
 
 def resolve_aux_loss_coef(config: PretrainedConfig, coef: float | None) -> float:

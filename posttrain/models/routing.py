@@ -28,11 +28,24 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from posttrain.errors import ConfigError
 
 ROUTE_DTYPE = torch.int16  # expert indices as recorded and carried in the Batch (-1: not recorded)
+
+
+def num_experts(config: PretrainedConfig) -> int:
+    """Routed experts per sparse layer (0 for a dense model); the name differs between families."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    return num_experts(config) > 0 and int(getattr(config, "num_experts_per_tok", 0) or 0) > 0
 
 
 def router_classes(model: nn.Module) -> tuple[type, ...]:

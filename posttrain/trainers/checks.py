@@ -18,11 +18,12 @@ from posttrain.config.schema import (
 )
 from posttrain.controller.placement import check_placement
 from posttrain.engine.lora import check_target_modules
-from posttrain.engine.moe import is_moe, resolve_aux_loss_coef
+from posttrain.engine.moe import resolve_aux_loss_coef
 from posttrain.engine.sequence_parallel import check_sequence_parallel
 from posttrain.engine.shared_prompt import check_share_prompt
 from posttrain.errors import ConfigError, DataError
 from posttrain.models import check_model_dir, empty_model, is_vision_language, load_config, load_text_config
+from posttrain.models.routing import is_moe
 from posttrain.models.shared_tokenizer import check_same_tokenizer
 from posttrain.rewards.user import load_reward_function
 from posttrain.rollout import ROLLOUT_ENGINES, VLLM_INSTALL_HINT

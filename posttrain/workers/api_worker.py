@@ -28,13 +28,13 @@ from posttrain.data.batch import Batch
 from posttrain.engine.adapter_model import AdapterModel
 from posttrain.engine.distributed import DistInfo
 from posttrain.engine.engine_config import EngineConfig
-from posttrain.engine.moe import is_moe
 from posttrain.engine.multi_lora import AdapterSpec
 from posttrain.engine.shared_prompt import MASKED_ATTENTION
 from posttrain.engine.train_engine import TrainEngine
 from posttrain.errors import ConfigError
 from posttrain.models import is_vision_language, load_config
 from posttrain.models.attention import sliding_window
+from posttrain.models.routing import is_moe
 from posttrain.models.vl import VISION_TOWER_MODES
 from posttrain.rollout.base import SamplingParams
 from posttrain.workers.api_samplers import ADAPTER_DIR, ApiSamplers, SamplerSettings
